@@ -1,0 +1,403 @@
+//! Settings, with the defaults of DESIGN.md, and the per-endpoint overrides the attribute emits.
+
+use std::time::Duration;
+
+use ipnet::IpNet;
+
+use crate::scope::Anonymous;
+
+/// Status for a key reused with a different request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReuseStatus {
+    /// 422 Unprocessable Content (the IETF draft's choice; default).
+    #[default]
+    UnprocessableContent,
+    /// 409 Conflict.
+    Conflict,
+}
+
+impl ReuseStatus {
+    /// The HTTP status code.
+    pub fn code(self) -> u16 {
+        match self {
+            Self::UnprocessableContent => 422,
+            Self::Conflict => 409,
+        }
+    }
+}
+
+/// Status for a missing key on a `require_key` endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MissingKeyStatus {
+    /// 400 Bad Request (the IETF draft's choice; default).
+    #[default]
+    BadRequest,
+    /// 428 Precondition Required.
+    PreconditionRequired,
+}
+
+impl MissingKeyStatus {
+    /// The HTTP status code.
+    pub fn code(self) -> u16 {
+        match self {
+            Self::BadRequest => 400,
+            Self::PreconditionRequired => 428,
+        }
+    }
+}
+
+/// What happens when the store cannot be reached while claiming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailureMode {
+    /// Refuse with 503 `IDEMPOTENCY_STORE_UNAVAILABLE` (default): nothing runs unprotected.
+    #[default]
+    Closed,
+    /// Run the handler unprotected and record nothing. Duplicates may run twice while the store
+    /// is down; choose this only where availability matters more than exactly-once.
+    Open,
+}
+
+/// Runtime settings. Build with [`Config::builder`].
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotent_runtime::config::{Config, ReuseStatus};
+///
+/// let config = Config::builder()
+///     .lease(Duration::from_secs(30))
+///     .reuse_status(ReuseStatus::Conflict)
+///     .build();
+/// assert_eq!(config.lease(), Duration::from_secs(30));
+/// assert_eq!(config.retention(), Duration::from_secs(24 * 3600));
+/// ```
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub(crate) lease: Duration,
+    pub(crate) retention: Duration,
+    pub(crate) in_progress_retry_after: Duration,
+    pub(crate) store_retry_after: Duration,
+    pub(crate) max_body: usize,
+    pub(crate) max_response: usize,
+    pub(crate) body_timeout: Duration,
+    pub(crate) non_replayable: Vec<u16>,
+    pub(crate) recorded_headers: Vec<String>,
+    pub(crate) reuse_status: ReuseStatus,
+    pub(crate) missing_key_status: MissingKeyStatus,
+    pub(crate) failure_mode: FailureMode,
+    pub(crate) anonymous: Anonymous,
+    pub(crate) trusted_proxies: Vec<IpNet>,
+    pub(crate) shutdown_grace: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(24 * 3600),
+            in_progress_retry_after: Duration::from_secs(1),
+            store_retry_after: Duration::from_secs(1),
+            max_body: 1 << 20,
+            max_response: 1 << 20,
+            body_timeout: Duration::from_secs(30),
+            non_replayable: vec![401, 403, 408, 412, 429],
+            recorded_headers: [
+                "content-type",
+                "location",
+                "content-location",
+                "etag",
+                "last-modified",
+            ]
+            .map(String::from)
+            .to_vec(),
+            reuse_status: ReuseStatus::default(),
+            missing_key_status: MissingKeyStatus::default(),
+            failure_mode: FailureMode::default(),
+            anonymous: Anonymous::default(),
+            trusted_proxies: Vec::new(),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Headers that are never recorded, whatever the allowlist says: they belong to one response
+/// or one connection.
+const NEVER_RECORDED: [&str; 5] = [
+    "set-cookie",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "trailer",
+];
+
+impl Config {
+    /// A builder starting from the defaults.
+    pub fn builder() -> ConfigBuilder {
+        ConfigBuilder(Self::default())
+    }
+
+    /// How long a claim blocks its key without renewal.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+    /// How long a completed response is replayed.
+    pub fn retention(&self) -> Duration {
+        self.retention
+    }
+    /// `Retry-After` on 409 in progress (capped by the lease left).
+    pub fn in_progress_retry_after(&self) -> Duration {
+        self.in_progress_retry_after
+    }
+    /// `Retry-After` on 503.
+    pub fn store_retry_after(&self) -> Duration {
+        self.store_retry_after
+    }
+    /// Request body cap in bytes.
+    pub fn max_body(&self) -> usize {
+        self.max_body
+    }
+    /// Recorded response cap in bytes.
+    pub fn max_response(&self) -> usize {
+        self.max_response
+    }
+    /// How long the request body may take to arrive.
+    pub fn body_timeout(&self) -> Duration {
+        self.body_timeout
+    }
+    /// Status for a reused key.
+    pub fn reuse_status(&self) -> ReuseStatus {
+        self.reuse_status
+    }
+    /// Status for a missing required key.
+    pub fn missing_key_status(&self) -> MissingKeyStatus {
+        self.missing_key_status
+    }
+    /// Fail closed or open.
+    pub fn failure_mode(&self) -> FailureMode {
+        self.failure_mode
+    }
+    /// Policy for callers without subject or client id.
+    pub fn anonymous(&self) -> Anonymous {
+        self.anonymous
+    }
+    /// Proxies whose `X-Forwarded-For` is believed.
+    pub fn trusted_proxies(&self) -> &[IpNet] {
+        &self.trusted_proxies
+    }
+    /// How long shutdown waits for claimed handlers.
+    pub fn shutdown_grace(&self) -> Duration {
+        self.shutdown_grace
+    }
+
+    /// Whether a response with this final status may be recorded and replayed.
+    pub fn is_recordable_status(&self, status: u16) -> bool {
+        (200..500).contains(&status) && !self.non_replayable.contains(&status)
+    }
+
+    /// Whether a response header (lowercase name) is kept in the record.
+    pub fn records_header(&self, lowercase_name: &str) -> bool {
+        !NEVER_RECORDED.contains(&lowercase_name)
+            && self.recorded_headers.iter().any(|h| h == lowercase_name)
+    }
+}
+
+/// Builds a [`Config`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct ConfigBuilder(Config);
+
+impl ConfigBuilder {
+    /// In-progress lease (default 60 s), renewed every third while the handler runs.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.0.lease = lease.max(Duration::from_millis(3));
+        self
+    }
+    /// Replay window after completion (default 24 h).
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.0.retention = retention;
+        self
+    }
+    /// `Retry-After` on 409 in progress (default 1 s).
+    pub fn in_progress_retry_after(mut self, d: Duration) -> Self {
+        self.0.in_progress_retry_after = d;
+        self
+    }
+    /// `Retry-After` on 503 (default 1 s).
+    pub fn store_retry_after(mut self, d: Duration) -> Self {
+        self.0.store_retry_after = d;
+        self
+    }
+    /// Request body cap (default 1 MiB).
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.0.max_body = bytes;
+        self
+    }
+    /// Recorded response cap (default 1 MiB).
+    pub fn max_response(mut self, bytes: usize) -> Self {
+        self.0.max_response = bytes;
+        self
+    }
+    /// Request body read timeout (default 30 s).
+    pub fn body_timeout(mut self, d: Duration) -> Self {
+        self.0.body_timeout = d;
+        self
+    }
+    /// Statuses never recorded though below 500 (default 401, 403, 408, 412, 429).
+    pub fn non_replayable(mut self, statuses: impl IntoIterator<Item = u16>) -> Self {
+        self.0.non_replayable = statuses.into_iter().collect();
+        self
+    }
+    /// Response headers kept in the record (default `content-type`, `location`,
+    /// `content-location`, `etag`, `last-modified`). `set-cookie`, `content-length`,
+    /// `transfer-encoding`, `connection` and `trailer` are never kept.
+    pub fn recorded_headers<I, S>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        self.0.recorded_headers = names
+            .into_iter()
+            .map(|n| n.as_ref().to_ascii_lowercase())
+            .collect();
+        self
+    }
+    /// 422 (default) or 409 for a reused key.
+    pub fn reuse_status(mut self, status: ReuseStatus) -> Self {
+        self.0.reuse_status = status;
+        self
+    }
+    /// 400 (default) or 428 for a missing required key.
+    pub fn missing_key_status(mut self, status: MissingKeyStatus) -> Self {
+        self.0.missing_key_status = status;
+        self
+    }
+    /// Fail closed (default) or open when the store is unreachable.
+    pub fn failure_mode(mut self, mode: FailureMode) -> Self {
+        self.0.failure_mode = mode;
+        self
+    }
+    /// Scope anonymous callers by peer IP (default) or refuse them.
+    pub fn anonymous(mut self, policy: Anonymous) -> Self {
+        self.0.anonymous = policy;
+        self
+    }
+    /// Proxies whose `X-Forwarded-For` is believed (default none).
+    pub fn trusted_proxies(mut self, nets: impl IntoIterator<Item = IpNet>) -> Self {
+        self.0.trusted_proxies = nets.into_iter().collect();
+        self
+    }
+    /// How long shutdown waits for claimed handlers (default 30 s).
+    pub fn shutdown_grace(mut self, d: Duration) -> Self {
+        self.0.shutdown_grace = d;
+        self
+    }
+    /// The finished configuration.
+    pub fn build(self) -> Config {
+        self.0
+    }
+}
+
+/// Per-endpoint settings, as written in `#[idempotent(...)]`; `None` falls back to [`Config`].
+///
+/// The attribute emits this as a constant, so overrides cost nothing per request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EndpointConfig {
+    /// Refuse requests without a key.
+    pub require_key: bool,
+    /// Lease override.
+    pub lease: Option<Duration>,
+    /// Retention override.
+    pub retention: Option<Duration>,
+    /// Request body cap override.
+    pub max_body: Option<usize>,
+    /// Recorded response cap override.
+    pub max_response: Option<usize>,
+}
+
+impl EndpointConfig {
+    /// An endpoint where the key is optional.
+    pub const OPTIONAL: Self = Self {
+        require_key: false,
+        lease: None,
+        retention: None,
+        max_body: None,
+        max_response: None,
+    };
+    /// An endpoint that requires a key.
+    pub const REQUIRED: Self = Self {
+        require_key: true,
+        ..Self::OPTIONAL
+    };
+
+    /// The settings in force for this endpoint.
+    pub fn resolve(&self, config: &Config) -> Effective {
+        Effective {
+            require_key: self.require_key,
+            lease: self.lease.unwrap_or(config.lease),
+            retention: self.retention.unwrap_or(config.retention),
+            max_body: self.max_body.unwrap_or(config.max_body),
+            max_response: self.max_response.unwrap_or(config.max_response),
+        }
+    }
+}
+
+/// Endpoint settings merged with the runtime's [`Config`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Effective {
+    /// Refuse requests without a key.
+    pub require_key: bool,
+    /// Lease.
+    pub lease: Duration,
+    /// Retention.
+    pub retention: Duration,
+    /// Request body cap.
+    pub max_body: usize,
+    /// Recorded response cap.
+    pub max_response: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_follow_the_design() {
+        let c = Config::default();
+        assert_eq!(c.lease(), Duration::from_secs(60));
+        assert_eq!(c.retention(), Duration::from_secs(86_400));
+        assert_eq!(c.in_progress_retry_after(), Duration::from_secs(1));
+        assert_eq!(c.store_retry_after(), Duration::from_secs(1));
+        assert_eq!((c.max_body(), c.max_response()), (1 << 20, 1 << 20));
+        assert_eq!(c.reuse_status().code(), 422);
+        assert_eq!(c.missing_key_status().code(), 400);
+        assert_eq!(c.failure_mode(), FailureMode::Closed);
+        for s in [200, 201, 302, 400, 404, 409, 422, 499] {
+            assert!(c.is_recordable_status(s), "{s}");
+        }
+        for s in [100, 101, 401, 403, 408, 412, 429, 500, 503] {
+            assert!(!c.is_recordable_status(s), "{s}");
+        }
+    }
+
+    #[test]
+    fn never_recorded_headers_cannot_be_allowlisted() {
+        let c = Config::builder()
+            .recorded_headers(["Set-Cookie", "X-Request-Id", "content-length"])
+            .build();
+        assert!(!c.records_header("set-cookie"));
+        assert!(!c.records_header("content-length"));
+        assert!(c.records_header("x-request-id"));
+        assert!(!c.records_header("content-type"));
+    }
+
+    #[test]
+    fn endpoint_overrides_win() {
+        let e = EndpointConfig {
+            lease: Some(Duration::from_secs(5)),
+            ..EndpointConfig::REQUIRED
+        };
+        let eff = e.resolve(&Config::default());
+        assert!(eff.require_key);
+        assert_eq!(eff.lease, Duration::from_secs(5));
+        assert_eq!(eff.retention, Duration::from_secs(86_400));
+    }
+}

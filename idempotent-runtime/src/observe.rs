@@ -1,0 +1,158 @@
+//! Observability (DESIGN.md §7): `tracing` events for each decision, `metrics` counters (feature
+//! `metrics`), and an audit sink. Keys are never logged; their hash may be.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+use crate::scope::ScopeHash;
+
+/// Each decision the runtime counts. The `metrics` counter is `idempotent_<name>_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Event {
+    /// A claimed handler ran.
+    Executed,
+    /// A recorded response was replayed.
+    Replayed,
+    /// A duplicate arrived while the first was running (409).
+    InProgress,
+    /// A key was reused with a different request (422/409).
+    KeyReused,
+    /// A required key was missing.
+    KeyMissing,
+    /// A key was malformed.
+    KeyInvalid,
+    /// A request body exceeded its cap.
+    PayloadTooLarge,
+    /// A request body arrived too slowly.
+    BodyTimeout,
+    /// No identity could be established.
+    ScopeUnresolved,
+    /// The store failed.
+    StoreError,
+    /// The store, or a scope's share of it, was full.
+    StoreFull,
+    /// A response was sent but not recorded (5xx, non-replayable, too large, completion failed).
+    NotRecorded,
+    /// An abandoned reservation was taken over: its handler may run a second time.
+    Reclaimed,
+    /// A running handler's lease could not be kept: a duplicate may run concurrently.
+    LeaseLost,
+}
+
+impl Event {
+    /// The counter's short name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Executed => "executed",
+            Self::Replayed => "replayed",
+            Self::InProgress => "in_progress",
+            Self::KeyReused => "key_reused",
+            Self::KeyMissing => "key_missing",
+            Self::KeyInvalid => "key_invalid",
+            Self::PayloadTooLarge => "payload_too_large",
+            Self::BodyTimeout => "body_timeout",
+            Self::ScopeUnresolved => "scope_unresolved",
+            Self::StoreError => "store_error",
+            Self::StoreFull => "store_full",
+            Self::NotRecorded => "not_recorded",
+            Self::Reclaimed => "reclaimed",
+            Self::LeaseLost => "lease_lost",
+        }
+    }
+
+    #[cfg(feature = "metrics")]
+    fn counter(self) -> &'static str {
+        match self {
+            Self::Executed => "idempotent_executed_total",
+            Self::Replayed => "idempotent_replayed_total",
+            Self::InProgress => "idempotent_in_progress_total",
+            Self::KeyReused => "idempotent_key_reused_total",
+            Self::KeyMissing => "idempotent_key_missing_total",
+            Self::KeyInvalid => "idempotent_key_invalid_total",
+            Self::PayloadTooLarge => "idempotent_payload_too_large_total",
+            Self::BodyTimeout => "idempotent_body_timeout_total",
+            Self::ScopeUnresolved => "idempotent_scope_unresolved_total",
+            Self::StoreError => "idempotent_store_error_total",
+            Self::StoreFull => "idempotent_store_full_total",
+            Self::NotRecorded => "idempotent_not_recorded_total",
+            Self::Reclaimed => "idempotent_reclaimed_total",
+            Self::LeaseLost => "idempotent_lease_lost_total",
+        }
+    }
+}
+
+/// Counts one event (a `metrics` counter with the route as label, when the feature is on).
+#[inline]
+pub fn count(event: Event, route: &str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(event.counter(), "route" => route.to_owned()).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (event, route);
+}
+
+/// A decision reported to the [`AuditSink`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuditDecision {
+    /// A recorded response was replayed.
+    Replayed,
+    /// A duplicate was refused while the first ran.
+    InProgress,
+    /// A key was reused with a different request.
+    KeyReused,
+}
+
+/// What the audit sink receives: hashes, the route and the decision; never the key or a body.
+#[derive(Debug, Clone, Copy)]
+pub struct AuditEvent<'a> {
+    /// The decision.
+    pub decision: AuditDecision,
+    /// The caller's scope hash.
+    pub scope_hash: &'a ScopeHash,
+    /// SHA-256 of the key.
+    pub key_hash: [u8; 32],
+    /// The matched route pattern.
+    pub route: &'a str,
+}
+
+/// Receives replayed, in-progress and key-reused decisions, e.g. to keep an audit trail of
+/// refused duplicates. Called inline on the request path: keep it cheap, hand off I/O.
+pub trait AuditSink: Send + Sync + 'static {
+    /// Records one decision.
+    fn record(&self, event: &AuditEvent<'_>);
+}
+
+/// The default sink: discards everything.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DiscardAudit;
+
+impl AuditSink for DiscardAudit {
+    fn record(&self, _: &AuditEvent<'_>) {}
+}
+
+/// SHA-256 of a key, the only form in which a key leaves the runtime.
+pub fn key_hash(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// The first eight bytes of a hash in hex, for log lines.
+pub struct ShortHash<'a>(pub &'a [u8; 32]);
+
+impl fmt::Display for ShortHash<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A key's short hash for log lines, computed only if the line is actually written.
+pub struct KeyDisplay<'a>(pub &'a str);
+
+impl fmt::Display for KeyDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        ShortHash(&key_hash(self.0)).fmt(f)
+    }
+}

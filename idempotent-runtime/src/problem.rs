@@ -1,0 +1,158 @@
+//! RFC 9457 `application/problem+json` refusals with the stable `code`s of DESIGN.md §2.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use bytes::Bytes;
+
+/// The media type of every refusal.
+pub const CONTENT_TYPE: &str = "application/problem+json";
+
+/// The stable machine-readable reason of a refusal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ProblemCode {
+    /// The first request with this key is still running.
+    InProgress,
+    /// The key was used before with a different request.
+    KeyReused,
+    /// The endpoint requires a key and none was sent.
+    KeyRequired,
+    /// The key is malformed, empty, too long, or sent twice.
+    KeyInvalid,
+    /// The request body is larger than `max_body`.
+    PayloadTooLarge,
+    /// The request body arrived slower than `body_timeout`.
+    BodyTimeout,
+    /// No identity could be established for the caller.
+    ScopeUnresolved,
+    /// The store could not be reached.
+    StoreUnavailable,
+    /// The store, or the caller's share of it, is full.
+    StoreFull,
+    /// The handler panicked; the key was released.
+    HandlerPanicked,
+}
+
+impl ProblemCode {
+    /// The stable `code` member.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InProgress => "IDEMPOTENCY_IN_PROGRESS",
+            Self::KeyReused => "IDEMPOTENCY_KEY_REUSED",
+            Self::KeyRequired => "IDEMPOTENCY_KEY_REQUIRED",
+            Self::KeyInvalid => "IDEMPOTENCY_KEY_INVALID",
+            Self::PayloadTooLarge => "IDEMPOTENCY_PAYLOAD_TOO_LARGE",
+            Self::BodyTimeout => "IDEMPOTENCY_BODY_TIMEOUT",
+            Self::ScopeUnresolved => "IDEMPOTENCY_SCOPE_UNRESOLVED",
+            Self::StoreUnavailable => "IDEMPOTENCY_STORE_UNAVAILABLE",
+            Self::StoreFull => "IDEMPOTENCY_STORE_FULL",
+            Self::HandlerPanicked => "IDEMPOTENCY_HANDLER_PANICKED",
+        }
+    }
+
+    fn title(self) -> &'static str {
+        match self {
+            Self::InProgress => "A request with this Idempotency-Key is in progress",
+            Self::KeyReused => "Idempotency-Key reused with a different request",
+            Self::KeyRequired => "Idempotency-Key required",
+            Self::KeyInvalid => "Invalid Idempotency-Key",
+            Self::PayloadTooLarge => "Request body too large",
+            Self::BodyTimeout => "Request body timed out",
+            Self::ScopeUnresolved => "Caller identity could not be established",
+            Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::StoreFull => "Idempotency store full",
+            Self::HandlerPanicked => "The request failed",
+        }
+    }
+
+    fn slug(self) -> &'static str {
+        match self {
+            Self::InProgress => "in-progress",
+            Self::KeyReused => "key-reused",
+            Self::KeyRequired => "key-required",
+            Self::KeyInvalid => "key-invalid",
+            Self::PayloadTooLarge => "payload-too-large",
+            Self::BodyTimeout => "body-timeout",
+            Self::ScopeUnresolved => "scope-unresolved",
+            Self::StoreUnavailable => "store-unavailable",
+            Self::StoreFull => "store-full",
+            Self::HandlerPanicked => "handler-panicked",
+        }
+    }
+}
+
+impl fmt::Display for ProblemCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A refusal, rendered as `application/problem+json`.
+///
+/// ```
+/// use idempotent_runtime::problem::{Problem, ProblemCode};
+///
+/// let p = Problem::new(409, ProblemCode::InProgress, "retry later").with_retry_after(1);
+/// let json: serde_json::Value = serde_json::from_slice(&p.body()).unwrap();
+/// assert_eq!(json["code"], "IDEMPOTENCY_IN_PROGRESS");
+/// assert_eq!(json["status"], 409);
+/// assert_eq!(p.retry_after(), Some(1));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    status: u16,
+    code: ProblemCode,
+    detail: Cow<'static, str>,
+    retry_after: Option<u64>,
+}
+
+impl Problem {
+    /// A refusal with `status`, `code` and a human-readable `detail`.
+    pub fn new(status: u16, code: ProblemCode, detail: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            status,
+            code,
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    /// Adds a `Retry-After` in whole seconds.
+    pub fn with_retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+
+    /// The stable code.
+    pub fn code(&self) -> ProblemCode {
+        self.code
+    }
+
+    /// The `detail` member.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// `Retry-After`, in whole seconds, when the client should retry.
+    pub fn retry_after(&self) -> Option<u64> {
+        self.retry_after
+    }
+
+    /// The JSON document.
+    pub fn body(&self) -> Bytes {
+        let doc = serde_json::json!({
+            "type": format!("https://docs.rs/idempotent-runtime/latest/idempotent_runtime/problem/enum.ProblemCode.html#{}", self.code.slug()),
+            "title": self.code.title(),
+            "status": self.status,
+            "detail": self.detail,
+            "code": self.code.as_str(),
+        });
+        Bytes::from(serde_json::to_vec(&doc).expect("a JSON value always serializes"))
+    }
+}

@@ -1,0 +1,263 @@
+//! The record's life (DESIGN.md §3) as plain functions over a [`Store`]: what a standing record
+//! means for a new request, the claim loop that reclaims abandoned and expired records, and what
+//! part of a response is kept.
+//!
+//! The conditional write in the store decides every race; these functions only interpret what
+//! the store reports, so every backend behaves the same.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::config::Config;
+use crate::fingerprint::Fingerprint;
+use crate::store::{
+    Claim, ClaimRequest, RecordedResponse, Standing, StandingState, Store, StoreError,
+};
+
+/// What a standing record means for a request with fingerprint `fp`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Take the record over (it expired, or its holder's lease lapsed with the same request).
+    Reclaim {
+        /// `true` when the previous holder may still have run: an abandoned reservation.
+        abandoned: bool,
+    },
+    /// Replay the recorded response.
+    Replay(Arc<RecordedResponse>),
+    /// The first request is still running.
+    InProgress {
+        /// What is left of its lease.
+        lease_left: Duration,
+    },
+    /// Same key, different request.
+    KeyReused,
+}
+
+/// Decides from a standing record. A different fingerprint wins over every state except
+/// expiry (an expired record is gone: the key runs again, whatever the request).
+///
+/// `same_request` compares the stored fingerprint with the current request, using the stored
+/// fingerprint's own encoding version.
+pub fn decide(standing: &Standing, same_request: impl FnOnce(&Fingerprint) -> bool) -> Decision {
+    if standing.state == StandingState::Expired {
+        return Decision::Reclaim { abandoned: false };
+    }
+    if !same_request(&standing.fingerprint) {
+        return Decision::KeyReused;
+    }
+    match &standing.state {
+        StandingState::Running { lease_left } => Decision::InProgress {
+            lease_left: *lease_left,
+        },
+        StandingState::Abandoned => Decision::Reclaim { abandoned: true },
+        StandingState::Completed(response) => Decision::Replay(Arc::clone(response)),
+        StandingState::Expired => unreachable!("handled above"),
+    }
+}
+
+/// The outcome of claiming a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claimed {
+    /// The request holds the key with `req.token`; run the handler.
+    Acquired {
+        /// `true` when an abandoned reservation was taken over (its handler may have run).
+        reclaimed: bool,
+    },
+    /// Replay this response.
+    Replay(Arc<RecordedResponse>),
+    /// 409: the first request is running.
+    InProgress {
+        /// What is left of its lease.
+        lease_left: Duration,
+    },
+    /// 422 (or 409): same key, different request.
+    KeyReused,
+}
+
+/// How many takeovers a claim attempts before answering "in progress": each lost takeover
+/// means another request acquired the key in between, so the next read shows it running.
+const MAX_TAKEOVERS: usize = 3;
+
+/// Claims `req` in `store`: one conditional write, plus a token-conditional takeover when the
+/// standing record is expired or abandoned by the same request.
+pub async fn claim(
+    store: &dyn Store,
+    req: &ClaimRequest<'_>,
+    same_request: impl Fn(&Fingerprint) -> bool,
+) -> Result<Claimed, StoreError> {
+    let mut outcome = store.claim(req).await?;
+    let mut reclaimed = false;
+    for _ in 0..=MAX_TAKEOVERS {
+        let standing = match outcome {
+            Claim::Acquired => return Ok(Claimed::Acquired { reclaimed }),
+            Claim::Standing(standing) => standing,
+        };
+        match decide(&standing, &same_request) {
+            Decision::Reclaim { abandoned } => {
+                reclaimed = abandoned;
+                outcome = store.reclaim(req, standing.token).await?;
+            }
+            Decision::Replay(response) => return Ok(Claimed::Replay(response)),
+            Decision::InProgress { lease_left } => return Ok(Claimed::InProgress { lease_left }),
+            Decision::KeyReused => return Ok(Claimed::KeyReused),
+        }
+    }
+    // Every takeover lost to another request that acquired the key: it is running now.
+    Ok(Claimed::InProgress {
+        lease_left: req.lease,
+    })
+}
+
+/// `Retry-After` for 409 in progress: the configured value capped by what is left of the lease,
+/// in whole seconds rounded up, at least 1.
+pub fn in_progress_retry_after(configured: Duration, lease_left: Duration) -> u64 {
+    ceil_secs(configured.min(lease_left)).max(1)
+}
+
+/// Whole seconds, rounded up.
+pub fn ceil_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// The headers a record keeps: the allowlisted ones, in order. `None` when the response cannot
+/// be recorded because of its headers (a `content-encoding` that is not allowlisted: the record
+/// would replay bytes whose decoding the client cannot know).
+pub fn recorded_headers<'a>(
+    config: &Config,
+    headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+) -> Option<Vec<(String, Bytes)>> {
+    let mut kept = Vec::new();
+    for (name, value) in headers {
+        if name.eq_ignore_ascii_case("content-encoding")
+            && !config.records_header("content-encoding")
+        {
+            return None;
+        }
+        if config.records_header(name) {
+            kept.push((name.to_owned(), Bytes::copy_from_slice(value)));
+        }
+    }
+    Some(kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::FencingToken;
+
+    fn fp(n: u8) -> Fingerprint {
+        Fingerprint {
+            version: 1,
+            digest: [n; 32],
+        }
+    }
+
+    fn standing(state: StandingState) -> Standing {
+        Standing {
+            token: FencingToken(1),
+            fingerprint: fp(1),
+            state,
+        }
+    }
+
+    fn response() -> Arc<RecordedResponse> {
+        Arc::new(RecordedResponse {
+            status: 201,
+            headers: vec![],
+            body: Bytes::from_static(b"{}"),
+        })
+    }
+
+    #[test]
+    fn completed_same_request_replays() {
+        let d = decide(&standing(StandingState::Completed(response())), |f| {
+            *f == fp(1)
+        });
+        assert_eq!(d, Decision::Replay(response()));
+    }
+
+    #[test]
+    fn running_same_request_is_in_progress() {
+        let lease_left = Duration::from_millis(1500);
+        let d = decide(&standing(StandingState::Running { lease_left }), |f| {
+            *f == fp(1)
+        });
+        assert_eq!(d, Decision::InProgress { lease_left });
+    }
+
+    #[test]
+    fn fingerprint_mismatch_wins_over_every_live_state() {
+        for state in [
+            StandingState::Running {
+                lease_left: Duration::from_secs(1),
+            },
+            StandingState::Abandoned,
+            StandingState::Completed(response()),
+        ] {
+            assert_eq!(
+                decide(&standing(state), |f| *f == fp(2)),
+                Decision::KeyReused
+            );
+        }
+    }
+
+    #[test]
+    fn expired_records_are_reclaimed_by_any_request() {
+        assert_eq!(
+            decide(&standing(StandingState::Expired), |f| *f == fp(2)),
+            Decision::Reclaim { abandoned: false }
+        );
+    }
+
+    #[test]
+    fn abandoned_same_request_is_reclaimed() {
+        assert_eq!(
+            decide(&standing(StandingState::Abandoned), |f| *f == fp(1)),
+            Decision::Reclaim { abandoned: true }
+        );
+    }
+
+    #[test]
+    fn retry_after_is_capped_by_the_lease_and_floored_at_one_second() {
+        let s = Duration::from_secs;
+        assert_eq!(in_progress_retry_after(s(1), s(60)), 1);
+        assert_eq!(in_progress_retry_after(s(5), s(60)), 5);
+        assert_eq!(
+            in_progress_retry_after(s(5), Duration::from_millis(2100)),
+            3
+        );
+        assert_eq!(in_progress_retry_after(s(5), Duration::from_millis(10)), 1);
+        assert_eq!(in_progress_retry_after(s(5), Duration::ZERO), 1);
+        assert_eq!(
+            in_progress_retry_after(Duration::from_millis(1500), s(60)),
+            2
+        );
+    }
+
+    #[test]
+    fn headers_follow_the_allowlist_and_content_encoding_rule() {
+        let config = Config::default();
+        let kept = recorded_headers(
+            &config,
+            [
+                ("content-type", b"application/json".as_slice()),
+                ("set-cookie", b"a=b".as_slice()),
+                ("location", b"/orders/1".as_slice()),
+                ("x-other", b"1".as_slice()),
+            ],
+        )
+        .unwrap();
+        let names: Vec<&str> = kept.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["content-type", "location"]);
+        assert_eq!(
+            recorded_headers(&config, [("content-encoding", b"gzip".as_slice())]),
+            None
+        );
+        let allow = Config::builder()
+            .recorded_headers(["content-type", "content-encoding"])
+            .build();
+        assert!(recorded_headers(&allow, [("content-encoding", b"gzip".as_slice())]).is_some());
+    }
+}

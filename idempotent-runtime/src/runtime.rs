@@ -1,0 +1,696 @@
+//! The handle applications share ([`IdempotencyStore`]) and the framework-free request pipeline
+//! the axum and actix integrations drive: begin (claim and decide), run the claimed handler under
+//! a renewed lease, then record or release.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tokio::sync::Notify;
+
+use crate::config::{Config, Effective, FailureMode};
+use crate::fingerprint::{self, Fingerprint, FingerprintContributor, FingerprintInput};
+use crate::key::{IdempotencyKey, KeyError};
+use crate::observe::{self, AuditDecision, AuditEvent, AuditSink, DiscardAudit, Event, KeyDisplay};
+use crate::problem::{Problem, ProblemCode};
+use crate::record::{self, Claimed};
+use crate::scope::{ScopeError, ScopeHash};
+use crate::store::memory::MemoryStore;
+use crate::store::{ClaimRequest, FencingToken, RecordedResponse, Store, StoreError};
+
+/// Rows (or entries) a sweep deletes per statement.
+pub const SWEEP_BATCH: usize = 500;
+
+/// The idempotency runtime an application shares with its handlers: a store, the settings, and
+/// the hooks. Cheap to clone. Put it in your application state (axum: implement
+/// `FromRef<AppState>`; actix: `web::Data`).
+///
+/// ```
+/// use idempotent_runtime::IdempotencyStore;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let idempotency = IdempotencyStore::memory();
+/// assert_eq!(idempotency.config().lease().as_secs(), 60);
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct IdempotencyStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Arc<dyn Store>,
+    config: Config,
+    audit: Arc<dyn AuditSink>,
+    contributor: Option<Arc<dyn FingerprintContributor>>,
+    running: Running,
+    buffered: AtomicUsize,
+    max_buffered: usize,
+    sweeper: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(sweeper) = &self.sweeper {
+            sweeper.abort();
+        }
+    }
+}
+
+impl std::fmt::Debug for IdempotencyStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyStore")
+            .field("config", &self.inner.config)
+            .field("running", &self.running())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds an [`IdempotencyStore`].
+#[must_use]
+pub struct Builder {
+    store: Arc<dyn Store>,
+    config: Config,
+    audit: Arc<dyn AuditSink>,
+    contributor: Option<Arc<dyn FingerprintContributor>>,
+    sweeper: bool,
+    max_buffered: usize,
+}
+
+impl Builder {
+    /// Settings (default [`Config::default`]).
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Where replayed, in-progress and key-reused decisions are reported (default: discarded).
+    pub fn audit(mut self, sink: impl AuditSink) -> Self {
+        self.audit = Arc::new(sink);
+        self
+    }
+
+    /// A hook that changes what the fingerprint covers.
+    pub fn fingerprint_contributor(mut self, contributor: impl FingerprintContributor) -> Self {
+        self.contributor = Some(Arc::new(contributor));
+        self
+    }
+
+    /// Whether to run the background sweeper (default on, when built inside a Tokio runtime).
+    /// Turn it off when another process sweeps the shared store.
+    pub fn sweeper(mut self, on: bool) -> Self {
+        self.sweeper = on;
+        self
+    }
+
+    /// Bound on the bytes of request and response bodies buffered at once across all requests
+    /// (default 256 MiB). Past it, new requests get 503 `IDEMPOTENCY_STORE_FULL`.
+    pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
+        self.max_buffered = bytes;
+        self
+    }
+
+    /// The handle.
+    pub fn build(self) -> IdempotencyStore {
+        let sweeper = (self.sweeper && tokio::runtime::Handle::try_current().is_ok()).then(|| {
+            crate::store::spawn_sweeper(
+                Arc::downgrade(&self.store),
+                self.config.retention,
+                SWEEP_BATCH,
+            )
+        });
+        IdempotencyStore {
+            inner: Arc::new(Inner {
+                store: self.store,
+                config: self.config,
+                audit: self.audit,
+                contributor: self.contributor,
+                running: Running::default(),
+                buffered: AtomicUsize::new(0),
+                max_buffered: self.max_buffered,
+                sweeper,
+            }),
+        }
+    }
+}
+
+/// What the pipeline tells the framework integration to do after claiming.
+#[derive(Debug)]
+pub enum Begin {
+    /// The key is held: run the handler, then settle the reservation.
+    Run(Reservation),
+    /// Replay this recorded response with `Idempotency-Replayed: true`.
+    Replay(Arc<RecordedResponse>),
+    /// Answer this refusal.
+    Refuse(Problem),
+}
+
+/// Everything the pipeline needs to know about a keyed request.
+#[derive(Debug, Clone, Copy)]
+pub struct BeginRequest<'a> {
+    /// The parsed key.
+    pub key: &'a IdempotencyKey,
+    /// Fingerprint input (includes the scope).
+    pub input: FingerprintInput<'a>,
+    /// Endpoint settings in force.
+    pub endpoint: &'a Effective,
+}
+
+impl IdempotencyStore {
+    /// The embedded default: an in-memory store with default limits and settings.
+    pub fn memory() -> Self {
+        Self::new(MemoryStore::default())
+    }
+
+    /// A handle over `store` with default settings.
+    pub fn new(store: impl Store) -> Self {
+        Self::builder(store).build()
+    }
+
+    /// A builder over `store`.
+    pub fn builder(store: impl Store) -> Builder {
+        Self::builder_arc(Arc::new(store))
+    }
+
+    /// A builder over a store already behind an `Arc` (to keep a typed handle on it too).
+    pub fn builder_arc(store: Arc<dyn Store>) -> Builder {
+        Builder {
+            store,
+            config: Config::default(),
+            audit: Arc::new(DiscardAudit),
+            contributor: None,
+            sweeper: true,
+            max_buffered: 256 << 20,
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
+    /// Claimed handlers running now.
+    pub fn running(&self) -> usize {
+        self.inner.running.count.load(Ordering::Acquire)
+    }
+
+    /// Waits until every claimed handler has finished, at most `shutdown_grace`. Call it after
+    /// the server stopped accepting requests. Returns `false` if handlers were still running.
+    pub async fn shutdown(&self) -> bool {
+        let grace = self.inner.config.shutdown_grace;
+        tokio::time::timeout(grace, self.inner.running.idle())
+            .await
+            .is_ok()
+    }
+
+    /// The refusal for an invalid key (never echoing it).
+    pub fn key_invalid(&self, error: KeyError, route: &str) -> Problem {
+        observe::count(Event::KeyInvalid, route);
+        tracing::debug!(route, %error, "idempotency key refused");
+        Problem::new(400, ProblemCode::KeyInvalid, error.to_string())
+    }
+
+    /// The refusal for a missing key on a `require_key` endpoint.
+    pub fn key_missing(&self, route: &str) -> Problem {
+        observe::count(Event::KeyMissing, route);
+        Problem::new(
+            self.inner.config.missing_key_status.code(),
+            ProblemCode::KeyRequired,
+            "this endpoint requires an Idempotency-Key header",
+        )
+    }
+
+    /// The refusal for a body over its cap.
+    pub fn payload_too_large(&self, max_body: usize, route: &str) -> Problem {
+        observe::count(Event::PayloadTooLarge, route);
+        Problem::new(
+            413,
+            ProblemCode::PayloadTooLarge,
+            format!("the request body is larger than {max_body} bytes"),
+        )
+    }
+
+    /// The refusal for a body that arrived too slowly.
+    pub fn body_timeout(&self, route: &str) -> Problem {
+        observe::count(Event::BodyTimeout, route);
+        Problem::new(
+            408,
+            ProblemCode::BodyTimeout,
+            format!(
+                "the request body did not arrive within {} s",
+                self.inner.config.body_timeout.as_secs_f64()
+            ),
+        )
+    }
+
+    /// The refusal when no identity could be established: a setup mistake, logged with its fix.
+    pub fn scope_unresolved(&self, error: ScopeError, route: &str) -> Problem {
+        observe::count(Event::ScopeUnresolved, route);
+        tracing::error!(route, "idempotency scope unresolved: {}", error.remedy());
+        Problem::new(
+            500,
+            ProblemCode::ScopeUnresolved,
+            "the caller's identity could not be established for this request",
+        )
+    }
+
+    /// The refusal when the buffer budget is exhausted.
+    pub fn buffers_full(&self, route: &str) -> Problem {
+        observe::count(Event::StoreFull, route);
+        Problem::new(
+            503,
+            ProblemCode::StoreFull,
+            "too many request bodies are buffered right now",
+        )
+        .with_retry_after(record::ceil_secs(self.inner.config.store_retry_after).max(1))
+    }
+
+    /// Reserves `bytes` of the global buffer budget, or `None` when it is exhausted.
+    pub fn buffer_permit(&self, bytes: usize) -> Option<BufferPermit> {
+        let mut permit = BufferPermit {
+            owner: Arc::downgrade(&self.inner),
+            bytes: 0,
+        };
+        permit.grow(bytes).then_some(permit)
+    }
+
+    /// Claims the key and decides: run, replay, or refuse.
+    pub async fn begin(&self, req: &BeginRequest<'_>) -> Begin {
+        let inner = &*self.inner;
+        let route = req.input.route.unwrap_or("");
+        let contributor = inner.contributor.as_deref();
+        let fp = fingerprint::compute(&req.input, contributor);
+        let same_request = |stored: &Fingerprint| {
+            if stored.version == fp.version {
+                return *stored == fp;
+            }
+            fingerprint::compute_version(stored.version, &req.input, contributor)
+                .is_some_and(|f| f == *stored)
+        };
+        let scope = req.input.scope;
+        let claim = ClaimRequest {
+            scope: scope.hash(),
+            key: req.key.as_str(),
+            quota_bucket: scope.quota_bucket(),
+            fingerprint: fp,
+            token: FencingToken::mint(),
+            lease: req.endpoint.lease,
+            retention: req.endpoint.retention,
+        };
+        let outcome = record::claim(&*inner.store, &claim, same_request).await;
+        let audit = |decision| {
+            inner.audit.record(&AuditEvent {
+                decision,
+                scope_hash: scope.hash(),
+                key_hash: observe::key_hash(req.key.as_str()),
+                route,
+            })
+        };
+        match outcome {
+            Ok(Claimed::Acquired { reclaimed }) => {
+                if reclaimed {
+                    observe::count(Event::Reclaimed, route);
+                    tracing::warn!(
+                        route,
+                        key_hash = %KeyDisplay(req.key.as_str()),
+                        "reclaimed an abandoned reservation; its handler may have run before"
+                    );
+                }
+                observe::count(Event::Executed, route);
+                Begin::Run(Reservation {
+                    guard: Some(Guard {
+                        store: Arc::clone(&inner.store),
+                        scope: *scope.hash(),
+                        key: req.key.clone(),
+                        token: claim.token,
+                        armed: true,
+                    }),
+                    lease: req.endpoint.lease,
+                    retention: req.endpoint.retention,
+                    max_response: req.endpoint.max_response,
+                    route: route.into(),
+                    _running: inner.running.enter(),
+                })
+            }
+            Ok(Claimed::Replay(response)) => {
+                observe::count(Event::Replayed, route);
+                audit(AuditDecision::Replayed);
+                tracing::debug!(route, key_hash = %KeyDisplay(req.key.as_str()), "replayed");
+                Begin::Replay(response)
+            }
+            Ok(Claimed::InProgress { lease_left }) => {
+                observe::count(Event::InProgress, route);
+                audit(AuditDecision::InProgress);
+                let retry_after = record::in_progress_retry_after(
+                    inner.config.in_progress_retry_after,
+                    lease_left,
+                );
+                Begin::Refuse(
+                    Problem::new(
+                        409,
+                        ProblemCode::InProgress,
+                        "a request with this Idempotency-Key is still being processed; retry later",
+                    )
+                    .with_retry_after(retry_after),
+                )
+            }
+            Ok(Claimed::KeyReused) => {
+                observe::count(Event::KeyReused, route);
+                audit(AuditDecision::KeyReused);
+                Begin::Refuse(Problem::new(
+                    inner.config.reuse_status.code(),
+                    ProblemCode::KeyReused,
+                    "this Idempotency-Key was already used with a different request",
+                ))
+            }
+            Err(error) => self.claim_failed(error, &claim, req.key, route).await,
+        }
+    }
+
+    async fn claim_failed(
+        &self,
+        error: StoreError,
+        claim: &ClaimRequest<'_>,
+        key: &IdempotencyKey,
+        route: &str,
+    ) -> Begin {
+        let inner = &*self.inner;
+        let retry_after = record::ceil_secs(inner.config.store_retry_after).max(1);
+        let (code, event) = match error {
+            StoreError::Full | StoreError::QuotaExceeded => {
+                (ProblemCode::StoreFull, Event::StoreFull)
+            }
+            StoreError::Unavailable(_) => (ProblemCode::StoreUnavailable, Event::StoreError),
+        };
+        observe::count(event, route);
+        tracing::warn!(route, key_hash = %KeyDisplay(key.as_str()), %error, "idempotency claim failed");
+        if matches!(error, StoreError::Unavailable(_)) {
+            // The claim may have been written before the connection dropped: free it if so, so
+            // the client's retry is not blocked for a whole lease.
+            let release = inner.store.release(claim.scope, claim.key, claim.token);
+            let _ = tokio::time::timeout(Duration::from_secs(2), release).await;
+            if inner.config.failure_mode == FailureMode::Open {
+                tracing::warn!(route, "failing open: running the handler unprotected");
+                observe::count(Event::Executed, route);
+                return Begin::Run(Reservation {
+                    guard: None,
+                    lease: claim.lease,
+                    retention: claim.retention,
+                    max_response: 0,
+                    route: route.into(),
+                    _running: inner.running.enter(),
+                });
+            }
+        }
+        let detail = match code {
+            ProblemCode::StoreFull => "the idempotency store has no room for this caller's request",
+            _ => "the idempotency store cannot be reached; retry later",
+        };
+        Begin::Refuse(Problem::new(503, code, detail).with_retry_after(retry_after))
+    }
+
+    /// The response to a panicked handler: 500, key released.
+    pub fn panicked(&self, route: &str) -> Problem {
+        tracing::error!(route, "idempotent handler panicked; its key was released");
+        Problem::new(
+            500,
+            ProblemCode::HandlerPanicked,
+            "the request failed; it may be retried with the same Idempotency-Key",
+        )
+    }
+}
+
+/// A held key: run the handler through [`Reservation::run`], then [`complete`](Self::complete)
+/// or [`release`](Self::release) it. Dropped unsettled (a panic, a cancelled task), it releases
+/// the key in the background.
+#[derive(Debug)]
+pub struct Reservation {
+    guard: Option<Guard>,
+    lease: Duration,
+    retention: Duration,
+    max_response: usize,
+    route: Arc<str>,
+    _running: RunningGuard,
+}
+
+#[derive(Debug)]
+struct Guard {
+    store: Arc<dyn Store>,
+    scope: ScopeHash,
+    key: IdempotencyKey,
+    token: FencingToken,
+    armed: bool,
+}
+
+impl Guard {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, scope, key, token) = (
+            Arc::clone(&self.store),
+            self.scope,
+            self.key.clone(),
+            self.token,
+        );
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = store.release(&scope, key.as_str(), token).await;
+            });
+        }
+    }
+}
+
+/// How a claimed handler ended.
+pub enum Outcome<T> {
+    /// It returned.
+    Returned(T),
+    /// It panicked; the key has been released.
+    Panicked,
+}
+
+impl Reservation {
+    /// The recorded-response cap in force (0 when running unprotected: nothing is recorded).
+    pub fn max_response(&self) -> usize {
+        if self.guard.is_some() {
+            self.max_response
+        } else {
+            0
+        }
+    }
+
+    /// Whether a store backs this reservation (false when failing open).
+    pub fn is_guarded(&self) -> bool {
+        self.guard.is_some()
+    }
+
+    /// Runs the claimed handler to its end while renewing the lease every third of it. A panic
+    /// is caught and the key released before this returns.
+    pub async fn run<F: Future>(&mut self, handler: F) -> Outcome<F::Output> {
+        let Some(guard) = &self.guard else {
+            return match AssertUnwindSafe(handler).catch_unwind().await {
+                Ok(v) => Outcome::Returned(v),
+                Err(_) => Outcome::Panicked,
+            };
+        };
+        let handler = AssertUnwindSafe(handler).catch_unwind();
+        let renew = renew_forever(guard, self.lease, &self.route);
+        let result = tokio::select! {
+            biased;
+            result = handler => result,
+            never = renew => match never {},
+        };
+        match result {
+            Ok(v) => Outcome::Returned(v),
+            Err(_) => {
+                self.release_now().await;
+                Outcome::Panicked
+            }
+        }
+    }
+
+    /// Records the response for replay. A failed or fenced write is logged and counted; the
+    /// response is still sent and the reservation lapses with its lease.
+    pub async fn complete(mut self, response: &RecordedResponse) {
+        let Some(guard) = self.guard.take() else {
+            return;
+        };
+        let result = guard
+            .store
+            .complete(
+                &guard.scope,
+                guard.key.as_str(),
+                guard.token,
+                response,
+                self.retention,
+            )
+            .await;
+        match result {
+            Ok(true) => {}
+            Ok(false) => {
+                observe::count(Event::NotRecorded, &self.route);
+                observe::count(Event::LeaseLost, &self.route);
+                tracing::warn!(
+                    route = %self.route,
+                    key_hash = %KeyDisplay(guard.key.as_str()),
+                    "response not recorded: the lease was lost to another request"
+                );
+            }
+            Err(error) => {
+                observe::count(Event::NotRecorded, &self.route);
+                observe::count(Event::StoreError, &self.route);
+                tracing::warn!(
+                    route = %self.route,
+                    key_hash = %KeyDisplay(guard.key.as_str()),
+                    %error,
+                    "response not recorded: the reservation stands until its lease lapses"
+                );
+            }
+        }
+        // Settled: the guard must not release what was just completed.
+        guard.disarm();
+    }
+
+    /// Frees the key without recording (5xx, non-replayable, too large).
+    pub async fn release(mut self) {
+        observe::count(Event::NotRecorded, &self.route);
+        self.release_now().await;
+    }
+
+    async fn release_now(&mut self) {
+        let Some(guard) = self.guard.take() else {
+            return;
+        };
+        if let Err(error) = guard
+            .store
+            .release(&guard.scope, guard.key.as_str(), guard.token)
+            .await
+        {
+            tracing::warn!(
+                route = %self.route,
+                key_hash = %KeyDisplay(guard.key.as_str()),
+                %error,
+                "could not release the key; it frees itself when its lease lapses"
+            );
+        }
+        guard.disarm();
+    }
+}
+
+async fn renew_forever(guard: &Guard, lease: Duration, route: &str) -> std::convert::Infallible {
+    let period = lease / 3;
+    let mut last_kept = tokio::time::Instant::now();
+    let mut lost = false;
+    loop {
+        tokio::time::sleep(period).await;
+        if lost {
+            continue;
+        }
+        match guard
+            .store
+            .renew(&guard.scope, guard.key.as_str(), guard.token, lease)
+            .await
+        {
+            Ok(true) => last_kept = tokio::time::Instant::now(),
+            Ok(false) => lost = true,
+            Err(error) => {
+                tracing::warn!(route, %error, "lease renewal failed; retrying next tick");
+                lost = last_kept.elapsed() >= lease;
+            }
+        }
+        if lost {
+            observe::count(Event::LeaseLost, route);
+            tracing::error!(
+                route,
+                key_hash = %KeyDisplay(guard.key.as_str()),
+                "lease lost while the handler runs: a duplicate may run concurrently"
+            );
+        }
+    }
+}
+
+/// Counts claimed handlers so shutdown can wait for them.
+#[derive(Default)]
+struct Running {
+    count: Arc<AtomicUsize>,
+    idle: Arc<Notify>,
+}
+
+impl Running {
+    fn enter(&self) -> RunningGuard {
+        self.count.fetch_add(1, Ordering::AcqRel);
+        RunningGuard {
+            count: Arc::clone(&self.count),
+            idle: Arc::clone(&self.idle),
+        }
+    }
+
+    async fn idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            if self.count.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RunningGuard {
+    count: Arc<AtomicUsize>,
+    idle: Arc<Notify>,
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        if self.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.idle.notify_waiters();
+        }
+    }
+}
+
+/// A share of the global buffer budget, returned when dropped.
+#[derive(Debug)]
+pub struct BufferPermit {
+    owner: Weak<Inner>,
+    bytes: usize,
+}
+
+impl BufferPermit {
+    /// Takes `more` bytes of the budget; `false` (and nothing taken) when it is exhausted.
+    pub fn grow(&mut self, more: usize) -> bool {
+        let Some(inner) = self.owner.upgrade() else {
+            return true;
+        };
+        let before = inner.buffered.fetch_add(more, Ordering::AcqRel);
+        if before.saturating_add(more) > inner.max_buffered {
+            inner.buffered.fetch_sub(more, Ordering::AcqRel);
+            return false;
+        }
+        self.bytes += more;
+        true
+    }
+}
+
+impl Drop for BufferPermit {
+    fn drop(&mut self) {
+        if let Some(inner) = self.owner.upgrade() {
+            inner.buffered.fetch_sub(self.bytes, Ordering::AcqRel);
+        }
+    }
+}

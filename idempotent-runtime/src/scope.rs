@@ -1,0 +1,409 @@
+//! Who the caller is: the identity the application publishes, and the scope hash derived from it
+//! (DESIGN.md §4).
+//!
+//! The scope is SHA-256 of the fingerprint's segments 5–7 (tenant, subject, client id) and leads
+//! every store key, so one tenant guessing another's key is a miss, never a replay of somebody
+//! else's response.
+
+use std::fmt;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use sha2::{Digest, Sha256};
+
+use crate::fingerprint::Encoder;
+
+/// SHA-256 of the scope segments.
+pub type ScopeHash = [u8; 32];
+
+/// The identity of a caller, published by the application's authentication (middleware or
+/// extractor) into the request extensions, or returned by a resolver set on the runtime.
+///
+/// ```
+/// use idempotent_runtime::scope::{ClientId, Identity};
+///
+/// let user = Identity::subject("acme", "user-17");
+/// let machine = Identity::client(ClientId::ApiKey("key-9".into())).with_tenant("acme");
+/// assert_ne!(user, machine);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Identity {
+    /// The tenant (organisation, account) the caller acts for.
+    pub tenant: Option<String>,
+    /// The authenticated end user.
+    pub subject: Option<String>,
+    /// The calling application.
+    pub client: Option<ClientId>,
+}
+
+impl Identity {
+    /// A user of a tenant.
+    pub fn subject(tenant: impl Into<String>, subject: impl Into<String>) -> Self {
+        Self {
+            tenant: Some(tenant.into()),
+            subject: Some(subject.into()),
+            client: None,
+        }
+    }
+
+    /// A calling application without an end user.
+    pub fn client(client: ClientId) -> Self {
+        Self {
+            client: Some(client),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the tenant.
+    pub fn with_tenant(mut self, tenant: impl Into<String>) -> Self {
+        self.tenant = Some(tenant.into());
+        self
+    }
+}
+
+/// A calling application's identity; its prefix keeps the two kinds apart in the scope.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ClientId {
+    /// An OAuth `client_id`, scoped as `client:<id>`.
+    OAuth(String),
+    /// An API key's id (never the secret), scoped as `api-key:<id>`.
+    ApiKey(String),
+}
+
+/// What to do with a caller that has neither a subject nor a client id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Anonymous {
+    /// Scope it by the connection's peer IP address (`peer:<ip>`).
+    #[default]
+    PeerIp,
+    /// Refuse with 500 `IDEMPOTENCY_SCOPE_UNRESOLVED`.
+    Refuse,
+}
+
+/// Why no scope could be established. Every variant answers 500 `IDEMPOTENCY_SCOPE_UNRESOLVED`:
+/// it is a setup mistake of the service, not of the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScopeError {
+    /// The request carries `Authorization` but no identity was published.
+    AuthorizationWithoutIdentity,
+    /// No subject and no client id, and the peer address is unknown.
+    NoPeerAddress,
+    /// No subject and no client id, and anonymous callers are refused by configuration.
+    AnonymousRefused,
+}
+
+impl ScopeError {
+    /// How to fix the setup, for the log line.
+    pub fn remedy(self) -> &'static str {
+        match self {
+            Self::AuthorizationWithoutIdentity => {
+                "the request carries Authorization but no Identity was published: run the auth \
+                 layer inside the idempotency layer (or before the handler's last parameter) and \
+                 insert an idempotent_runtime::scope::Identity into the request extensions"
+            }
+            Self::NoPeerAddress => {
+                "anonymous request without a peer address: serve with \
+                 into_make_service_with_connect_info::<SocketAddr>() (axum) or publish an Identity"
+            }
+            Self::AnonymousRefused => {
+                "anonymous callers are refused by configuration (anonymous = refuse): publish an \
+                 Identity for this caller"
+            }
+        }
+    }
+}
+
+impl fmt::Display for ScopeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.remedy())
+    }
+}
+
+impl std::error::Error for ScopeError {}
+
+/// A resolved scope: the three segments and their hash.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Scope {
+    tenant: Option<String>,
+    subject: Option<String>,
+    client: Option<String>,
+    hash: ScopeHash,
+    quota: u64,
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Scope({})", crate::observe::ShortHash(&self.hash))
+    }
+}
+
+impl Scope {
+    /// Builds the scope from an identity, falling back to `peer:<ip>` for segment 7 when there
+    /// is neither a subject nor a client id (even when a tenant is known).
+    pub fn from_identity(identity: &Identity, peer: Option<IpAddr>) -> Result<Self, ScopeError> {
+        let client = match (&identity.client, &identity.subject) {
+            (Some(ClientId::OAuth(id)), _) => Some(format!("client:{id}")),
+            (Some(ClientId::ApiKey(id)), _) => Some(format!("api-key:{id}")),
+            (None, Some(_)) => None,
+            (None, None) => Some(format!(
+                "peer:{}",
+                canonical_ip(peer.ok_or(ScopeError::NoPeerAddress)?)
+            )),
+        };
+        Ok(Self::from_segments(
+            identity.tenant.clone(),
+            identity.subject.clone(),
+            client,
+            peer.filter(|_| identity.subject.is_none() && identity.client.is_none()),
+        ))
+    }
+
+    fn from_segments(
+        tenant: Option<String>,
+        subject: Option<String>,
+        client: Option<String>,
+        anonymous_peer: Option<IpAddr>,
+    ) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"idempotent-scope/v1\n");
+        let mut enc = Encoder(&mut h);
+        enc.opt_bytes(tenant.as_deref().map(str::as_bytes));
+        enc.opt_bytes(subject.as_deref().map(str::as_bytes));
+        enc.opt_bytes(client.as_deref().map(str::as_bytes));
+        let hash: ScopeHash = h.finalize().into();
+        let quota = match anonymous_peer.map(canonical_ip) {
+            // IPv6 clients get a /64 each; counting per address would let one client mint scopes.
+            Some(IpAddr::V6(v6)) => {
+                let mut h = Sha256::new();
+                h.update(b"idempotent-quota/v1\n");
+                Encoder(&mut h).opt_bytes(tenant.as_deref().map(str::as_bytes));
+                h.update(&v6.octets()[..8]);
+                let d: [u8; 32] = h.finalize().into();
+                u64::from_be_bytes(d[..8].try_into().expect("8 bytes"))
+            }
+            _ => u64::from_be_bytes(hash[..8].try_into().expect("8 bytes")),
+        };
+        Self {
+            tenant,
+            subject,
+            client,
+            hash,
+            quota,
+        }
+    }
+
+    /// The scope hash that leads the store key.
+    pub fn hash(&self) -> &ScopeHash {
+        &self.hash
+    }
+
+    /// The bucket a per-scope record quota counts against (IPv6 peers by /64).
+    pub fn quota_bucket(&self) -> u64 {
+        self.quota
+    }
+
+    /// The tenant segment.
+    pub fn tenant(&self) -> Option<&str> {
+        self.tenant.as_deref()
+    }
+
+    /// The subject segment.
+    pub fn subject(&self) -> Option<&str> {
+        self.subject.as_deref()
+    }
+
+    /// The client segment: `client:…`, `api-key:…` or `peer:…`.
+    pub fn client(&self) -> Option<&str> {
+        self.client.as_deref()
+    }
+
+    pub(crate) fn encode_segments(&self, enc: &mut Encoder<'_>) {
+        enc.opt_bytes(self.tenant.as_deref().map(str::as_bytes));
+        enc.opt_bytes(self.subject.as_deref().map(str::as_bytes));
+        enc.opt_bytes(self.client.as_deref().map(str::as_bytes));
+    }
+}
+
+/// Resolves the scope of a request under the rules of DESIGN.md §4: identity must not silently
+/// degrade to the peer address when the request carries credentials.
+pub fn resolve(
+    identity: Option<&Identity>,
+    carries_authorization: bool,
+    peer: Option<IpAddr>,
+    anonymous: Anonymous,
+) -> Result<Scope, ScopeError> {
+    let identity = match identity {
+        Some(identity) => identity,
+        None if carries_authorization => return Err(ScopeError::AuthorizationWithoutIdentity),
+        None => &Identity::default(),
+    };
+    if identity.subject.is_none() && identity.client.is_none() && anonymous == Anonymous::Refuse {
+        return Err(ScopeError::AnonymousRefused);
+    }
+    Scope::from_identity(identity, peer)
+}
+
+/// The client's address: the peer, or — when the peer is a trusted proxy — the rightmost
+/// `X-Forwarded-For` entry that is not itself a trusted proxy. Forwarded headers from anyone else
+/// are ignored, since a client can write whatever it likes there.
+pub fn client_ip<'a>(
+    peer: IpAddr,
+    forwarded_for: impl IntoIterator<Item = &'a str>,
+    trusted_proxies: &[IpNet],
+) -> IpAddr {
+    let trusted = |ip: &IpAddr| trusted_proxies.iter().any(|net| net.contains(ip));
+    if !trusted(&peer) {
+        return peer;
+    }
+    let hops: Vec<&str> = forwarded_for
+        .into_iter()
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .collect();
+    let mut client = peer;
+    for hop in hops.iter().rev() {
+        match hop.parse::<IpAddr>() {
+            Ok(ip) => {
+                client = ip;
+                if !trusted(&ip) {
+                    break;
+                }
+            }
+            // A malformed hop ends what we can trust; the last trusted address answers for it.
+            Err(_) => break,
+        }
+    }
+    client
+}
+
+fn canonical_ip(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(s: &str) -> Option<IpAddr> {
+        Some(s.parse().unwrap())
+    }
+
+    #[test]
+    fn tenants_subjects_and_clients_get_distinct_scopes() {
+        let a = resolve(
+            Some(&Identity::subject("t1", "u")),
+            true,
+            None,
+            Anonymous::PeerIp,
+        )
+        .unwrap();
+        let b = resolve(
+            Some(&Identity::subject("t2", "u")),
+            true,
+            None,
+            Anonymous::PeerIp,
+        )
+        .unwrap();
+        let c = resolve(
+            Some(&Identity::client(ClientId::OAuth("u".into())).with_tenant("t1")),
+            true,
+            None,
+            Anonymous::PeerIp,
+        )
+        .unwrap();
+        let d = resolve(
+            Some(&Identity::client(ClientId::ApiKey("u".into())).with_tenant("t1")),
+            true,
+            None,
+            Anonymous::PeerIp,
+        )
+        .unwrap();
+        let hashes = [a.hash(), b.hash(), c.hash(), d.hash()];
+        for (i, x) in hashes.iter().enumerate() {
+            for y in &hashes[i + 1..] {
+                assert_ne!(x, y);
+            }
+        }
+        assert_eq!(c.client(), Some("client:u"));
+        assert_eq!(d.client(), Some("api-key:u"));
+    }
+
+    #[test]
+    fn segments_are_framed_so_values_cannot_shift() {
+        let a = Scope::from_identity(&Identity::subject("ab", "c"), None).unwrap();
+        let b = Scope::from_identity(&Identity::subject("a", "bc"), None).unwrap();
+        assert_ne!(a.hash(), b.hash());
+    }
+
+    #[test]
+    fn anonymous_callers_are_scoped_by_peer_ip_without_port() {
+        let a = resolve(None, false, peer("127.0.0.2"), Anonymous::PeerIp).unwrap();
+        let b = resolve(None, false, peer("127.0.0.3"), Anonymous::PeerIp).unwrap();
+        assert_eq!(a.client(), Some("peer:127.0.0.2"));
+        assert_ne!(a.hash(), b.hash());
+        assert_eq!(a.subject(), None);
+    }
+
+    #[test]
+    fn tenant_only_identity_still_uses_the_peer_in_segment_seven() {
+        let id = Identity::default().with_tenant("acme");
+        let s = resolve(Some(&id), true, peer("10.0.0.1"), Anonymous::PeerIp).unwrap();
+        assert_eq!(s.tenant(), Some("acme"));
+        assert_eq!(s.subject(), None);
+        assert_eq!(s.client(), Some("peer:10.0.0.1"));
+    }
+
+    #[test]
+    fn identity_never_silently_degrades() {
+        assert_eq!(
+            resolve(None, true, peer("127.0.0.1"), Anonymous::PeerIp),
+            Err(ScopeError::AuthorizationWithoutIdentity)
+        );
+        assert_eq!(
+            resolve(None, false, None, Anonymous::PeerIp),
+            Err(ScopeError::NoPeerAddress)
+        );
+        assert_eq!(
+            resolve(None, false, peer("127.0.0.1"), Anonymous::Refuse),
+            Err(ScopeError::AnonymousRefused)
+        );
+    }
+
+    #[test]
+    fn ipv4_mapped_ipv6_peers_are_the_same_caller() {
+        let a = resolve(None, false, peer("::ffff:192.0.2.1"), Anonymous::PeerIp).unwrap();
+        let b = resolve(None, false, peer("192.0.2.1"), Anonymous::PeerIp).unwrap();
+        assert_eq!(a.hash(), b.hash());
+    }
+
+    #[test]
+    fn ipv6_peers_share_a_quota_bucket_per_64() {
+        let a = resolve(None, false, peer("2001:db8::1"), Anonymous::PeerIp).unwrap();
+        let b = resolve(None, false, peer("2001:db8::2"), Anonymous::PeerIp).unwrap();
+        let c = resolve(None, false, peer("2001:db8:0:1::1"), Anonymous::PeerIp).unwrap();
+        assert_ne!(a.hash(), b.hash());
+        assert_eq!(a.quota_bucket(), b.quota_bucket());
+        assert_ne!(a.quota_bucket(), c.quota_bucket());
+    }
+
+    #[test]
+    fn forwarded_for_is_trusted_only_from_trusted_proxies() {
+        let proxies: Vec<IpNet> = vec!["10.0.0.0/8".parse().unwrap()];
+        let client: IpAddr = "203.0.113.9".parse().unwrap();
+        let untrusted_peer: IpAddr = "198.51.100.1".parse().unwrap();
+        assert_eq!(
+            client_ip(untrusted_peer, ["203.0.113.9"], &proxies),
+            untrusted_peer
+        );
+        let proxy: IpAddr = "10.1.1.1".parse().unwrap();
+        assert_eq!(
+            client_ip(proxy, ["1.2.3.4, 203.0.113.9, 10.2.2.2"], &proxies),
+            client
+        );
+        assert_eq!(client_ip(proxy, ["garbage"], &proxies), proxy);
+        assert_eq!(client_ip(proxy, std::iter::empty(), &proxies), proxy);
+    }
+}

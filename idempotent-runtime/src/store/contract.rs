@@ -1,0 +1,475 @@
+//! The contract every [`Store`] implementation must meet, written once and run against each
+//! backend (feature `testing`).
+//!
+//! ```no_run
+//! # async fn example() {
+//! use std::sync::Arc;
+//! use idempotent_runtime::clock::ManualClock;
+//! use idempotent_runtime::store::{contract, memory::MemoryStore};
+//!
+//! let clock = ManualClock::new();
+//! let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+//! contract::run(store, move |d| clock.advance(d)).await;
+//! # }
+//! ```
+//!
+//! `advance` must move the clock the store judges time by (for SQL stores, a test offset added
+//! to the database's clock). Each case uses its own scope, so the suite can share a store with
+//! other data, but it must run alone on that clock.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::{Claim, ClaimRequest, FencingToken, RecordedResponse, StandingState, Store};
+use crate::fingerprint::Fingerprint;
+use crate::scope::ScopeHash;
+
+const SECOND: Duration = Duration::from_secs(1);
+
+/// Runs every case; panics with the case's name on the first broken promise.
+pub async fn run<S: Store + ?Sized>(store: Arc<S>, advance: impl Fn(Duration) + Send + Sync) {
+    let s = &*store;
+    first_claim_acquires_and_a_second_sees_it_running(s).await;
+    completed_record_is_reported_with_its_response(s).await;
+    wrong_token_can_neither_complete_release_nor_renew(s).await;
+    release_frees_the_key(s).await;
+    concurrent_claims_acquire_exactly_once(Arc::clone(&store)).await;
+    lapsed_lease_is_reclaimed_with_a_new_token_and_fences_the_old(s, &advance).await;
+    reclaim_with_a_stale_token_that_no_longer_holds_fails(s, &advance).await;
+    renewal_keeps_a_live_holder(s, &advance).await;
+    completed_record_expires_after_retention(s, &advance).await;
+    reservation_expires_lease_plus_retention_after_claim(s, &advance).await;
+    sweeper_never_frees_a_live_record(s, &advance).await;
+    sweeper_frees_expired_records_in_batches(s, &advance).await;
+}
+
+/// A fresh scope per case, so cases never see each other's records.
+pub fn fresh_scope() -> ScopeHash {
+    let mut scope = [0u8; 32];
+    for chunk in scope.chunks_mut(8) {
+        chunk.copy_from_slice(&FencingToken::mint().0.to_be_bytes());
+    }
+    scope
+}
+
+fn fp(n: u8) -> Fingerprint {
+    Fingerprint {
+        version: 1,
+        digest: [n; 32],
+    }
+}
+
+fn req<'a>(
+    scope: &'a ScopeHash,
+    key: &'a str,
+    fingerprint: u8,
+    lease: Duration,
+) -> ClaimRequest<'a> {
+    ClaimRequest {
+        scope,
+        key,
+        quota_bucket: u64::from_be_bytes(scope[..8].try_into().expect("8 bytes")),
+        fingerprint: fp(fingerprint),
+        token: FencingToken::mint(),
+        lease,
+        retention: 10 * SECOND,
+    }
+}
+
+fn response(body: &'static str) -> RecordedResponse {
+    RecordedResponse {
+        status: 201,
+        headers: vec![
+            (
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            ),
+            ("location".into(), Bytes::from_static(b"/orders/1")),
+        ],
+        body: Bytes::from_static(body.as_bytes()),
+    }
+}
+
+async fn claim<S: Store + ?Sized>(s: &S, r: &ClaimRequest<'_>) -> Claim {
+    s.claim(r).await.expect("claim")
+}
+
+async fn first_claim_acquires_and_a_second_sees_it_running<S: Store + ?Sized>(s: &S) {
+    let scope = fresh_scope();
+    let first = req(&scope, "k", 1, 30 * SECOND);
+    assert_eq!(
+        claim(s, &first).await,
+        Claim::Acquired,
+        "first claim acquires"
+    );
+    let second = req(&scope, "k", 1, 30 * SECOND);
+    match claim(s, &second).await {
+        Claim::Standing(st) => {
+            assert_eq!(
+                st.token, first.token,
+                "standing record carries the holder's token"
+            );
+            assert_eq!(st.fingerprint, fp(1));
+            match st.state {
+                StandingState::Running { lease_left } => {
+                    assert!(
+                        lease_left <= 30 * SECOND && lease_left > 25 * SECOND,
+                        "{lease_left:?}"
+                    );
+                }
+                other => panic!("expected running, got {other:?}"),
+            }
+        }
+        Claim::Acquired => panic!("a second claim on a held key acquired it"),
+    }
+    let other_scope = fresh_scope();
+    assert_eq!(
+        claim(s, &req(&other_scope, "k", 1, 30 * SECOND)).await,
+        Claim::Acquired,
+        "the same key in another scope is another record"
+    );
+}
+
+async fn completed_record_is_reported_with_its_response<S: Store + ?Sized>(s: &S) {
+    let scope = fresh_scope();
+    let first = req(&scope, "k", 1, 30 * SECOND);
+    assert_eq!(claim(s, &first).await, Claim::Acquired);
+    let resp = response(r#"{"id":1}"#);
+    assert!(
+        s.complete(&scope, "k", first.token, &resp, 10 * SECOND)
+            .await
+            .unwrap()
+    );
+    match claim(s, &req(&scope, "k", 2, 30 * SECOND)).await {
+        Claim::Standing(st) => {
+            assert_eq!(
+                st.fingerprint,
+                fp(1),
+                "the stored fingerprint is the claimer's"
+            );
+            assert_eq!(st.state, StandingState::Completed(Arc::new(resp)));
+        }
+        Claim::Acquired => panic!("a completed key was acquired again"),
+    }
+    assert!(
+        !s.renew(&scope, "k", first.token, 30 * SECOND)
+            .await
+            .unwrap(),
+        "a completed record cannot be renewed"
+    );
+    assert!(
+        !s.release(&scope, "k", first.token).await.unwrap(),
+        "a completed record cannot be released"
+    );
+    assert!(
+        !s.complete(&scope, "k", first.token, &response("again"), SECOND)
+            .await
+            .unwrap(),
+        "a completed record cannot be completed twice"
+    );
+}
+
+async fn wrong_token_can_neither_complete_release_nor_renew<S: Store + ?Sized>(s: &S) {
+    let scope = fresh_scope();
+    let first = req(&scope, "k", 1, 30 * SECOND);
+    assert_eq!(claim(s, &first).await, Claim::Acquired);
+    let wrong = FencingToken::mint();
+    assert!(
+        !s.complete(&scope, "k", wrong, &response("x"), SECOND)
+            .await
+            .unwrap()
+    );
+    assert!(!s.release(&scope, "k", wrong).await.unwrap());
+    assert!(!s.renew(&scope, "k", wrong, SECOND).await.unwrap());
+    assert!(
+        matches!(claim(s, &req(&scope, "k", 1, SECOND)).await, Claim::Standing(st) if st.token == first.token),
+        "the holder is untouched"
+    );
+    assert!(!s.release(&scope, "missing", wrong).await.unwrap());
+    assert!(
+        !s.complete(&scope, "missing", wrong, &response("x"), SECOND)
+            .await
+            .unwrap()
+    );
+}
+
+async fn release_frees_the_key<S: Store + ?Sized>(s: &S) {
+    let scope = fresh_scope();
+    let first = req(&scope, "k", 1, 30 * SECOND);
+    assert_eq!(claim(s, &first).await, Claim::Acquired);
+    assert!(s.release(&scope, "k", first.token).await.unwrap());
+    assert_eq!(
+        claim(s, &req(&scope, "k", 2, 30 * SECOND)).await,
+        Claim::Acquired,
+        "a released key runs again, with any request"
+    );
+}
+
+async fn concurrent_claims_acquire_exactly_once<S: Store + ?Sized>(store: Arc<S>) {
+    let scope = fresh_scope();
+    let barrier = Arc::new(tokio::sync::Barrier::new(64));
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let store = Arc::clone(&store);
+            let barrier = Arc::clone(&barrier);
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let r = req(&scope, "contended", 1, 30 * SECOND);
+                (r.token, store.claim(&r).await.expect("claim"))
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for task in tasks {
+        results.push(task.await.expect("claim task"));
+    }
+    let winners: Vec<_> = results
+        .iter()
+        .filter(|(_, c)| *c == Claim::Acquired)
+        .map(|(t, _)| *t)
+        .collect();
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one of 64 concurrent claims acquires"
+    );
+    for (_, c) in &results {
+        if let Claim::Standing(st) = c {
+            assert_eq!(st.token, winners[0], "losers see the winner's record");
+        }
+    }
+}
+
+async fn lapsed_lease_is_reclaimed_with_a_new_token_and_fences_the_old<S: Store + ?Sized>(
+    s: &S,
+    advance: &(impl Fn(Duration) + Send + Sync),
+) {
+    let scope = fresh_scope();
+    let old = req(&scope, "k", 1, SECOND);
+    assert_eq!(claim(s, &old).await, Claim::Acquired);
+    advance(2 * SECOND);
+    let retry = req(&scope, "k", 1, 30 * SECOND);
+    let standing = match claim(s, &retry).await {
+        Claim::Standing(st) => st,
+        Claim::Acquired => panic!("an abandoned record must be reported, then reclaimed"),
+    };
+    assert_eq!(standing.state, StandingState::Abandoned);
+    assert_eq!(
+        s.reclaim(&retry, standing.token).await.unwrap(),
+        Claim::Acquired
+    );
+    assert_ne!(retry.token, old.token);
+    assert!(
+        !s.complete(&scope, "k", old.token, &response("old"), SECOND)
+            .await
+            .unwrap(),
+        "old token completes"
+    );
+    assert!(
+        !s.release(&scope, "k", old.token).await.unwrap(),
+        "old token releases"
+    );
+    assert!(
+        !s.renew(&scope, "k", old.token, SECOND).await.unwrap(),
+        "old token renews"
+    );
+    assert!(
+        s.complete(&scope, "k", retry.token, &response("new"), 10 * SECOND)
+            .await
+            .unwrap()
+    );
+    match claim(s, &req(&scope, "k", 1, SECOND)).await {
+        Claim::Standing(st) => {
+            assert_eq!(
+                st.state,
+                StandingState::Completed(Arc::new(response("new")))
+            );
+        }
+        Claim::Acquired => panic!("completed record lost"),
+    }
+}
+
+async fn reclaim_with_a_stale_token_that_no_longer_holds_fails<S: Store + ?Sized>(
+    s: &S,
+    advance: &(impl Fn(Duration) + Send + Sync),
+) {
+    let scope = fresh_scope();
+    let first = req(&scope, "k", 1, SECOND);
+    assert_eq!(claim(s, &first).await, Claim::Acquired);
+    advance(2 * SECOND);
+    let a = req(&scope, "k", 1, 30 * SECOND);
+    let b = req(&scope, "k", 1, 30 * SECOND);
+    assert_eq!(s.reclaim(&a, first.token).await.unwrap(), Claim::Acquired);
+    match s.reclaim(&b, first.token).await.unwrap() {
+        Claim::Standing(st) => {
+            assert_eq!(
+                st.token, a.token,
+                "the second takeover sees the first one's record"
+            );
+            assert!(matches!(st.state, StandingState::Running { .. }));
+        }
+        Claim::Acquired => panic!("two takeovers of one abandoned record both acquired"),
+    }
+    // A live record is not takeable even with its own token.
+    match s.reclaim(&b, a.token).await.unwrap() {
+        Claim::Standing(st) => assert_eq!(st.token, a.token),
+        Claim::Acquired => panic!("a live reservation was taken over"),
+    }
+}
+
+async fn renewal_keeps_a_live_holder<S: Store + ?Sized>(
+    s: &S,
+    advance: &(impl Fn(Duration) + Send + Sync),
+) {
+    let scope = fresh_scope();
+    let holder = req(&scope, "k", 1, 3 * SECOND);
+    assert_eq!(claim(s, &holder).await, Claim::Acquired);
+    for _ in 0..3 {
+        advance(2 * SECOND);
+        assert!(
+            s.renew(&scope, "k", holder.token, 3 * SECOND)
+                .await
+                .unwrap(),
+            "renew"
+        );
+    }
+    advance(2 * SECOND);
+    match claim(s, &req(&scope, "k", 1, SECOND)).await {
+        Claim::Standing(st) => assert!(
+            matches!(st.state, StandingState::Running { .. }),
+            "a renewed lease is still running after 8 s of a 3 s lease: {:?}",
+            st.state
+        ),
+        Claim::Acquired => panic!("renewed reservation was lost"),
+    }
+}
+
+async fn completed_record_expires_after_retention<S: Store + ?Sized>(
+    s: &S,
+    advance: &(impl Fn(Duration) + Send + Sync),
+) {
+    let scope = fresh_scope();
+    let first = req(&scope, "k", 1, 30 * SECOND);
+    assert_eq!(claim(s, &first).await, Claim::Acquired);
+    assert!(
+        s.complete(&scope, "k", first.token, &response("x"), 5 * SECOND)
+            .await
+            .unwrap()
+    );
+    advance(4 * SECOND);
+    assert!(
+        matches!(
+            claim(s, &req(&scope, "k", 1, SECOND)).await,
+            Claim::Standing(st) if matches!(st.state, StandingState::Completed(_))
+        ),
+        "within retention the record replays"
+    );
+    advance(2 * SECOND);
+    // Expiry is enforced when claiming, sweeper or not: the key runs again, any request.
+    let again = req(&scope, "k", 2, SECOND);
+    match claim(s, &again).await {
+        Claim::Acquired => {}
+        Claim::Standing(st) => {
+            assert_eq!(st.state, StandingState::Expired);
+            assert_eq!(s.reclaim(&again, st.token).await.unwrap(), Claim::Acquired);
+        }
+    }
+}
+
+async fn reservation_expires_lease_plus_retention_after_claim<S: Store + ?Sized>(
+    s: &S,
+    advance: &(impl Fn(Duration) + Send + Sync),
+) {
+    let scope = fresh_scope();
+    let mut first = req(&scope, "k", 1, 2 * SECOND);
+    first.retention = 3 * SECOND;
+    assert_eq!(claim(s, &first).await, Claim::Acquired);
+    advance(4 * SECOND);
+    match claim(s, &req(&scope, "k", 2, SECOND)).await {
+        Claim::Standing(st) => {
+            assert_eq!(st.state, StandingState::Abandoned, "lapsed, not expired")
+        }
+        Claim::Acquired => panic!("a reservation expired before lease + retention"),
+    }
+    advance(2 * SECOND);
+    let again = req(&scope, "k", 2, SECOND);
+    match claim(s, &again).await {
+        Claim::Acquired => {}
+        Claim::Standing(st) => {
+            assert_eq!(st.state, StandingState::Expired);
+            assert_eq!(s.reclaim(&again, st.token).await.unwrap(), Claim::Acquired);
+        }
+    }
+}
+
+async fn sweeper_never_frees_a_live_record<S: Store + ?Sized>(
+    s: &S,
+    advance: &(impl Fn(Duration) + Send + Sync),
+) {
+    let scope = fresh_scope();
+    let mut running = req(&scope, "running", 1, 20 * SECOND);
+    running.retention = SECOND;
+    assert_eq!(claim(s, &running).await, Claim::Acquired);
+    let done = req(&scope, "done", 1, 20 * SECOND);
+    assert_eq!(claim(s, &done).await, Claim::Acquired);
+    assert!(
+        s.complete(&scope, "done", done.token, &response("d"), 20 * SECOND)
+            .await
+            .unwrap()
+    );
+    advance(10 * SECOND);
+    while s.sweep(500).await.unwrap() >= 500 {}
+    assert!(
+        s.renew(&scope, "running", running.token, 20 * SECOND)
+            .await
+            .unwrap(),
+        "the sweeper freed a reservation inside its lease"
+    );
+    assert!(
+        matches!(
+            claim(s, &req(&scope, "done", 1, SECOND)).await,
+            Claim::Standing(st) if matches!(st.state, StandingState::Completed(_))
+        ),
+        "the sweeper freed a completed record inside its retention"
+    );
+}
+
+async fn sweeper_frees_expired_records_in_batches<S: Store + ?Sized>(
+    s: &S,
+    advance: &(impl Fn(Duration) + Send + Sync),
+) {
+    // Whatever earlier cases left behind expires too; sweep it first so counts are ours.
+    advance(3600 * SECOND);
+    while s.sweep(500).await.unwrap() > 0 {}
+    let scope = fresh_scope();
+    let keys: Vec<String> = (0..1_100).map(|i| format!("k{i}")).collect();
+    for key in &keys {
+        let mut r = req(&scope, key, 1, SECOND);
+        r.retention = SECOND;
+        assert_eq!(claim(s, &r).await, Claim::Acquired);
+    }
+    let live = req(&scope, "live", 1, 3600 * SECOND);
+    assert_eq!(claim(s, &live).await, Claim::Acquired);
+    advance(3 * SECOND);
+    let mut swept = Vec::new();
+    loop {
+        let n = s.sweep(500).await.unwrap();
+        assert!(n <= 500, "a sweep deleted more than its batch: {n}");
+        swept.push(n);
+        if n < 500 {
+            break;
+        }
+    }
+    assert_eq!(swept.iter().sum::<usize>(), 1_100, "batches: {swept:?}");
+    assert!(
+        s.renew(&scope, "live", live.token, SECOND).await.unwrap(),
+        "live record survived"
+    );
+    // Swept keys are free.
+    assert_eq!(
+        claim(s, &req(&scope, "k7", 2, SECOND)).await,
+        Claim::Acquired
+    );
+}

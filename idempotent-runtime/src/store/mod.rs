@@ -1,0 +1,333 @@
+//! The `Store` trait every backend implements, and the record it keeps (DESIGN.md §3, §5).
+//!
+//! A store does the conditional writes; the decisions (replay, 409, 422, reclaim) are made by
+//! [`crate::record`] from what the store reports, identically for every backend. A store reports
+//! time-dependent state (lease running, abandoned, expired) by its own clock: the in-memory store
+//! by an injectable [`Clock`](crate::clock::Clock), the SQL stores by the database's.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::fingerprint::Fingerprint;
+use crate::scope::ScopeHash;
+
+pub mod memory;
+
+#[cfg(any(test, feature = "testing"))]
+pub mod contract;
+
+/// A fencing token: fresh for every claim and reclaim. Completing, releasing and renewing are
+/// conditional on it, so a holder whose lease lapsed can never touch its successor's record.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FencingToken(pub u64);
+
+impl FencingToken {
+    /// A new token, unpredictable and distinct from every other token this process mints.
+    pub fn mint() -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        use std::sync::OnceLock;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        // SipHash keyed with process-random keys over a counter: a permutation-like PRF, so
+        // tokens never repeat within a process and are random across replicas.
+        static KEYS: OnceLock<std::collections::hash_map::RandomState> = OnceLock::new();
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let mut h = KEYS.get_or_init(Default::default).build_hasher();
+        h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+        Self(h.finish())
+    }
+
+    /// The token as a signed integer, for SQL `bigint` columns.
+    pub fn as_i64(self) -> i64 {
+        self.0 as i64
+    }
+
+    /// The token from a SQL `bigint` column.
+    pub fn from_i64(v: i64) -> Self {
+        Self(v as u64)
+    }
+}
+
+impl fmt::Debug for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "FencingToken({:016x})", self.0)
+    }
+}
+
+/// The response kept for replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedResponse {
+    /// Final status code.
+    pub status: u16,
+    /// Allowlisted headers, lowercase names, in response order.
+    pub headers: Vec<(String, Bytes)>,
+    /// The complete body.
+    pub body: Bytes,
+}
+
+impl RecordedResponse {
+    /// Bytes this record occupies beyond its struct: headers and body.
+    pub fn weight(&self) -> usize {
+        self.body.len()
+            + self
+                .headers
+                .iter()
+                .map(|(n, v)| n.len() + v.len() + 16)
+                .sum::<usize>()
+    }
+
+    /// Headers in a compact length-prefixed encoding, for SQL `bytea`/`blob` columns.
+    pub fn encode_headers(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.headers.len() * 32);
+        for (name, value) in &self.headers {
+            out.extend_from_slice(&(name.len() as u32).to_be_bytes());
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            out.extend_from_slice(value);
+        }
+        out
+    }
+
+    /// Inverse of [`encode_headers`](Self::encode_headers); `None` on corrupt input.
+    pub fn decode_headers(mut raw: &[u8]) -> Option<Vec<(String, Bytes)>> {
+        fn take<'a>(raw: &mut &'a [u8]) -> Option<&'a [u8]> {
+            let (len, rest) = raw.split_first_chunk::<4>()?;
+            let len = u32::from_be_bytes(*len) as usize;
+            if rest.len() < len {
+                return None;
+            }
+            let (v, rest) = rest.split_at(len);
+            *raw = rest;
+            Some(v)
+        }
+        let mut headers = Vec::new();
+        while !raw.is_empty() {
+            let name = String::from_utf8(take(&mut raw)?.to_vec()).ok()?;
+            let value = Bytes::copy_from_slice(take(&mut raw)?);
+            headers.push((name, value));
+        }
+        Some(headers)
+    }
+}
+
+/// A claim: install `token` for `(scope, key)` unless a live record stands there.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest<'a> {
+    /// Scope hash, the first half of the store key.
+    pub scope: &'a ScopeHash,
+    /// The idempotency key, the second half.
+    pub key: &'a str,
+    /// Per-scope quota bucket (see [`Scope::quota_bucket`](crate::scope::Scope::quota_bucket)).
+    pub quota_bucket: u64,
+    /// The request's fingerprint, kept with the reservation.
+    pub fingerprint: Fingerprint,
+    /// The token to install.
+    pub token: FencingToken,
+    /// The reservation's lease.
+    pub lease: Duration,
+    /// How long records live once expired from their lease or completed.
+    pub retention: Duration,
+}
+
+/// Outcome of a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The request's token now holds the key.
+    Acquired,
+    /// A record stands under the key; the caller decides from it.
+    Standing(Standing),
+}
+
+/// A record found under a key, with its time-dependent state judged by the store's clock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Standing {
+    /// The token of whoever holds or completed it.
+    pub token: FencingToken,
+    /// The fingerprint it was claimed with.
+    pub fingerprint: Fingerprint,
+    /// Its state.
+    pub state: StandingState,
+}
+
+/// The state of a standing record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StandingState {
+    /// Reserved and its lease is running.
+    Running {
+        /// What is left of the lease.
+        lease_left: Duration,
+    },
+    /// Reserved, its lease lapsed, not yet expired: its holder is presumed dead.
+    Abandoned,
+    /// Completed and within retention.
+    Completed(Arc<RecordedResponse>),
+    /// Past its expiry: as good as gone (expiry is enforced when claiming).
+    Expired,
+}
+
+/// Why a store operation failed.
+#[derive(Debug)]
+pub enum StoreError {
+    /// The store could not be reached or answered with an error; the outcome is unknown.
+    Unavailable(Box<dyn std::error::Error + Send + Sync>),
+    /// The store is at its record or byte bound.
+    Full,
+    /// The caller's scope is at its record quota.
+    QuotaExceeded,
+}
+
+impl StoreError {
+    /// Wraps a backend error.
+    pub fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Unavailable(e.into())
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unavailable(e) => write!(f, "idempotency store unavailable: {e}"),
+            Self::Full => f.write_str("idempotency store full"),
+            Self::QuotaExceeded => {
+                f.write_str("the caller's share of the idempotency store is full")
+            }
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Unavailable(e) => Some(&**e),
+            _ => None,
+        }
+    }
+}
+
+/// A backend that keeps idempotency records.
+///
+/// Every method is one conditional write (or read) decided by the backend atomically; the
+/// contract suite ([`contract`], feature `testing`) checks an implementation.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Installs `req.token` under `(scope, key)` if nothing live stands there; otherwise reports
+    /// what stands. An expired record is either taken over here (reported as
+    /// [`Claim::Acquired`]) or reported as [`StandingState::Expired`] for a [`reclaim`](Self::reclaim).
+    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError>;
+
+    /// Takes over a record held by `stale` that is expired, or abandoned (lease lapsed): installs
+    /// `req.token`, `req.fingerprint` and a new lease. If `stale` no longer holds the key, or the
+    /// record is no longer takeable, reports what stands instead (or acquires, if nothing does).
+    async fn reclaim(
+        &self,
+        req: &ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> Result<Claim, StoreError>;
+
+    /// Turns the reservation held by `token` into a completed record kept for `retention`.
+    /// `Ok(false)` when `token` no longer holds the key (fenced).
+    async fn complete(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+        response: &RecordedResponse,
+        retention: Duration,
+    ) -> Result<bool, StoreError>;
+
+    /// Deletes the reservation held by `token`. `Ok(false)` when `token` no longer holds it.
+    async fn release(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+    ) -> Result<bool, StoreError>;
+
+    /// Extends the lease held by `token` to `lease` from now. `Ok(false)` when fenced or
+    /// already completed.
+    async fn renew(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError>;
+
+    /// Deletes up to `batch` expired records, re-checking expiry in the delete itself. Returns
+    /// how many were deleted; a full batch means more may remain.
+    async fn sweep(&self, batch: usize) -> Result<usize, StoreError>;
+}
+
+impl fmt::Debug for dyn Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("dyn Store")
+    }
+}
+
+/// Runs [`Store::sweep`] on a cadence of `min(retention, 1 h)`, sweeping again at once while
+/// batches come back full. The task holds the store weakly and ends when the store is dropped
+/// (or when the returned handle is aborted). Must be called inside a Tokio runtime.
+pub fn spawn_sweeper(
+    store: std::sync::Weak<dyn Store>,
+    retention: Duration,
+    batch: usize,
+) -> tokio::task::JoinHandle<()> {
+    let cadence = retention
+        .min(Duration::from_secs(3600))
+        .max(Duration::from_millis(10));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(cadence);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(store) = store.upgrade() else { return };
+            loop {
+                match store.sweep(batch).await {
+                    Ok(n) if n >= batch => continue,
+                    Ok(n) => {
+                        if n > 0 {
+                            tracing::debug!(deleted = n, "idempotency sweep");
+                        }
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "idempotency sweep failed; will retry next cadence");
+                        break;
+                    }
+                }
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_through_their_encoding() {
+        let r = RecordedResponse {
+            status: 201,
+            headers: vec![
+                ("location".into(), Bytes::from_static(b"/orders/1")),
+                ("etag".into(), Bytes::from_static(b"")),
+            ],
+            body: Bytes::new(),
+        };
+        assert_eq!(
+            RecordedResponse::decode_headers(&r.encode_headers()),
+            Some(r.headers)
+        );
+        assert_eq!(RecordedResponse::decode_headers(&[0, 0, 0, 9, b'x']), None);
+    }
+
+    #[test]
+    fn minted_tokens_do_not_repeat() {
+        let tokens: std::collections::HashSet<_> =
+            (0..10_000).map(|_| FencingToken::mint()).collect();
+        assert_eq!(tokens.len(), 10_000);
+    }
+}

@@ -1,0 +1,3 @@
+//! Shared pieces of the workspace's examples and integration tests (not published).
+
+pub mod conformance;
