@@ -11,6 +11,7 @@
 
 pub mod clock;
 pub mod config;
+pub mod context;
 pub mod fingerprint;
 pub mod key;
 pub mod observe;
@@ -21,5 +22,6 @@ pub mod scope;
 pub mod store;
 
 pub use config::{Config, EndpointConfig};
+pub use context::IdempotencyContext;
 pub use runtime::IdempotencyStore;
 pub use scope::{ClientId, Identity};
