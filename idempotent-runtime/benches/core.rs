@@ -1,0 +1,120 @@
+//! Core costs without any web framework: fingerprinting, and the store round trips of a first
+//! request (claim + complete) and a replay on the in-memory store.
+//!
+//! `cargo bench -p idempotent-runtime --bench core`
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::config::{Effective, EndpointConfig};
+use idempotent_runtime::fingerprint::{self, FingerprintInput};
+use idempotent_runtime::key::IdempotencyKey;
+use idempotent_runtime::runtime::{Begin, BeginRequest};
+use idempotent_runtime::scope::{Identity, Scope};
+use idempotent_runtime::store::RecordedResponse;
+use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
+
+fn input<'a>(scope: &'a Scope, body: &'a [u8]) -> FingerprintInput<'a> {
+    FingerprintInput {
+        method: "POST",
+        route: Some("/shops/{shop}/orders"),
+        path_params: &["7"],
+        query: Some("b=2&a=1"),
+        scope,
+        content_type: Some(b"application/json"),
+        body,
+    }
+}
+
+fn fingerprinting(c: &mut Criterion) {
+    let scope = Scope::from_identity(&Identity::subject("acme", "alice"), None).unwrap();
+    let mut group = c.benchmark_group("fingerprint");
+    for size in [1 << 10, 64 << 10, 1 << 20] {
+        let body = vec![b'x'; size];
+        group.throughput(Throughput::Bytes(size as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(size), &body, |b, body| {
+            b.iter(|| fingerprint::compute(black_box(&input(&scope, body)), None))
+        });
+    }
+    group.finish();
+}
+
+fn memory_store(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // Unbounded, so that millions of iterations measure the claim path, not the quota refusal.
+    let store = MemoryStore::builder()
+        .limits(MemoryLimits {
+            max_records: usize::MAX,
+            max_bytes: usize::MAX,
+            max_records_per_scope: usize::MAX,
+        })
+        .build();
+    let handle = rt.block_on(async { IdempotencyStore::new(store) });
+    let scope = Scope::from_identity(&Identity::subject("acme", "alice"), None).unwrap();
+    let body = vec![b'x'; 1024];
+    let endpoint: Effective = EndpointConfig::REQUIRED.resolve(handle.config());
+    let response = RecordedResponse {
+        status: 201,
+        headers: vec![(
+            "content-type".into(),
+            Bytes::from_static(b"application/json"),
+        )],
+        body: Bytes::from(vec![b'y'; 200]),
+    };
+    let mut group = c.benchmark_group("memory_store");
+    let mut n = 0u64;
+    group.bench_function("first_request_claim_complete", |b| {
+        b.iter(|| {
+            n += 1;
+            let key = IdempotencyKey::new(&format!("key-{n}")).unwrap();
+            rt.block_on(async {
+                let req = BeginRequest {
+                    key: &key,
+                    input: input(&scope, &body),
+                    endpoint: &endpoint,
+                };
+                match handle.begin(&req).await {
+                    Begin::Run(reservation) => reservation.complete(&response).await,
+                    other => panic!("{other:?}"),
+                }
+            })
+        })
+    });
+    let key = IdempotencyKey::new("replayed").unwrap();
+    rt.block_on(async {
+        let req = BeginRequest {
+            key: &key,
+            input: input(&scope, &body),
+            endpoint: &endpoint,
+        };
+        match handle.begin(&req).await {
+            Begin::Run(reservation) => reservation.complete(&response).await,
+            other => panic!("{other:?}"),
+        }
+    });
+    group.bench_function("replay", |b| {
+        b.iter(|| {
+            rt.block_on(async {
+                let req = BeginRequest {
+                    key: &key,
+                    input: input(&scope, &body),
+                    endpoint: &endpoint,
+                };
+                match handle.begin(&req).await {
+                    Begin::Replay(r) => black_box(Arc::clone(&r)),
+                    other => panic!("{other:?}"),
+                }
+            })
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, fingerprinting, memory_store);
+criterion_main!(benches);
