@@ -13,6 +13,7 @@ pub mod clock;
 pub mod config;
 pub mod context;
 pub mod fingerprint;
+pub mod inbox;
 pub mod key;
 pub mod observe;
 pub mod problem;

@@ -1,0 +1,516 @@
+//! The PostgreSQL inbox: a marker row per processed message, written in the handler's transaction.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use sqlx::postgres::{PgConnection, PgDatabaseError, PgPool};
+use sqlx::{AssertSqlSafe, Postgres, Transaction};
+
+use super::{
+    BoxFuture, DEFAULT_RETENTION, DEFAULT_SWEEP_BATCH, InboxError, Outcome, Processed, observe,
+    observe_swept, sweep_cadence,
+};
+
+/// The default table name, `processed_messages`.
+pub const DEFAULT_TABLE: &str = "processed_messages";
+
+/// The default `lock_timeout` a copy waits on a concurrent copy's uncommitted marker: 5 s.
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Longest table name accepted, so that `<table>_pkey` and `<table>_sweep_idx` fit PostgreSQL's
+/// 63-byte identifiers (longer names are silently truncated, and the inbox recognises its
+/// constraint by its exact name).
+const MAX_TABLE_NAME: usize = 50;
+
+/// A processed-messages inbox in PostgreSQL (DESIGN.md §6), for any number of consumer processes.
+///
+/// [`process`](Self::process) opens a transaction, sets `lock_timeout` for it, inserts the
+/// marker `(consumer, message_id)` **first**, then runs the handler on the same connection and
+/// commits marker and effects together:
+///
+/// - the insert violates the inbox's primary key `processed_messages_pkey` → the message was
+///   processed before: rolled back, [`Processed::Duplicate`], the handler does not run;
+/// - the insert waits on a concurrent copy's uncommitted marker: it proceeds if that copy rolls
+///   back, is a duplicate if it commits, and gives up after `lock_timeout` (SQLSTATE 55P03) as
+///   [`Processed::Busy`];
+/// - the handler fails → rolled back, no marker stays, [`InboxError::Handler`]: the redelivery
+///   runs it again. A unique violation of the handler's own (any other constraint) is the
+///   handler's failure, never taken for a duplicate;
+/// - the commit fails → [`InboxError::Store`], or [`Processed::Duplicate`] if it failed on the
+///   inbox's own constraint.
+///
+/// The handler receives the transaction's connection: it writes through it and must not commit.
+/// The transaction's `lock_timeout` applies to its statements too. To recover from an expected
+/// error inside the handler, use a savepoint (`sqlx::Connection::begin(conn)`): a failed
+/// statement otherwise aborts the whole transaction, which the inbox reports as
+/// [`InboxError::Store`] rather than committing nothing and acking.
+///
+/// ```no_run
+/// use idempotent_runtime::inbox::{InboxError, PgInbox, Processed};
+/// use sqlx::PgPool;
+///
+/// # async fn example(pool: PgPool, message_id: &str, sku: &str, qty: i32) -> Result<(), InboxError<sqlx::Error>> {
+/// let inbox = PgInbox::new(pool, "reserve-stock");
+/// inbox.migrate().await.map_err(|e| InboxError::Store(e.into()))?;
+///
+/// let sku = sku.to_owned();
+/// let outcome = inbox
+///     .process(message_id, |conn| {
+///         Box::pin(async move {
+///             sqlx::query("UPDATE stock SET reserved = reserved + $2 WHERE sku = $1")
+///                 .bind(&sku)
+///                 .bind(qty)
+///                 .execute(&mut *conn)
+///                 .await?;
+///             Ok::<_, sqlx::Error>(sku)
+///         })
+///     })
+///     .await?;
+/// match outcome {
+///     Processed::Done(sku) => println!("reserved {sku}: ack"),
+///     Processed::Duplicate => println!("already reserved: ack"),
+///     Processed::Busy => println!("a copy is being processed: nack"),
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PgInbox {
+    pool: PgPool,
+    s: Arc<Settings>,
+}
+
+struct Settings {
+    consumer: String,
+    schema: Option<String>,
+    table: String,
+    constraint: String,
+    /// `"schema"."table"` or `"table"`.
+    qualified: String,
+    lock_timeout: Duration,
+    retention: Duration,
+    begin_sql: Arc<str>,
+    insert_sql: Arc<str>,
+    sweep_sql: Arc<str>,
+}
+
+impl fmt::Debug for PgInbox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgInbox")
+            .field("consumer", &self.s.consumer)
+            .field("table", &self.s.qualified)
+            .field("lock_timeout", &self.s.lock_timeout)
+            .field("retention", &self.s.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`PgInbox`]; from [`PgInbox::builder`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct PgInboxBuilder {
+    pool: PgPool,
+    consumer: String,
+    schema: Option<String>,
+    table: String,
+    lock_timeout: Duration,
+    retention: Duration,
+}
+
+/// A schema or table name the inbox refuses: it must be a lowercase SQL identifier
+/// (`[a-z_][a-z0-9_]*`; table names up to 50 bytes, schema names up to 63).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidName(String);
+
+impl fmt::Display for InvalidName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid inbox {}: use a lowercase SQL identifier ([a-z_][a-z0-9_]*)",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for InvalidName {}
+
+fn valid_identifier(name: &str, max: usize) -> bool {
+    let mut chars = name.chars();
+    name.len() <= max
+        && chars
+            .next()
+            .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+}
+
+impl PgInboxBuilder {
+    /// The schema holding the table (default: the connection's `search_path`). `migrate()`
+    /// creates it if missing.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = Some(schema.into());
+        self
+    }
+
+    /// The table name (default `processed_messages`). Its primary key constraint is
+    /// `<table>_pkey`, the name by which duplicates are recognised.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// How long a copy waits on a concurrent copy's uncommitted marker before answering
+    /// [`Processed::Busy`] (default 5 s; at least 1 ms, since 0 would mean "wait forever").
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout;
+        self
+    }
+
+    /// How long markers are kept before [`PgInbox::sweep`] deletes them (default 7 days). A
+    /// copy redelivered after that runs again: keep it longer than the broker may redeliver.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The inbox, or the name that is not a valid identifier.
+    pub fn build(self) -> Result<PgInbox, InvalidName> {
+        if !valid_identifier(&self.table, MAX_TABLE_NAME) {
+            return Err(InvalidName(format!("table name {:?}", self.table)));
+        }
+        if let Some(schema) = &self.schema
+            && !valid_identifier(schema, 63)
+        {
+            return Err(InvalidName(format!("schema name {schema:?}")));
+        }
+        let qualified = match &self.schema {
+            Some(schema) => format!("\"{schema}\".\"{}\"", self.table),
+            None => format!("\"{}\"", self.table),
+        };
+        let lock_ms = self.lock_timeout.as_millis().clamp(1, i32::MAX as u128);
+        let begin_sql = format!("BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'");
+        let insert_sql = format!("INSERT INTO {qualified} (consumer, message_id) VALUES ($1, $2)");
+        // The delete re-checks the age predicate (DESIGN.md §3); SKIP LOCKED keeps two sweepers
+        // from queueing behind each other.
+        let sweep_sql = format!(
+            "DELETE FROM {qualified} WHERE consumer = $1 AND message_id IN (\
+               SELECT message_id FROM {qualified} \
+               WHERE consumer = $1 AND processed_at < now() - $2::bigint * interval '1 millisecond' \
+               ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
+             AND processed_at < now() - $2::bigint * interval '1 millisecond'"
+        );
+        Ok(PgInbox {
+            pool: self.pool,
+            s: Arc::new(Settings {
+                constraint: format!("{}_pkey", self.table),
+                consumer: self.consumer,
+                schema: self.schema,
+                table: self.table,
+                qualified,
+                lock_timeout: self.lock_timeout,
+                retention: self.retention,
+                begin_sql: begin_sql.into(),
+                insert_sql: insert_sql.into(),
+                sweep_sql: sweep_sql.into(),
+            }),
+        })
+    }
+}
+
+/// The handler returned `Ok` although one of its statements failed and aborted the transaction.
+#[derive(Debug)]
+struct AbortedTransaction(sqlx::Error);
+
+impl fmt::Display for AbortedTransaction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(
+            "the inbox handler returned Ok, but one of its statements failed and aborted the \
+             transaction, so nothing was committed; return the error, or recover inside a \
+             savepoint (sqlx::Connection::begin on the handler's connection)",
+        )
+    }
+}
+
+impl std::error::Error for AbortedTransaction {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+fn sqlstate(e: &sqlx::Error) -> Option<String> {
+    e.as_database_error()
+        .and_then(|d| d.code().map(|c| c.into_owned()))
+}
+
+impl PgInbox {
+    /// An inbox for `consumer` in table `processed_messages`, with the default lock timeout
+    /// (5 s) and retention (7 days).
+    pub fn new(pool: PgPool, consumer: impl Into<String>) -> Self {
+        Self::builder(pool, consumer)
+            .build()
+            .expect("the default table name is a valid identifier")
+    }
+
+    /// Configures an inbox for `consumer`: markers are per consumer, so several consumers of the
+    /// same messages may share one table.
+    pub fn builder(pool: PgPool, consumer: impl Into<String>) -> PgInboxBuilder {
+        PgInboxBuilder {
+            pool,
+            consumer: consumer.into(),
+            schema: None,
+            table: DEFAULT_TABLE.to_owned(),
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            retention: DEFAULT_RETENTION,
+        }
+    }
+
+    /// The consumer this inbox deduplicates for.
+    pub fn consumer(&self) -> &str {
+        &self.s.consumer
+    }
+
+    /// The table, quoted and schema-qualified as it appears in SQL.
+    pub fn table(&self) -> &str {
+        &self.s.qualified
+    }
+
+    /// The primary key constraint by whose name duplicates are recognised.
+    pub fn constraint(&self) -> &str {
+        &self.s.constraint
+    }
+
+    /// The pool the inbox runs on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Creates the schema (if configured), the table and its sweep index if they are missing,
+    /// and checks that the table's primary key carries the expected constraint name. Idempotent,
+    /// and safe to run from several processes at once (serialised by a transaction-scoped
+    /// advisory lock derived from the table's name, so it never waits on the application's own
+    /// sqlx migrations).
+    pub async fn migrate(&self) -> Result<(), sqlx::Error> {
+        let s = &*self.s;
+        let lock_id = {
+            let digest = Sha256::digest(format!("idempotent-inbox:{}", s.qualified));
+            i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
+        };
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(lock_id)
+            .execute(&mut *tx)
+            .await?;
+        if let Some(schema) = &s.schema {
+            sqlx::query(AssertSqlSafe(format!(
+                "CREATE SCHEMA IF NOT EXISTS \"{schema}\""
+            )))
+            .execute(&mut *tx)
+            .await?;
+        }
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE TABLE IF NOT EXISTS {q} (\
+               consumer text NOT NULL, \
+               message_id text NOT NULL, \
+               processed_at timestamptz NOT NULL DEFAULT now(), \
+               CONSTRAINT \"{c}\" PRIMARY KEY (consumer, message_id))",
+            q = s.qualified,
+            c = s.constraint,
+        )))
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE INDEX IF NOT EXISTS \"{t}_sweep_idx\" ON {q} (consumer, processed_at)",
+            t = s.table,
+            q = s.qualified,
+        )))
+        .execute(&mut *tx)
+        .await?;
+        let has_pkey: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_constraint \
+             WHERE conrelid = $1::regclass AND conname = $2 AND contype = 'p')",
+        )
+        .bind(&s.qualified)
+        .bind(&s.constraint)
+        .fetch_one(&mut *tx)
+        .await?;
+        if !has_pkey {
+            return Err(sqlx::Error::Configuration(
+                format!(
+                    "inbox table {} exists without a primary key constraint named {}; the inbox \
+                     recognises duplicates by that name: rename the constraint or choose another table",
+                    s.qualified, s.constraint
+                )
+                .into(),
+            ));
+        }
+        tx.commit().await
+    }
+
+    /// Whether `e` is a unique violation of this inbox's own primary key (a duplicate), as
+    /// opposed to one of the handler's constraints.
+    fn is_duplicate(&self, e: &sqlx::Error) -> bool {
+        let Some(db) = e.as_database_error() else {
+            return false;
+        };
+        if db.code().as_deref() != Some("23505") || db.constraint() != Some(&self.s.constraint) {
+            return false;
+        }
+        match db.try_downcast_ref::<PgDatabaseError>() {
+            Some(pg) => {
+                pg.table().is_none_or(|t| t == self.s.table)
+                    && match (&self.s.schema, pg.schema()) {
+                        (Some(want), Some(got)) => want == got,
+                        _ => true,
+                    }
+            }
+            None => true,
+        }
+    }
+
+    async fn roll_back(&self, tx: Transaction<'static, Postgres>) {
+        if let Err(e) = tx.rollback().await {
+            // The connection goes back to the pool, which discards it if it is broken.
+            tracing::debug!(consumer = %self.s.consumer, error = %e, "inbox: rollback failed");
+        }
+    }
+
+    fn store_error<T, E>(
+        &self,
+        message_id: &str,
+        e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Result<Processed<T>, InboxError<E>> {
+        let e = e.into();
+        tracing::warn!(consumer = %self.s.consumer, error = %e, "inbox: database error");
+        observe(Outcome::StoreError, &self.s.consumer, message_id);
+        Err(InboxError::Store(e))
+    }
+
+    fn outcome<T, E>(&self, message_id: &str, p: Processed<T>) -> Result<Processed<T>, InboxError<E>> {
+        let o = match p {
+            Processed::Done(_) => Outcome::Done,
+            Processed::Duplicate => Outcome::Duplicate,
+            Processed::Busy => Outcome::Busy,
+        };
+        observe(o, &self.s.consumer, message_id);
+        Ok(p)
+    }
+
+    /// Runs `handler` in a transaction that also records `message_id` as processed, unless it was
+    /// processed before ([`Processed::Duplicate`]) or a concurrent copy holds its marker past the
+    /// lock timeout ([`Processed::Busy`]). See the [type's documentation](Self) for every outcome.
+    ///
+    /// The handler gets the transaction's connection for `'c` and returns a boxed future
+    /// borrowing it: write `|conn| Box::pin(async move { … })` and execute statements with
+    /// `.execute(&mut *conn)`. Move what the future needs into it (clone, or `to_owned()`).
+    pub async fn process<T, E, F>(
+        &self,
+        message_id: &str,
+        handler: F,
+    ) -> Result<Processed<T>, InboxError<E>>
+    where
+        F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, E>>,
+    {
+        let s = &*self.s;
+        let mut tx = match self
+            .pool
+            .begin_with(AssertSqlSafe(s.begin_sql.clone()))
+            .await
+        {
+            Ok(tx) => tx,
+            Err(e) => return self.store_error(message_id, e),
+        };
+        let marker = sqlx::query(AssertSqlSafe(s.insert_sql.clone()))
+            .bind(&s.consumer)
+            .bind(message_id)
+            .execute(&mut *tx)
+            .await;
+        if let Err(e) = marker {
+            self.roll_back(tx).await;
+            return if self.is_duplicate(&e) {
+                self.outcome(message_id, Processed::Duplicate)
+            } else if sqlstate(&e).as_deref() == Some("55P03") {
+                self.outcome(message_id, Processed::Busy)
+            } else {
+                self.store_error(message_id, e)
+            };
+        }
+
+        let value = match handler(&mut tx).await {
+            Ok(value) => value,
+            Err(e) => {
+                self.roll_back(tx).await;
+                observe(Outcome::Failed, &s.consumer, message_id);
+                return Err(InboxError::Handler(e));
+            }
+        };
+
+        // PostgreSQL turns COMMIT of an aborted transaction into a silent ROLLBACK: a handler
+        // that swallowed a failed statement's error would be acked with nothing committed.
+        if let Err(e) = sqlx::query("SELECT 1").execute(&mut *tx).await {
+            self.roll_back(tx).await;
+            return if sqlstate(&e).as_deref() == Some("25P02") {
+                self.store_error(message_id, AbortedTransaction(e))
+            } else {
+                self.store_error(message_id, e)
+            };
+        }
+        match tx.commit().await {
+            Ok(()) => self.outcome(message_id, Processed::Done(value)),
+            // Only possible with a deferred constraint, but then it is still a duplicate: the
+            // whole transaction, the handler's changes included, was rolled back.
+            Err(e) if self.is_duplicate(&e) => self.outcome(message_id, Processed::Duplicate),
+            Err(e) => self.store_error(message_id, e),
+        }
+    }
+
+    /// Deletes up to `batch` of this consumer's markers older than the retention, re-checking
+    /// the age in the delete itself; returns how many. A full batch means more may remain.
+    pub async fn sweep(&self, batch: usize) -> Result<usize, sqlx::Error> {
+        let retention_ms = self.s.retention.as_millis().min(i64::MAX as u128) as i64;
+        let done = sqlx::query(AssertSqlSafe(self.s.sweep_sql.clone()))
+            .bind(&self.s.consumer)
+            .bind(retention_ms)
+            .bind(batch.min(i64::MAX as usize) as i64)
+            .execute(&self.pool)
+            .await?;
+        let deleted = done.rows_affected() as usize;
+        observe_swept(&self.s.consumer, deleted);
+        Ok(deleted)
+    }
+
+    /// Sweeps in batches of 500 on a cadence of `min(retention, 1 h)`, again at once while
+    /// batches come back full; a failed sweep is logged and retried at the next tick. Runs until
+    /// the handle is aborted. Must be called inside a Tokio runtime.
+    ///
+    /// ```no_run
+    /// # async fn example(inbox: idempotent_runtime::inbox::PgInbox) {
+    /// let sweeper = inbox.spawn_sweeper();
+    /// // … consume …
+    /// sweeper.abort();
+    /// # }
+    /// ```
+    pub fn spawn_sweeper(&self) -> tokio::task::JoinHandle<()> {
+        let inbox = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(sweep_cadence(inbox.s.retention));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                loop {
+                    match inbox.sweep(DEFAULT_SWEEP_BATCH).await {
+                        Ok(n) if n >= DEFAULT_SWEEP_BATCH => continue,
+                        Ok(_) => break,
+                        Err(e) => {
+                            tracing::warn!(
+                                consumer = %inbox.s.consumer,
+                                error = %e,
+                                "inbox: sweep failed; will retry at the next tick"
+                            );
+                            break;
+                        }
+                    }
+                }
+            }
+        })
+    }
+}
