@@ -473,3 +473,297 @@ async fn sweeper_frees_expired_records_in_batches<S: Store + ?Sized>(
         Claim::Acquired
     );
 }
+
+/// Model-based checking: random sequences of operations run against a store and against a
+/// simple reference model, comparing every answer. Generate [`Op`] sequences with any
+/// property-testing tool and call [`check_model`] for each.
+pub mod model {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+
+    use super::{fp, fresh_scope};
+    use crate::store::{Claim, ClaimRequest, FencingToken, RecordedResponse, StandingState, Store};
+
+    /// Keys a sequence works on.
+    pub const KEYS: u8 = 3;
+
+    /// One operation. Durations are whole seconds so that a store judging time by the database
+    /// clock (which moves a little on its own while the test runs) never lands on a boundary.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Op {
+        /// Claim `key % KEYS` with fingerprint `fp % 2` and a lease of `lease_s` (1–4) seconds;
+        /// an abandoned or expired record found is taken over, as the engine does.
+        Claim {
+            /// Key index.
+            key: u8,
+            /// Fingerprint index.
+            fp: u8,
+            /// Lease in seconds.
+            lease_s: u8,
+        },
+        /// Complete with the current holder's token (`stale == false`) or an older one.
+        Complete {
+            /// Key index.
+            key: u8,
+            /// Use a stale token.
+            stale: bool,
+            /// Retention in seconds (1–4).
+            retention_s: u8,
+        },
+        /// Release with the current or a stale token.
+        Release {
+            /// Key index.
+            key: u8,
+            /// Use a stale token.
+            stale: bool,
+        },
+        /// Renew with the current or a stale token for `lease_s` seconds.
+        Renew {
+            /// Key index.
+            key: u8,
+            /// Use a stale token.
+            stale: bool,
+            /// Lease in seconds.
+            lease_s: u8,
+        },
+        /// Move the clock forward by whole seconds (0–3).
+        Advance {
+            /// Seconds.
+            secs: u8,
+        },
+        /// Run one sweep.
+        Sweep,
+    }
+
+    #[derive(Debug, Clone)]
+    struct Rec {
+        token: FencingToken,
+        fp: u8,
+        lease_until: u64,
+        completed: Option<u8>,
+        expires_at: u64,
+        retention: u64,
+    }
+
+    /// The reference: a map and a clock in whole seconds.
+    #[derive(Debug, Default)]
+    struct Model {
+        now: u64,
+        records: HashMap<u8, Rec>,
+        stale: HashMap<u8, FencingToken>,
+    }
+
+    impl Model {
+        fn live(&self, key: u8) -> Option<&Rec> {
+            self.records.get(&key).filter(|r| self.now < r.expires_at)
+        }
+    }
+
+    const RETENTION_S: u64 = 2;
+
+    fn response(id: u8) -> RecordedResponse {
+        RecordedResponse {
+            status: 200,
+            headers: vec![("etag".into(), Bytes::from(vec![id]))],
+            body: Bytes::from(vec![id; 3]),
+        }
+    }
+
+    /// Runs `ops` against `store` and the model; panics at the first disagreement.
+    pub async fn check_model<S: Store + ?Sized>(
+        store: Arc<S>,
+        advance: impl Fn(Duration),
+        ops: &[Op],
+    ) {
+        let scope = fresh_scope();
+        let keys: Vec<String> = (0..KEYS).map(|k| format!("model-{k}")).collect();
+        let mut m = Model::default();
+        let mut completions = 0u8;
+        for (step, op) in ops.iter().enumerate() {
+            let ctx = format!("step {step}: {op:?}");
+            match *op {
+                Op::Claim {
+                    key,
+                    fp: f,
+                    lease_s,
+                } => {
+                    let k = key % KEYS;
+                    let f = f % 2;
+                    let lease = u64::from(lease_s.clamp(1, 4));
+                    let req = ClaimRequest {
+                        scope: &scope,
+                        key: &keys[k as usize],
+                        quota_bucket: 0,
+                        fingerprint: fp(f),
+                        token: FencingToken::mint(),
+                        lease: Duration::from_secs(lease),
+                        retention: Duration::from_secs(RETENTION_S),
+                    };
+                    let mut got = store.claim(&req).await.expect("claim");
+                    // Take over what the engine would: expired, or abandoned by the same request.
+                    if let Claim::Standing(st) = &got {
+                        let takeover = st.state == StandingState::Expired
+                            || (st.state == StandingState::Abandoned && st.fingerprint == fp(f));
+                        if takeover {
+                            got = store.reclaim(&req, st.token).await.expect("reclaim");
+                        }
+                    }
+                    let expected = match m.live(k) {
+                        None => None,
+                        Some(r) if r.completed.is_none() && m.now >= r.lease_until && r.fp == f => {
+                            None
+                        }
+                        Some(r) => Some(r.clone()),
+                    };
+                    match (expected, got) {
+                        (None, Claim::Acquired) => {
+                            if let Some(old) = m.records.get(&k) {
+                                m.stale.insert(k, old.token);
+                            }
+                            m.records.insert(
+                                k,
+                                Rec {
+                                    token: req.token,
+                                    fp: f,
+                                    lease_until: m.now + lease,
+                                    completed: None,
+                                    expires_at: m.now + lease + RETENTION_S,
+                                    retention: RETENTION_S,
+                                },
+                            );
+                        }
+                        (Some(r), Claim::Standing(st)) => {
+                            assert_eq!(st.token, r.token, "{ctx}");
+                            assert_eq!(st.fingerprint, fp(r.fp), "{ctx}");
+                            match (r.completed, st.state) {
+                                (Some(id), StandingState::Completed(resp)) => {
+                                    assert_eq!(*resp, response(id), "{ctx}")
+                                }
+                                (None, StandingState::Running { .. }) => {
+                                    assert!(m.now < r.lease_until, "{ctx}")
+                                }
+                                (None, StandingState::Abandoned) => {
+                                    assert!(m.now >= r.lease_until, "{ctx}")
+                                }
+                                (c, s) => panic!("{ctx}: model {c:?}, store {s:?}"),
+                            }
+                        }
+                        (e, g) => panic!("{ctx}: model expected {e:?}, store answered {g:?}"),
+                    }
+                }
+                Op::Complete {
+                    key,
+                    stale,
+                    retention_s,
+                } => {
+                    let k = key % KEYS;
+                    let retention = u64::from(retention_s.clamp(1, 4));
+                    let token = pick(&m, k, stale);
+                    completions = completions.wrapping_add(1);
+                    let ok = store
+                        .complete(
+                            &scope,
+                            &keys[k as usize],
+                            token,
+                            &response(completions),
+                            Duration::from_secs(retention),
+                        )
+                        .await
+                        .expect("complete");
+                    let expect = m.records.get(&k).is_some_and(|r| {
+                        r.token == token && r.completed.is_none() && m.now < r.expires_at
+                    });
+                    // A reservation past its expiry may be completed or refused: it is gone
+                    // either way for the next claim, so the model only checks live ones.
+                    let past_expiry = m.records.get(&k).is_some_and(|r| {
+                        r.token == token && r.completed.is_none() && m.now >= r.expires_at
+                    });
+                    if !past_expiry {
+                        assert_eq!(ok, expect, "{ctx}");
+                    }
+                    if ok {
+                        let now = m.now;
+                        let r = m.records.get_mut(&k).expect("completed a record");
+                        r.completed = Some(completions);
+                        r.expires_at = now + retention;
+                    }
+                }
+                Op::Release { key, stale } => {
+                    let k = key % KEYS;
+                    let token = pick(&m, k, stale);
+                    let ok = store
+                        .release(&scope, &keys[k as usize], token)
+                        .await
+                        .expect("release");
+                    let expect = m.records.get(&k).is_some_and(|r| {
+                        r.token == token && r.completed.is_none() && m.now < r.expires_at
+                    });
+                    let past_expiry = m.records.get(&k).is_some_and(|r| {
+                        r.token == token && r.completed.is_none() && m.now >= r.expires_at
+                    });
+                    if !past_expiry {
+                        assert_eq!(ok, expect, "{ctx}");
+                    }
+                    if ok {
+                        let old = m.records.remove(&k).expect("released a record");
+                        m.stale.insert(k, old.token);
+                    }
+                }
+                Op::Renew {
+                    key,
+                    stale,
+                    lease_s,
+                } => {
+                    let k = key % KEYS;
+                    let lease = u64::from(lease_s.clamp(1, 4));
+                    let token = pick(&m, k, stale);
+                    let ok = store
+                        .renew(&scope, &keys[k as usize], token, Duration::from_secs(lease))
+                        .await
+                        .expect("renew");
+                    let expect = m.records.get(&k).is_some_and(|r| {
+                        r.token == token && r.completed.is_none() && m.now < r.expires_at
+                    });
+                    let past_expiry = m.records.get(&k).is_some_and(|r| {
+                        r.token == token && r.completed.is_none() && m.now >= r.expires_at
+                    });
+                    if !past_expiry {
+                        assert_eq!(ok, expect, "{ctx}");
+                    }
+                    if ok {
+                        let now = m.now;
+                        let r = m.records.get_mut(&k).expect("renewed a record");
+                        r.lease_until = now + lease;
+                        r.expires_at = r.lease_until + r.retention;
+                    }
+                }
+                Op::Advance { secs } => {
+                    let secs = u64::from(secs % 4);
+                    advance(Duration::from_secs(secs));
+                    m.now += secs;
+                }
+                Op::Sweep => {
+                    store.sweep(500).await.expect("sweep");
+                    let now = m.now;
+                    // Swept records are gone; live ones must stay (checked by later claims).
+                    m.records.retain(|_, r| now < r.expires_at);
+                }
+            }
+        }
+    }
+
+    fn pick(m: &Model, key: u8, stale: bool) -> FencingToken {
+        let current = m.records.get(&key).map(|r| r.token);
+        match (stale, current) {
+            (false, Some(t)) => t,
+            _ => m
+                .stale
+                .get(&key)
+                .copied()
+                .unwrap_or(FencingToken(0xdead_beef)),
+        }
+    }
+}

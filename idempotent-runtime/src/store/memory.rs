@@ -618,3 +618,36 @@ mod tests {
         assert!(store.quotas.iter().all(|q| lock(q).is_empty()));
     }
 }
+
+#[cfg(test)]
+mod model_tests {
+    use std::sync::Arc;
+
+    use proptest::prelude::*;
+
+    use super::MemoryStore;
+    use crate::clock::ManualClock;
+    use crate::store::contract::model::{Op, check_model};
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (any::<u8>(), any::<u8>(), 1u8..5).prop_map(|(key, fp, lease_s)| Op::Claim { key, fp, lease_s }),
+            2 => (any::<u8>(), any::<bool>(), 1u8..5).prop_map(|(key, stale, retention_s)| Op::Complete { key, stale, retention_s }),
+            1 => (any::<u8>(), any::<bool>()).prop_map(|(key, stale)| Op::Release { key, stale }),
+            1 => (any::<u8>(), any::<bool>(), 1u8..5).prop_map(|(key, stale, lease_s)| Op::Renew { key, stale, lease_s }),
+            2 => (0u8..4).prop_map(|secs| Op::Advance { secs }),
+            1 => Just(Op::Sweep),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        #[test]
+        fn memory_store_agrees_with_the_reference_model(ops in proptest::collection::vec(op(), 1..60)) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let clock = ManualClock::new();
+            let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+            rt.block_on(check_model(store, move |d| clock.advance(d), &ops));
+        }
+    }
+}
