@@ -190,14 +190,18 @@ impl PgInboxBuilder {
         let lock_ms = self.lock_timeout.as_millis().clamp(1, i32::MAX as u128);
         let begin_sql = format!("BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'");
         let insert_sql = format!("INSERT INTO {qualified} (consumer, message_id) VALUES ($1, $2)");
-        // The delete re-checks the age predicate (DESIGN.md §3); SKIP LOCKED keeps two sweepers
-        // from queueing behind each other.
+        // The delete re-checks the age predicate (DESIGN.md §3). The batch is a CTE so that it is
+        // chosen once: as an `IN (… LIMIT n)` subquery it may be rescanned and, among rows of
+        // equal age, pick different ones each time, deleting more than `n`. SKIP LOCKED keeps
+        // two sweepers from queueing behind each other.
         let sweep_sql = format!(
-            "DELETE FROM {qualified} WHERE consumer = $1 AND message_id IN (\
+            "WITH batch AS MATERIALIZED (\
                SELECT message_id FROM {qualified} \
                WHERE consumer = $1 AND processed_at < now() - $2::bigint * interval '1 millisecond' \
-               ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
-             AND processed_at < now() - $2::bigint * interval '1 millisecond'"
+               ORDER BY processed_at, message_id LIMIT $3 FOR UPDATE SKIP LOCKED) \
+             DELETE FROM {qualified} AS m USING batch \
+             WHERE m.consumer = $1 AND m.message_id = batch.message_id \
+               AND m.processed_at < now() - $2::bigint * interval '1 millisecond'"
         );
         Ok(PgInbox {
             pool: self.pool,
