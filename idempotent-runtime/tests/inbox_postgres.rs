@@ -218,12 +218,17 @@ async fn sixteen_concurrent_copies_apply_the_effect_once() {
         .count();
     assert_eq!(done, 1, "{results:?}");
     assert!(
-        results
-            .iter()
-            .all(|r| matches!(r, Processed::Done(_) | Processed::Duplicate | Processed::Busy)),
+        results.iter().all(|r| matches!(
+            r,
+            Processed::Done(_) | Processed::Duplicate | Processed::Busy
+        )),
         "{results:?}"
     );
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran more than once");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the handler ran more than once"
+    );
     assert_eq!(db.reserved().await, 1);
     assert_eq!(db.markers(&inbox, "msg-1").await, 1);
     db.drop_schema().await;
@@ -269,10 +274,7 @@ async fn a_copy_meeting_an_uncommitted_marker_past_the_lock_timeout_is_busy() {
     assert_eq!(second, Processed::Busy);
     assert!(!second.should_ack());
     release_tx.send(()).unwrap();
-    assert_eq!(
-        first.await.unwrap().unwrap(),
-        Processed::Done("reserved")
-    );
+    assert_eq!(first.await.unwrap().unwrap(), Processed::Done("reserved"));
     let (schema, runs3) = (db.schema.clone(), runs.clone());
     let third = inbox
         .process("msg-1", move |conn| {
@@ -293,7 +295,10 @@ async fn a_handlers_own_unique_violation_propagates_and_is_not_a_duplicate() {
     };
     let inbox = db.inbox("record-order").await;
     assert_eq!(
-        inbox.process("msg-1", insert_order(db.schema.clone(), "msg-1")).await.unwrap(),
+        inbox
+            .process("msg-1", insert_order(db.schema.clone(), "msg-1"))
+            .await
+            .unwrap(),
         Processed::Done(())
     );
     // A different message for the same order violates the handler's own constraint.
@@ -306,7 +311,11 @@ async fn a_handlers_own_unique_violation_propagates_and_is_not_a_duplicate() {
     };
     assert_eq!(e.code().as_deref(), Some("23505"));
     assert_eq!(e.constraint(), Some("reservations_order_key"));
-    assert_eq!(db.markers(&inbox, "msg-2").await, 0, "a failed message kept its marker");
+    assert_eq!(
+        db.markers(&inbox, "msg-2").await,
+        0,
+        "a failed message kept its marker"
+    );
 
     // Even a constraint that shares the inbox's name, on another table, is the handler's.
     let other = format!("{}_other", db.schema);
@@ -356,9 +365,20 @@ async fn a_handler_error_rolls_back_and_leaves_no_marker_so_the_redelivery_runs(
         })
         .await
         .expect_err("the handler's error was swallowed");
-    assert!(matches!(err, InboxError::Handler(sqlx::Error::Protocol(_))), "{err:?}");
-    assert_eq!(db.reserved().await, 0, "the failed handler's change was kept");
-    assert_eq!(db.markers(&inbox, "msg-1").await, 0, "the failed message kept its marker");
+    assert!(
+        matches!(err, InboxError::Handler(sqlx::Error::Protocol(_))),
+        "{err:?}"
+    );
+    assert_eq!(
+        db.reserved().await,
+        0,
+        "the failed handler's change was kept"
+    );
+    assert_eq!(
+        db.markers(&inbox, "msg-1").await,
+        0,
+        "the failed message kept its marker"
+    );
 
     let (schema, runs2) = (db.schema.clone(), runs.clone());
     let redelivery = inbox
@@ -428,7 +448,11 @@ async fn sweep_deletes_only_markers_older_than_retention() {
     assert_eq!(inbox.sweep(2).await.unwrap(), 2, "a full batch");
     assert_eq!(inbox.sweep(2).await.unwrap(), 1);
     assert_eq!(inbox.sweep(2).await.unwrap(), 0);
-    assert_eq!(db.markers(&inbox, "young").await, 1, "swept a marker inside retention");
+    assert_eq!(
+        db.markers(&inbox, "young").await,
+        1,
+        "swept a marker inside retention"
+    );
     assert_eq!(
         db.markers(&other, "old-1").await,
         1,

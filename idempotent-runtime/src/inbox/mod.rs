@@ -400,7 +400,10 @@ mod tests {
             inbox.process("m1", run).await.unwrap(),
             Processed::Done("reserved")
         );
-        assert_eq!(inbox.process("m1", run).await.unwrap(), Processed::Duplicate);
+        assert_eq!(
+            inbox.process("m1", run).await.unwrap(),
+            Processed::Duplicate
+        );
         assert_eq!(runs.load(Ordering::SeqCst), 1);
         assert_eq!(
             inbox.process("m2", run).await.unwrap(),

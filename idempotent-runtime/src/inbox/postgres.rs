@@ -389,7 +389,11 @@ impl PgInbox {
         Err(InboxError::Store(e))
     }
 
-    fn outcome<T, E>(&self, message_id: &str, p: Processed<T>) -> Result<Processed<T>, InboxError<E>> {
+    fn outcome<T, E>(
+        &self,
+        message_id: &str,
+        p: Processed<T>,
+    ) -> Result<Processed<T>, InboxError<E>> {
         let o = match p {
             Processed::Done(_) => Outcome::Done,
             Processed::Duplicate => Outcome::Duplicate,
