@@ -9,6 +9,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+pub mod axum;
 pub mod clock;
 pub mod config;
 pub mod context;
@@ -26,3 +29,18 @@ pub use config::{Config, EndpointConfig};
 pub use context::IdempotencyContext;
 pub use runtime::IdempotencyStore;
 pub use scope::{ClientId, Identity};
+
+#[doc(hidden)]
+pub mod __private;
+
+/// `#[idempotent]` for the one framework that is enabled (here: axum). Libraries should name
+/// `idempotent_runtime::axum::idempotent`, which does not depend on which other features are on.
+#[cfg(all(feature = "axum", not(feature = "actix")))]
+#[doc(inline)]
+pub use idempotent_macros::idempotent_axum as idempotent;
+
+/// `#[idempotent]` when both the `axum` and `actix` features are on: it needs
+/// `framework = axum|actix` and says so in a compile error otherwise.
+#[cfg(all(feature = "axum", feature = "actix"))]
+#[doc(inline)]
+pub use idempotent_macros::idempotent_select as idempotent;

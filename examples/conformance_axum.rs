@@ -1,0 +1,248 @@
+//! The conformance server on axum (../shared/CONFORMANCE.md): every behaviour of the contract
+//! over real HTTP, for black-box checkers.
+//!
+//! ```text
+//! cargo run --release --example conformance_axum -- --addr 127.0.0.1:0
+//! ```
+//!
+//! `/orders` and `/status` take the store from the application state (`FromRef`); `/notes`,
+//! `/shops/{shop}/orders`, `/slow` and `/panic` from the request extensions
+//! (`Extension<IdempotencyStore>`); `/search` and `/big` sit behind `IdempotencyLayer` (and
+//! `/big` also carries the attribute, which steps aside).
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{FromRef, Path, Query, RawQuery, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use idempotent_examples::conformance::{Executions, Options, identity, shutdown_signal};
+use idempotent_runtime::axum::{IdempotencyLayer, idempotent};
+use idempotent_runtime::{IdempotencyContext, IdempotencyStore};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+#[derive(Clone)]
+struct AppState {
+    idempotency: IdempotencyStore,
+    executions: Arc<Executions>,
+    orders: Arc<Mutex<HashMap<u64, Value>>>,
+}
+
+impl FromRef<AppState> for IdempotencyStore {
+    fn from_ref(state: &AppState) -> Self {
+        state.idempotency.clone()
+    }
+}
+
+#[derive(Deserialize)]
+struct NewOrder {
+    sku: String,
+    quantity: i64,
+}
+
+#[idempotent(require_key)]
+async fn create_order(
+    State(state): State<AppState>,
+    context: IdempotencyContext,
+    Json(order): Json<NewOrder>,
+) -> Response {
+    let n = state.executions.next("/orders");
+    tracing::debug!(derived_key = %context.derived_key("orders"), "creating an order");
+    if order.quantity < 1 {
+        let body = json!({"error": "quantity must be positive", "execution": n});
+        return (StatusCode::UNPROCESSABLE_ENTITY, Json(body)).into_response();
+    }
+    let body = json!({"id": n, "sku": order.sku, "quantity": order.quantity, "execution": n});
+    state
+        .orders
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(n, body.clone());
+    (
+        StatusCode::CREATED,
+        [
+            (header::LOCATION, format!("/orders/{n}")),
+            (header::SET_COOKIE, format!("seen={n}")),
+        ],
+        Json(body),
+    )
+        .into_response()
+}
+
+async fn get_order(State(state): State<AppState>, Path(id): Path<u64>) -> Response {
+    let orders = state.orders.lock().unwrap_or_else(|p| p.into_inner());
+    match orders.get(&id) {
+        Some(order) => Json(order.clone()).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
+#[idempotent]
+async fn create_note(
+    Extension(_store): Extension<IdempotencyStore>,
+    State(state): State<AppState>,
+    Json(_note): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    let n = state.executions.next("/notes");
+    (StatusCode::CREATED, Json(json!({"execution": n})))
+}
+
+#[idempotent(require_key)]
+async fn create_shop_order(
+    Extension(_store): Extension<IdempotencyStore>,
+    State(state): State<AppState>,
+    Path(shop): Path<String>,
+    Json(_order): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    let n = state.executions.next("/shops/{shop}/orders");
+    (
+        StatusCode::CREATED,
+        Json(json!({"shop": shop, "execution": n})),
+    )
+}
+
+#[derive(Deserialize)]
+struct Slow {
+    #[serde(default)]
+    ms: u64,
+}
+
+#[idempotent(require_key)]
+async fn slow(
+    Extension(_store): Extension<IdempotencyStore>,
+    State(state): State<AppState>,
+    Query(slow): Query<Slow>,
+) -> (StatusCode, Json<Value>) {
+    let n = state.executions.next("/slow");
+    tokio::time::sleep(Duration::from_millis(slow.ms)).await;
+    (StatusCode::CREATED, Json(json!({"execution": n})))
+}
+
+#[derive(Deserialize)]
+struct Status {
+    code: u16,
+}
+
+#[idempotent(require_key)]
+async fn status(State(state): State<AppState>, Query(status): Query<Status>) -> Response {
+    let n = state.executions.next("/status");
+    let code = StatusCode::from_u16(status.code).unwrap_or(StatusCode::BAD_REQUEST);
+    (code, Json(json!({"execution": n}))).into_response()
+}
+
+#[derive(Deserialize)]
+struct Big {
+    bytes: usize,
+}
+
+/// Streamed in chunks with no declared length, so the recorder meets a body of unknown size.
+#[idempotent(require_key)]
+async fn big(State(state): State<AppState>, Query(big): Query<Big>) -> Response {
+    state.executions.next("/big");
+    const CHUNK: usize = 8 * 1024;
+    let chunks = (0..big.bytes.div_ceil(CHUNK)).map(move |i| {
+        let len = CHUNK.min(big.bytes - i * CHUNK);
+        Ok::<_, std::convert::Infallible>(vec![b'a'; len])
+    });
+    let body = Body::from_stream(futures_util::stream::iter(chunks));
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/octet-stream"),
+        )],
+        body,
+    )
+        .into_response()
+}
+
+#[idempotent(require_key)]
+async fn panic(
+    Extension(_store): Extension<IdempotencyStore>,
+    State(state): State<AppState>,
+) -> StatusCode {
+    state.executions.next("/panic");
+    panic!("the /panic endpoint panics on purpose");
+}
+
+async fn search(State(state): State<AppState>, RawQuery(query): RawQuery) -> Json<Value> {
+    let n = state.executions.next("/search");
+    Json(json!({"query": query.unwrap_or_default(), "execution": n}))
+}
+
+async fn executions(State(state): State<AppState>) -> Json<Value> {
+    Json(state.executions.snapshot())
+}
+
+/// The conformance identity rules: `Bearer <tenant>:<subject>`, `X-Api-Key`, or anonymous; a
+/// malformed `Authorization` is 401 before any idempotency step.
+async fn authenticate(headers: HeaderMap, mut request: Request, next: Next) -> Response {
+    let authorization = headers
+        .get(header::AUTHORIZATION)
+        .map(HeaderValue::as_bytes);
+    let api_key = headers.get("x-api-key").map(HeaderValue::as_bytes);
+    match identity(authorization, api_key) {
+        Ok(Some(identity)) => {
+            request.extensions_mut().insert(identity);
+        }
+        Ok(None) => {}
+        Err(()) => return StatusCode::UNAUTHORIZED.into_response(),
+    }
+    next.run(request).await
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let options = match Options::from_env() {
+        Ok(options) => options,
+        Err(usage) => {
+            eprintln!("{usage}");
+            std::process::exit(2);
+        }
+    };
+    let idempotency = options.idempotency().await?;
+    let state = AppState {
+        idempotency: idempotency.clone(),
+        executions: Arc::default(),
+        orders: Arc::default(),
+    };
+    let layered = Router::new()
+        .route("/search", post(search))
+        .route("/big", post(big))
+        .route_layer(IdempotencyLayer::new(idempotency.clone()).require_key());
+    let app = Router::new()
+        .route("/orders", post(create_order))
+        .route("/orders/{id}", get(get_order))
+        .route("/notes", post(create_note))
+        .route("/shops/{shop}/orders", post(create_shop_order))
+        .route("/slow", post(slow))
+        .route("/status", post(status))
+        .route("/panic", post(panic))
+        .route("/executions", get(executions))
+        .merge(layered)
+        .layer(Extension(idempotency.clone()))
+        .layer(middleware::from_fn(authenticate))
+        .with_state(state);
+
+    let listener = tokio::net::TcpListener::bind(options.addr).await?;
+    let addr = listener.local_addr()?;
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "listening on http://{addr}")?;
+    stdout.flush()?;
+    drop(stdout);
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown_signal())
+    .await?;
+    idempotency.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,325 @@
+//! The attribute's arguments: `require_key`, `lease = "30s"`, `retention = "24h"`,
+//! `max_body = "64KiB"`, `max_response = "1MiB"`, `crate = path`, `framework = axum|actix` and
+//! `enlisted`. Values are checked here, at compile time, with errors on the offending token.
+
+use proc_macro2::Span;
+use syn::ext::IdentExt as _;
+use syn::parse::{Parse, ParseStream};
+use syn::{Error, LitStr, Path, Token};
+
+mod kw {
+    syn::custom_keyword!(require_key);
+    syn::custom_keyword!(lease);
+    syn::custom_keyword!(retention);
+    syn::custom_keyword!(max_body);
+    syn::custom_keyword!(max_response);
+    syn::custom_keyword!(framework);
+    syn::custom_keyword!(enlisted);
+    syn::custom_keyword!(axum);
+    syn::custom_keyword!(actix);
+}
+
+/// Which framework an expansion targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Framework {
+    Axum,
+    Actix,
+}
+
+/// The parsed arguments of `#[idempotent(...)]`.
+#[derive(Default)]
+pub(crate) struct Args {
+    /// `require_key`: refuse requests without a key.
+    pub require_key: bool,
+    /// `lease = "…"`, in milliseconds.
+    pub lease_ms: Option<u64>,
+    /// `retention = "…"`, in milliseconds.
+    pub retention_ms: Option<u64>,
+    /// `max_body = "…"`, in bytes.
+    pub max_body: Option<u64>,
+    /// `max_response = "…"`, in bytes.
+    pub max_response: Option<u64>,
+    /// `crate = path`: where the runtime is, for renamed dependencies.
+    pub krate: Option<Path>,
+    /// `framework = axum|actix`, with the span of the value.
+    pub framework: Option<(Framework, Span)>,
+    /// `enlisted`, with its span.
+    pub enlisted: Option<Span>,
+}
+
+impl Args {
+    /// The path generated code names the runtime by.
+    pub fn runtime(&self) -> proc_macro2::TokenStream {
+        match &self.krate {
+            Some(path) => quote::quote!(#path),
+            None => quote::quote!(::idempotent_runtime),
+        }
+    }
+}
+
+impl Parse for Args {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let mut args = Args::default();
+        let mut seen: Vec<&'static str> = Vec::new();
+        while !input.is_empty() {
+            let lookahead = input.lookahead1();
+            let name_span = input.span();
+            let mut once = |name: &'static str| {
+                if seen.contains(&name) {
+                    return Err(Error::new(
+                        name_span,
+                        format!("`{name}` is given twice in #[idempotent]; keep one"),
+                    ));
+                }
+                seen.push(name);
+                Ok(())
+            };
+            if lookahead.peek(kw::require_key) {
+                input.parse::<kw::require_key>()?;
+                once("require_key")?;
+                args.require_key = true;
+            } else if lookahead.peek(kw::enlisted) {
+                input.parse::<kw::enlisted>()?;
+                once("enlisted")?;
+                args.enlisted = Some(name_span);
+            } else if lookahead.peek(kw::lease) {
+                input.parse::<kw::lease>()?;
+                once("lease")?;
+                args.lease_ms = Some(duration_value(input, "lease")?);
+            } else if lookahead.peek(kw::retention) {
+                input.parse::<kw::retention>()?;
+                once("retention")?;
+                args.retention_ms = Some(duration_value(input, "retention")?);
+            } else if lookahead.peek(kw::max_body) {
+                input.parse::<kw::max_body>()?;
+                once("max_body")?;
+                args.max_body = Some(size_value(input, "max_body")?);
+            } else if lookahead.peek(kw::max_response) {
+                input.parse::<kw::max_response>()?;
+                once("max_response")?;
+                args.max_response = Some(size_value(input, "max_response")?);
+            } else if lookahead.peek(Token![crate]) {
+                input.parse::<Token![crate]>()?;
+                once("crate")?;
+                input.parse::<Token![=]>()?;
+                args.krate = Some(if input.peek(LitStr) {
+                    let lit: LitStr = input.parse()?;
+                    lit.parse().map_err(|_| {
+                        Error::new(lit.span(), "`crate` must name a path, e.g. `crate = my_rt`")
+                    })?
+                } else {
+                    Path::parse_mod_style(input)?
+                });
+            } else if lookahead.peek(kw::framework) {
+                input.parse::<kw::framework>()?;
+                once("framework")?;
+                input.parse::<Token![=]>()?;
+                let value = input.lookahead1();
+                let span = input.span();
+                let framework = if value.peek(kw::axum) {
+                    input.parse::<kw::axum>()?;
+                    Framework::Axum
+                } else if value.peek(kw::actix) {
+                    input.parse::<kw::actix>()?;
+                    Framework::Actix
+                } else {
+                    return Err(Error::new(
+                        span,
+                        "expected `framework = axum` or `framework = actix`",
+                    ));
+                };
+                args.framework = Some((framework, span));
+            } else if input.peek(syn::Ident::peek_any) {
+                let ident = input.call(proc_macro2::Ident::parse_any)?;
+                return Err(Error::new(
+                    ident.span(),
+                    format!(
+                        "unknown argument `{ident}` in #[idempotent]; expected one of: require_key, \
+                         lease = \"30s\", retention = \"24h\", max_body = \"64KiB\", \
+                         max_response = \"1MiB\", crate = path, framework = axum|actix, enlisted"
+                    ),
+                ));
+            } else {
+                return Err(lookahead.error());
+            }
+            if input.is_empty() {
+                break;
+            }
+            input.parse::<Token![,]>()?;
+        }
+        Ok(args)
+    }
+}
+
+fn string_value(input: ParseStream<'_>, name: &str, example: &str) -> syn::Result<LitStr> {
+    input.parse::<Token![=]>()?;
+    if !input.peek(LitStr) {
+        return Err(Error::new(
+            input.span(),
+            format!("`{name}` takes a string, e.g. `{name} = \"{example}\"`"),
+        ));
+    }
+    input.parse()
+}
+
+fn duration_value(input: ParseStream<'_>, name: &str) -> syn::Result<u64> {
+    let lit = string_value(input, name, "30s")?;
+    let ms = parse_duration(&lit.value()).map_err(|why| {
+        Error::new(
+            lit.span(),
+            format!("invalid `{name}` {:?}: {why}", lit.value()),
+        )
+    })?;
+    Ok(ms)
+}
+
+fn size_value(input: ParseStream<'_>, name: &str) -> syn::Result<u64> {
+    let lit = string_value(input, name, "64KiB")?;
+    parse_size(&lit.value()).map_err(|why| {
+        Error::new(
+            lit.span(),
+            format!("invalid `{name}` {:?}: {why}", lit.value()),
+        )
+    })
+}
+
+fn split_number(text: &str) -> Option<(u64, &str)> {
+    let digits = text.bytes().take_while(u8::is_ascii_digit).count();
+    if digits == 0 {
+        return None;
+    }
+    Some((text[..digits].parse().ok()?, &text[digits..]))
+}
+
+/// `500ms`, `30s`, `5m`, `24h`, `7d` → milliseconds (positive).
+pub(crate) fn parse_duration(text: &str) -> Result<u64, &'static str> {
+    const EXPECTED: &str = "expected a whole number and a unit (ms, s, m, h or d), e.g. \"30s\"";
+    let (n, unit) = split_number(text).ok_or(EXPECTED)?;
+    let factor = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(EXPECTED),
+    };
+    let ms = n.checked_mul(factor).ok_or("too long")?;
+    if ms == 0 {
+        return Err("must be longer than zero");
+    }
+    Ok(ms)
+}
+
+/// `512`, `512B`, `64KiB`, `1MiB`, `1GiB`, `64KB`, `1MB` → bytes (positive).
+pub(crate) fn parse_size(text: &str) -> Result<u64, &'static str> {
+    const EXPECTED: &str = "expected a whole number of bytes with an optional unit (B, KiB, MiB, GiB, KB, MB, GB), e.g. \"64KiB\"";
+    let (n, unit) = split_number(text).ok_or(EXPECTED)?;
+    let factor: u64 = match unit {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        _ => return Err(EXPECTED),
+    };
+    let bytes = n.checked_mul(factor).ok_or("too large")?;
+    if bytes == 0 {
+        return Err("must be at least one byte");
+    }
+    if bytes > u64::from(u32::MAX) {
+        return Err("must be at most 4GiB");
+    }
+    Ok(bytes)
+}
+
+/// The error `enlisted` gives until the PostgreSQL enlisted mode exists.
+pub(crate) fn enlisted_unsupported(span: Span) -> Error {
+    Error::new(
+        span,
+        "`enlisted` needs the PostgreSQL store's enlisted-mode support, which this version of \
+         idempotent-runtime does not have yet; remove `enlisted` to run in detached mode",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(500));
+        assert_eq!(parse_duration("30s"), Ok(30_000));
+        assert_eq!(parse_duration("5m"), Ok(300_000));
+        assert_eq!(parse_duration("24h"), Ok(86_400_000));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("30").is_err());
+        assert!(parse_duration("30 s").is_err());
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("1.5s").is_err());
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512"), Ok(512));
+        assert_eq!(parse_size("64KiB"), Ok(65_536));
+        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
+        assert_eq!(parse_size("1MB"), Ok(1_000_000));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("64kib").is_err());
+        assert!(parse_size("8GiB").is_err());
+    }
+
+    #[test]
+    fn arguments() {
+        let args: Args = syn::parse_str(
+            "require_key, lease = \"30s\", max_body = \"64KiB\", crate = my::rt, framework = axum",
+        )
+        .unwrap();
+        assert!(args.require_key);
+        assert_eq!(args.lease_ms, Some(30_000));
+        assert_eq!(args.max_body, Some(65_536));
+        assert!(args.krate.is_some());
+        assert_eq!(args.framework.map(|f| f.0), Some(Framework::Axum));
+        assert!(syn::parse_str::<Args>("require_key, require_key").is_err());
+        assert!(syn::parse_str::<Args>("bogus").is_err());
+        assert!(syn::parse_str::<Args>("lease = 30").is_err());
+    }
+}
+
+/// Parses the attribute's arguments and the function it sits on. On failure, the error comes
+/// with the untouched item so the rest of the crate (and the IDE) still see the function.
+pub(crate) fn parse(
+    attr: proc_macro2::TokenStream,
+    item: proc_macro2::TokenStream,
+) -> Result<(Args, syn::ItemFn), proc_macro2::TokenStream> {
+    let fail = |e: Error, item: &proc_macro2::TokenStream| {
+        let e = e.to_compile_error();
+        quote::quote!(#e #item)
+    };
+    let function: syn::ItemFn = match syn::parse2(item.clone()) {
+        Ok(f) => f,
+        Err(e) => {
+            return Err(fail(
+                Error::new(e.span(), "#[idempotent] goes on an `async fn` handler"),
+                &item,
+            ));
+        }
+    };
+    let args: Args = syn::parse2(attr).map_err(|e| fail(e, &item))?;
+    if let Some(span) = args.enlisted {
+        return Err(fail(enlisted_unsupported(span), &item));
+    }
+    Ok((args, function))
+}
+
+/// A compile error at `span`, followed by the untouched function.
+pub(crate) fn error_with_item(
+    span: Span,
+    message: &str,
+    item: &syn::ItemFn,
+) -> proc_macro2::TokenStream {
+    let e = Error::new(span, message).to_compile_error();
+    quote::quote!(#e #item)
+}

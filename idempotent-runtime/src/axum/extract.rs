@@ -1,0 +1,231 @@
+//! The extractor `#[idempotent]` wraps a handler's last parameter in.
+
+use std::convert::Infallible;
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use axum::extract::{FromRef, FromRequest, FromRequestParts, OptionalFromRequestParts, Request};
+use axum::response::{IntoResponse, Response};
+use http::StatusCode;
+use http::request::Parts;
+
+use super::pipeline::{self, LayerApplied, Prepared};
+use crate::config::EndpointConfig;
+use crate::context::IdempotencyContext;
+use crate::runtime::{BufferPermit, IdempotencyStore, Reservation};
+
+/// Where the extractor finds the [`IdempotencyStore`].
+pub trait StoreSource<S>: Send + Sync + 'static {
+    /// The handle, or `None` when the application did not provide one.
+    fn store(parts: &http::Extensions, state: &S) -> Option<IdempotencyStore>;
+}
+
+/// From the application state: `IdempotencyStore: FromRef<S>`, checked at compile time (the
+/// default).
+#[derive(Debug)]
+pub enum FromState {}
+
+impl<S> StoreSource<S> for FromState
+where
+    IdempotencyStore: FromRef<S>,
+{
+    fn store(_: &http::Extensions, state: &S) -> Option<IdempotencyStore> {
+        Some(IdempotencyStore::from_ref(state))
+    }
+}
+
+/// From the request extensions (`.layer(Extension(store))`), checked only at run time: a
+/// missing store answers 500. Chosen when the handler takes an `Extension<IdempotencyStore>`.
+#[derive(Debug)]
+pub enum FromExtension {}
+
+impl<S> StoreSource<S> for FromExtension {
+    fn store(extensions: &http::Extensions, _: &S) -> Option<IdempotencyStore> {
+        extensions.get::<IdempotencyStore>().cloned()
+    }
+}
+
+/// The extraction marker of [`Idempotent<T>`]: `M` is how `T` itself extracts (from the parts
+/// or from the whole request), so the wrapper works around either kind.
+#[derive(Debug)]
+pub struct Via<M>(PhantomData<M>);
+
+/// The wrapper `#[idempotent]` puts around a handler's last parameter (any extractor `T`,
+/// whichever way it extracts: the free `M` lets `Idempotent<Json<T>>` and
+/// `Idempotent<Path<u32>>` both work).
+///
+/// Extracting it runs the whole pipeline before the handler: key, body, scope, claim. A replay
+/// or a refusal is its rejection, so the handler never runs for them. The endpoint's settings
+/// are its const parameters (0 means "the runtime's setting"), so the expansion needs no items
+/// beside the handler. [`run`](Self::run) then runs the handler in its own task and records
+/// the response.
+#[must_use]
+pub struct Idempotent<
+    T,
+    Src = FromState,
+    const REQUIRE_KEY: bool = false,
+    const LEASE_MS: u64 = 0,
+    const RETENTION_MS: u64 = 0,
+    const MAX_BODY: u64 = 0,
+    const MAX_RESPONSE: u64 = 0,
+> {
+    value: T,
+    context: Option<IdempotencyContext>,
+    session: Option<Session>,
+    _source: PhantomData<fn() -> Src>,
+}
+
+struct Session {
+    handle: IdempotencyStore,
+    reservation: Reservation,
+    permit: Option<BufferPermit>,
+    route: String,
+}
+
+impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64>
+    Idempotent<T, Src, R, L, RT, MB, MR>
+{
+    /// The endpoint settings these const parameters spell.
+    pub const ENDPOINT: EndpointConfig = EndpointConfig {
+        require_key: R,
+        lease: millis(L),
+        retention: millis(RT),
+        max_body: bytes(MB),
+        max_response: bytes(MR),
+    };
+
+    /// The inner extractor.
+    pub fn into_inner(self) -> T {
+        self.value
+    }
+
+    /// The claimed request's context (`None` when the request had no key).
+    pub fn context(&self) -> Option<&IdempotencyContext> {
+        self.context.as_ref()
+    }
+
+    /// Runs the handler: in its own task when the key is held (a client that disconnects
+    /// never cancels it), recording or releasing the response before it is returned.
+    pub async fn run<F, Fut>(self, handler: F) -> Response
+    where
+        F: FnOnce(T, Option<IdempotencyContext>) -> Fut,
+        Fut: Future<Output = Response> + Send + 'static,
+    {
+        let future = handler(self.value, self.context);
+        match self.session {
+            None => future.await,
+            Some(s) => {
+                pipeline::run_claimed(s.handle, s.reservation, s.permit, s.route, future).await
+            }
+        }
+    }
+}
+
+const fn millis(ms: u64) -> Option<Duration> {
+    if ms == 0 {
+        None
+    } else {
+        Some(Duration::from_millis(ms))
+    }
+}
+
+const fn bytes(n: u64) -> Option<usize> {
+    if n == 0 { None } else { Some(n as usize) }
+}
+
+impl<S, M, T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64>
+    FromRequest<S, Via<M>> for Idempotent<T, Src, R, L, RT, MB, MR>
+where
+    T: FromRequest<S, M> + Send,
+    S: Send + Sync,
+    Src: StoreSource<S>,
+{
+    type Rejection = Response;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let plain = |value, context| Self {
+            value,
+            context,
+            session: None,
+            _source: PhantomData,
+        };
+        // Where the layer already applies, it decides (the outer one): the attribute steps aside.
+        if request.extensions().get::<LayerApplied>().is_some() {
+            let context = request.extensions().get::<IdempotencyContext>().cloned();
+            return T::from_request(request, state)
+                .await
+                .map(|value| plain(value, context))
+                .map_err(IntoResponse::into_response);
+        }
+        let Some(handle) = Src::store(request.extensions(), state) else {
+            tracing::error!(
+                "#[idempotent] handler found no IdempotencyStore in the request extensions: add \
+                 `.layer(Extension(store))` to the router"
+            );
+            return Err(StatusCode::INTERNAL_SERVER_ERROR.into_response());
+        };
+        match pipeline::prepare(&handle, &Self::ENDPOINT, request).await {
+            Prepared::Pass(request) => T::from_request(request, state)
+                .await
+                .map(|value| plain(value, None))
+                .map_err(IntoResponse::into_response),
+            Prepared::Answer(response) => Err(response),
+            Prepared::Claimed(claimed) => {
+                let extracted = T::from_request(claimed.request, state)
+                    .await
+                    .map_err(IntoResponse::into_response);
+                match extracted {
+                    Ok(value) => Ok(Self {
+                        value,
+                        context: Some(claimed.context),
+                        session: Some(Session {
+                            handle,
+                            reservation: claimed.reservation,
+                            permit: claimed.permit,
+                            route: claimed.route,
+                        }),
+                        _source: PhantomData,
+                    }),
+                    // The extractor's rejection of a claimed request (malformed JSON, say) is
+                    // its answer: recorded like any 4xx, so the retry gets the same rejection.
+                    Err(rejection) => {
+                        Err(pipeline::settle(&handle, claimed.reservation, rejection).await)
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The claimed request's context, for handlers behind [`IdempotencyLayer`](super::IdempotencyLayer)
+/// (with `#[idempotent]`, take it as a parameter and the macro supplies it). A request without
+/// a key has none: take `Option<IdempotencyContext>` on endpoints where the key is optional.
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyContext {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<IdempotencyContext>()
+            .cloned()
+            .ok_or_else(context_missing)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Option<Self>, Infallible> {
+        Ok(parts.extensions.get::<IdempotencyContext>().cloned())
+    }
+}
+
+/// The answer when a handler needs an [`IdempotencyContext`] and the request has none: a setup
+/// mistake (no key on an endpoint that does not require one, or no idempotency layer).
+pub fn context_missing() -> Response {
+    tracing::error!(
+        "a handler takes IdempotencyContext but the request has no idempotency key: require the \
+         key on this endpoint, or take Option<IdempotencyContext>"
+    );
+    StatusCode::INTERNAL_SERVER_ERROR.into_response()
+}

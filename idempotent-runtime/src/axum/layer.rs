@@ -1,0 +1,150 @@
+//! [`IdempotencyLayer`]: the same semantics as `#[idempotent]` for a whole router.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::extract::{MatchedPath, Request};
+use axum::response::{IntoResponse, Response};
+use http::Method;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::pipeline::{self, LayerApplied, Prepared};
+use crate::config::EndpointConfig;
+use crate::runtime::IdempotencyStore;
+
+/// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
+/// checks only). It applies to POST and PATCH by default and passes other methods, HEAD,
+/// OPTIONS and requests that matched no route (fallbacks) through untouched. Where a handler
+/// also carries `#[idempotent]`, the layer decides and the attribute steps aside.
+///
+/// Add it with `Router::layer` or `Router::route_layer` (it reads the matched route, which only
+/// exists inside the router):
+///
+/// ```
+/// use axum::{Router, routing::post};
+/// use idempotent_runtime::IdempotencyStore;
+/// use idempotent_runtime::axum::IdempotencyLayer;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = IdempotencyStore::memory();
+/// let app: Router = Router::new()
+///     .route("/payments", post(|| async { "paid" }))
+///     .layer(IdempotencyLayer::new(store).require_key());
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct IdempotencyLayer {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug, Clone)]
+struct Shared {
+    store: IdempotencyStore,
+    endpoint: EndpointConfig,
+    methods: Vec<Method>,
+}
+
+impl IdempotencyLayer {
+    /// A layer over `store`: key optional, POST and PATCH.
+    pub fn new(store: IdempotencyStore) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                store,
+                endpoint: EndpointConfig::OPTIONAL,
+                methods: vec![Method::POST, Method::PATCH],
+            }),
+        }
+    }
+
+    fn edit(mut self, f: impl FnOnce(&mut Shared)) -> Self {
+        f(Arc::make_mut(&mut self.shared));
+        self
+    }
+
+    /// Refuse requests without a key.
+    pub fn require_key(self) -> Self {
+        self.edit(|s| s.endpoint.require_key = true)
+    }
+
+    /// Per-route settings (lease, retention, caps), as the attribute's arguments would set them.
+    pub fn endpoint(self, endpoint: EndpointConfig) -> Self {
+        self.edit(|s| s.endpoint = endpoint)
+    }
+
+    /// The methods it applies to (default POST and PATCH). HEAD and OPTIONS always pass.
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.edit(|s| s.methods = methods)
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService {
+            inner,
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] wraps routes in.
+#[derive(Clone, Debug)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> Service<Request> for IdempotencyService<S>
+where
+    S: Service<Request, Error = Infallible> + Clone + Send + 'static,
+    S::Response: IntoResponse,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request) -> Self::Future {
+        // The clone that was polled ready serves this request; the fresh one waits for its turn.
+        let fresh = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, fresh);
+        let shared = Arc::clone(&self.shared);
+        Box::pin(async move {
+            let method = request.method();
+            let applies = method != Method::HEAD
+                && method != Method::OPTIONS
+                && shared.methods.contains(method)
+                && request.extensions().get::<MatchedPath>().is_some()
+                && request.extensions().get::<LayerApplied>().is_none();
+            if !applies {
+                return Ok(inner.call(request).await.into_response());
+            }
+            request.extensions_mut().insert(LayerApplied);
+            let response = match pipeline::prepare(&shared.store, &shared.endpoint, request).await {
+                Prepared::Pass(request) => inner.call(request).await.into_response(),
+                Prepared::Answer(response) => response,
+                Prepared::Claimed(claimed) => {
+                    let handler = async move { inner.call(claimed.request).await.into_response() };
+                    pipeline::run_claimed(
+                        shared.store.clone(),
+                        claimed.reservation,
+                        claimed.permit,
+                        claimed.route,
+                        handler,
+                    )
+                    .await
+                }
+            };
+            Ok(response)
+        })
+    }
+}

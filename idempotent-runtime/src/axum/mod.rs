@@ -1,0 +1,71 @@
+//! axum 0.8 integration: the `#[idempotent]` attribute, the [`Idempotent`] extractor it wraps a
+//! handler's last parameter in, and [`IdempotencyLayer`] for whole routers.
+//!
+//! The store comes from the application state (`IdempotencyStore: FromRef<AppState>`, checked
+//! at compile time), or from the request extensions when the handler takes an
+//! `Extension<IdempotencyStore>` parameter. The caller's identity is an
+//! [`Identity`](crate::Identity) the application's auth middleware (or an earlier extractor)
+//! inserts into the request extensions; anonymous callers are scoped by their peer address, so
+//! serve with `into_make_service_with_connect_info::<SocketAddr>()`.
+//!
+//! ```
+//! use axum::{Json, Router, extract::State, http::StatusCode, routing::post};
+//! use idempotent_runtime::IdempotencyStore;
+//! use idempotent_runtime::axum::idempotent;
+//!
+//! #[derive(Clone)]
+//! struct AppState {
+//!     idempotency: IdempotencyStore,
+//! }
+//!
+//! impl axum::extract::FromRef<AppState> for IdempotencyStore {
+//!     fn from_ref(state: &AppState) -> Self {
+//!         state.idempotency.clone()
+//!     }
+//! }
+//!
+//! #[idempotent(require_key, lease = "30s")]
+//! async fn create_order(
+//!     State(_state): State<AppState>,
+//!     Json(order): Json<serde_json::Value>,
+//! ) -> (StatusCode, Json<serde_json::Value>) {
+//!     (StatusCode::CREATED, Json(order))
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let app: Router = Router::new()
+//!     .route("/orders", post(create_order))
+//!     .with_state(AppState { idempotency: IdempotencyStore::memory() });
+//! # }
+//! ```
+
+mod extract;
+mod layer;
+mod pipeline;
+mod probe;
+
+pub use extract::{FromExtension, FromState, Idempotent, StoreSource, Via, context_missing};
+pub use layer::{IdempotencyLayer, IdempotencyService};
+pub use pipeline::REPLAYED_HEADER;
+
+/// Makes an axum handler idempotent. See the [crate-level docs](crate) and
+/// [`idempotent_macros::idempotent_axum`].
+#[doc(inline)]
+pub use idempotent_macros::idempotent_axum as idempotent;
+
+/// What `#[idempotent]` expansions for axum name. Not a stable API.
+#[doc(hidden)]
+pub mod __private {
+    pub use super::extract::{FromExtension, FromState, Idempotent, context_missing};
+    pub use super::probe::{
+        BodyProbe, BufferedBody, CheckOther, CheckStreaming, StreamingBody,
+        assert_state_provides_store,
+    };
+    pub use axum::response::Response;
+
+    /// The handler's answer as a response.
+    #[inline]
+    pub fn into_response<R: axum::response::IntoResponse>(r: R) -> Response {
+        r.into_response()
+    }
+}
