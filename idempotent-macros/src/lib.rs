@@ -8,8 +8,8 @@ use proc_macro::TokenStream;
 
 mod args;
 mod checks;
+mod expand_actix;
 mod expand_axum;
-// The actix expansion (src/expand_actix.rs) adds `mod expand_actix;` here.
 
 /// Makes an axum 0.8 handler idempotent: requests with the same `Idempotency-Key` from the same
 /// caller run it once, and every repeat gets the recorded response with
@@ -40,6 +40,32 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
     }
 }
 
+/// Makes an actix-web 4 handler idempotent: requests with the same `Idempotency-Key` from the
+/// same caller run it once, and every repeat gets the recorded response with
+/// `Idempotency-Replayed: true`.
+///
+/// ```text
+/// #[idempotent]                                  key optional; requests without one pass through
+/// #[idempotent(require_key)]                     a request without a key is refused (400 or 428)
+/// #[idempotent(require_key, lease = "30s", retention = "24h", max_body = "64KiB",
+///              max_response = "1MiB")]          per-endpoint overrides, checked at compile time
+/// #[idempotent(crate = my_runtime)]              for a renamed idempotent-runtime dependency
+/// ```
+///
+/// The handler is rewritten to take the request and its raw payload: the runtime buffers the
+/// body, claims the key and answers replays and refusals; then the handler's own extractors run
+/// on the buffered body and the handler runs in a task of its own. The store comes from the
+/// application data (`web::Data<IdempotencyStore>`). Works above or below `#[post("/…")]` and
+/// with `.route("/…", web::post().to(handler))`. `web::Payload` and `Multipart` parameters are
+/// compile errors: a streamed body cannot be fingerprinted.
+#[proc_macro_attribute]
+pub fn idempotent_actix(attr: TokenStream, item: TokenStream) -> TokenStream {
+    match args::parse(attr.into(), item.into()) {
+        Ok((args, function)) => expand_actix::expand(args, function).into(),
+        Err(tokens) => tokens.into(),
+    }
+}
+
 /// `#[idempotent]` for whichever framework `framework = axum|actix` names: the short
 /// `idempotent_runtime::idempotent` when both the `axum` and the `actix` features are on, where
 /// guessing would let cargo feature unification change what a handler means.
@@ -51,13 +77,7 @@ pub fn idempotent_select(attr: TokenStream, item: TokenStream) -> TokenStream {
     };
     match args.framework {
         Some((args::Framework::Axum, _)) => expand_axum::expand(args, function).into(),
-        // ACTIX: `Some((args::Framework::Actix, _)) => expand_actix::expand(args, function).into(),`
-        Some((args::Framework::Actix, span)) => args::error_with_item(
-            span,
-            "the actix-web expansion of #[idempotent] is not available in this build",
-            &function,
-        )
-        .into(),
+        Some((args::Framework::Actix, _)) => expand_actix::expand(args, function).into(),
         None => args::error_with_item(
             proc_macro2::Span::call_site(),
             "both the `axum` and `actix` features of idempotent-runtime are on, so \

@@ -10,3 +10,8 @@ pub mod axum {
     pub use crate::axum::__private::*;
 }
 
+/// The actix-web expansion's helpers.
+#[cfg(feature = "actix")]
+pub mod actix {
+    pub use crate::actix::__private::*;
+}

@@ -9,6 +9,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
+#[cfg(feature = "actix")]
+#[cfg_attr(docsrs, doc(cfg(feature = "actix")))]
+pub mod actix;
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub mod axum;
@@ -44,3 +47,9 @@ pub use idempotent_macros::idempotent_axum as idempotent;
 #[cfg(all(feature = "axum", feature = "actix"))]
 #[doc(inline)]
 pub use idempotent_macros::idempotent_select as idempotent;
+
+/// `#[idempotent]` for the one framework that is enabled (here: actix-web). Libraries should name
+/// `idempotent_runtime::actix::idempotent`, which does not depend on which other features are on.
+#[cfg(all(feature = "actix", not(feature = "axum")))]
+#[doc(inline)]
+pub use idempotent_macros::idempotent_actix as idempotent;

@@ -1,0 +1,235 @@
+//! The conformance server on actix-web (../shared/CONFORMANCE.md): every behaviour of the
+//! contract over real HTTP, for black-box checkers.
+//!
+//! ```text
+//! cargo run --release --example conformance_actix -- --addr 127.0.0.1:0
+//! ```
+//!
+//! Every route takes the store from the application data (`web::Data<IdempotencyStore>`).
+//! `/orders` (attribute above `#[post]`), `/slow` (attribute below `#[post]`), `/notes`,
+//! `/status` and `/panic` (attribute with `.route().to()`) use the attribute;
+//! `/shops/{shop}/orders` (a scope) and `/search` (a resource) sit behind
+//! `IdempotencyMiddleware`; `/big` has both, and the attribute steps aside.
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::{StatusCode, header};
+use actix_web::{
+    App, HttpMessage, HttpRequest, HttpResponse, HttpServer, Responder, get, post, web,
+};
+use idempotent_examples::conformance::{Executions, Options, identity};
+use idempotent_runtime::IdempotencyContext;
+use idempotent_runtime::actix::{IdempotencyMiddleware, idempotent};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+#[derive(Default)]
+struct AppState {
+    executions: Executions,
+    orders: Mutex<HashMap<u64, Value>>,
+}
+
+#[derive(Deserialize)]
+struct NewOrder {
+    sku: String,
+    quantity: i64,
+}
+
+#[idempotent(require_key)]
+#[post("/orders")]
+async fn create_order(
+    state: web::Data<AppState>,
+    context: IdempotencyContext,
+    order: web::Json<NewOrder>,
+) -> HttpResponse {
+    let n = state.executions.next("/orders");
+    tracing::debug!(derived_key = %context.derived_key("orders"), "creating an order");
+    if order.quantity < 1 {
+        return HttpResponse::UnprocessableEntity()
+            .json(json!({"error": "quantity must be positive", "execution": n}));
+    }
+    let body = json!({"id": n, "sku": order.sku, "quantity": order.quantity, "execution": n});
+    state
+        .orders
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(n, body.clone());
+    HttpResponse::Created()
+        .insert_header((header::LOCATION, format!("/orders/{n}")))
+        .insert_header((header::SET_COOKIE, format!("seen={n}")))
+        .json(body)
+}
+
+#[get("/orders/{id}")]
+async fn get_order(state: web::Data<AppState>, id: web::Path<u64>) -> HttpResponse {
+    let orders = state.orders.lock().unwrap_or_else(|p| p.into_inner());
+    match orders.get(&id) {
+        Some(order) => HttpResponse::Ok().json(order),
+        None => HttpResponse::NotFound().finish(),
+    }
+}
+
+#[idempotent]
+async fn create_note(state: web::Data<AppState>, _note: web::Json<Value>) -> impl Responder {
+    let n = state.executions.next("/notes");
+    HttpResponse::Created().json(json!({"execution": n}))
+}
+
+async fn create_shop_order(
+    state: web::Data<AppState>,
+    shop: web::Path<String>,
+    _order: web::Json<Value>,
+) -> HttpResponse {
+    let n = state.executions.next("/shops/{shop}/orders");
+    HttpResponse::Created().json(json!({"shop": shop.into_inner(), "execution": n}))
+}
+
+#[derive(Deserialize)]
+struct Slow {
+    #[serde(default)]
+    ms: u64,
+}
+
+#[post("/slow")]
+#[idempotent(require_key)]
+async fn slow(state: web::Data<AppState>, slow: web::Query<Slow>) -> HttpResponse {
+    let n = state.executions.next("/slow");
+    tokio::time::sleep(Duration::from_millis(slow.ms)).await;
+    HttpResponse::Created().json(json!({"execution": n}))
+}
+
+#[derive(Deserialize)]
+struct Status {
+    code: u16,
+}
+
+#[idempotent(require_key)]
+async fn status(state: web::Data<AppState>, status: web::Query<Status>) -> HttpResponse {
+    let n = state.executions.next("/status");
+    let code = StatusCode::from_u16(status.code).unwrap_or(StatusCode::BAD_REQUEST);
+    HttpResponse::build(code).json(json!({"execution": n}))
+}
+
+#[derive(Deserialize)]
+struct Big {
+    bytes: usize,
+}
+
+/// Streamed in chunks with no declared length, so the recorder meets a body of unknown size.
+#[idempotent(require_key)]
+async fn big(state: web::Data<AppState>, big: web::Query<Big>) -> HttpResponse {
+    state.executions.next("/big");
+    const CHUNK: usize = 8 * 1024;
+    let total = big.bytes;
+    let chunks = (0..total.div_ceil(CHUNK)).map(move |i| {
+        let len = CHUNK.min(total - i * CHUNK);
+        Ok::<_, std::convert::Infallible>(web::Bytes::from(vec![b'a'; len]))
+    });
+    HttpResponse::Ok()
+        .content_type("application/octet-stream")
+        .streaming(futures_util::stream::iter(chunks))
+}
+
+#[idempotent(require_key)]
+async fn panic(state: web::Data<AppState>) -> HttpResponse {
+    state.executions.next("/panic");
+    panic!("the /panic endpoint panics on purpose");
+}
+
+async fn search(state: web::Data<AppState>, req: HttpRequest) -> HttpResponse {
+    let n = state.executions.next("/search");
+    HttpResponse::Ok().json(json!({"query": req.query_string(), "execution": n}))
+}
+
+#[get("/executions")]
+async fn executions(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(state.executions.snapshot())
+}
+
+/// The conformance identity rules: `Bearer <tenant>:<subject>`, `X-Api-Key`, or anonymous; a
+/// malformed `Authorization` is 401 before any idempotency step.
+async fn authenticate(
+    req: ServiceRequest,
+    next: actix_web::middleware::Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let headers = req.headers();
+    let authorization = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    let api_key = headers.get("x-api-key").map(|v| v.as_bytes());
+    match identity(authorization, api_key) {
+        Ok(Some(identity)) => {
+            req.extensions_mut().insert(identity);
+        }
+        Ok(None) => {}
+        Err(()) => {
+            let response = HttpResponse::Unauthorized().finish();
+            return Ok(req.into_response(response).map_into_right_body());
+        }
+    }
+    Ok(next.call(req).await?.map_into_left_body())
+}
+
+#[actix_web::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let options = match Options::from_env() {
+        Ok(options) => options,
+        Err(usage) => {
+            eprintln!("{usage}");
+            std::process::exit(2);
+        }
+    };
+    let idempotency = web::Data::new(options.idempotency().await?);
+    let state = web::Data::new(AppState::default());
+    // actix's own JSON limit is a second cap beside max_body; keep it above, so max_body wins.
+    let json_limit = options.max_body.max(2 << 20);
+
+    let grace = idempotency.config().shutdown_grace().as_secs();
+    let server = {
+        let idempotency = idempotency.clone();
+        HttpServer::new(move || {
+            App::new()
+                .app_data(idempotency.clone())
+                .app_data(state.clone())
+                .app_data(web::JsonConfig::default().limit(json_limit))
+                .wrap(actix_web::middleware::from_fn(authenticate))
+                .service(create_order)
+                .service(get_order)
+                .service(slow)
+                .service(executions)
+                .route("/notes", web::post().to(create_note))
+                .route("/status", web::post().to(status))
+                .route("/panic", web::post().to(panic))
+                .service(
+                    web::resource("/big")
+                        .wrap(IdempotencyMiddleware::new().require_key())
+                        .route(web::post().to(big)),
+                )
+                .service(
+                    web::resource("/search")
+                        .wrap(IdempotencyMiddleware::new().require_key())
+                        .route(web::post().to(search)),
+                )
+                .service(
+                    web::scope("/shops")
+                        .wrap(IdempotencyMiddleware::new().require_key())
+                        .route("/{shop}/orders", web::post().to(create_shop_order)),
+                )
+        })
+        .workers(2)
+        .shutdown_timeout(grace)
+        .bind(options.addr)?
+    };
+    let addr = server.addrs()[0];
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "listening on http://{addr}")?;
+    stdout.flush()?;
+    drop(stdout);
+    // actix-web's server stops gracefully on SIGTERM and SIGINT by itself.
+    server.run().await?;
+    idempotency.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,199 @@
+//! The scope-level opt-in: [`IdempotencyMiddleware`].
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::future::{Ready, ready};
+use std::rc::Rc;
+
+use actix_web::body::{BoxBody, MessageBody};
+use actix_web::dev::{self, ResourceDef, Service, ServiceRequest, ServiceResponse, Transform};
+use actix_web::http::Method;
+use actix_web::{Error, HttpMessage};
+use futures_util::future::LocalBoxFuture;
+
+use super::pipeline::{self, Handled, Prepared, Target};
+use crate::config::EndpointConfig;
+
+/// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
+/// with the same semantics as `#[idempotent]` on each handler (runtime checks only).
+///
+/// Requests with other methods (HEAD, OPTIONS, GET, …) and requests that match no route
+/// (default services) pass through untouched. Where this middleware and the attribute both
+/// apply, the outer one decides and the attribute steps aside. The store is the
+/// `web::Data<IdempotencyStore>` of the application data.
+///
+/// Claimed handlers run in their own task, so a client that disconnects does not cancel them:
+/// the response is still recorded and the client's retry gets the replay. A service inside this
+/// middleware that fails with an `Err` (rather than an error response) releases the key.
+///
+/// ```
+/// use actix_web::{App, HttpResponse, web};
+/// use idempotent_runtime::IdempotencyStore;
+/// use idempotent_runtime::actix::IdempotencyMiddleware;
+///
+/// # #[actix_web::main] async fn main() {
+/// let store = web::Data::new(IdempotencyStore::memory());
+/// let app = App::new().app_data(store).service(
+///     web::scope("/payments")
+///         .wrap(IdempotencyMiddleware::new().require_key())
+///         .route("", web::post().to(|| async { HttpResponse::Created().finish() })),
+/// );
+/// # let _ = actix_web::test::init_service(app).await;
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct IdempotencyMiddleware {
+    endpoint: EndpointConfig,
+    methods: Rc<[Method]>,
+}
+
+impl Default for IdempotencyMiddleware {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl IdempotencyMiddleware {
+    /// POST and PATCH, key optional, the runtime's settings.
+    pub fn new() -> Self {
+        Self {
+            endpoint: EndpointConfig::OPTIONAL,
+            methods: Rc::from([Method::POST, Method::PATCH]),
+        }
+    }
+
+    /// Refuse requests without an `Idempotency-Key`.
+    pub fn require_key(mut self) -> Self {
+        self.endpoint.require_key = true;
+        self
+    }
+
+    /// Endpoint settings for every route inside (lease, retention, body and response caps).
+    pub fn endpoint(mut self, endpoint: EndpointConfig) -> Self {
+        self.endpoint = endpoint;
+        self
+    }
+
+    /// The methods the middleware applies to (default POST and PATCH). HEAD and OPTIONS are
+    /// never handled, whatever is listed.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.methods = methods
+            .into_iter()
+            .filter(|m| *m != Method::HEAD && *m != Method::OPTIONS)
+            .collect();
+        self
+    }
+}
+
+impl<S, B> Transform<S, ServiceRequest> for IdempotencyMiddleware
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: MessageBody + 'static,
+{
+    type Response = ServiceResponse<BoxBody>;
+    type Error = Error;
+    type Transform = IdempotencyService<S>;
+    type InitError = ();
+    type Future = Ready<Result<Self::Transform, Self::InitError>>;
+
+    fn new_transform(&self, service: S) -> Self::Future {
+        ready(Ok(IdempotencyService {
+            service: Rc::new(service),
+            endpoint: self.endpoint,
+            methods: Rc::clone(&self.methods),
+            patterns: Rc::default(),
+        }))
+    }
+}
+
+/// The service [`IdempotencyMiddleware`] wraps around its scope.
+pub struct IdempotencyService<S> {
+    service: Rc<S>,
+    endpoint: EndpointConfig,
+    methods: Rc<[Method]>,
+    // Route patterns compiled once per worker, to read the path parameters of a request whose
+    // resource has not been matched yet (a scope middleware runs before the scope's router).
+    patterns: Rc<RefCell<HashMap<String, ResourceDef>>>,
+}
+
+impl<S> std::fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("endpoint", &self.endpoint)
+            .field("methods", &self.methods)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> IdempotencyService<S> {
+    fn target(&self, req: &ServiceRequest, pattern: String) -> Target {
+        let mut patterns = self.patterns.borrow_mut();
+        let def = patterns
+            .entry(pattern.clone())
+            .or_insert_with(|| ResourceDef::new(pattern.as_str()));
+        let mut path = req.match_info().clone();
+        path.reset();
+        let params = if def.capture_match_info(&mut path) {
+            path.iter()
+                .map(|(_, value)| pipeline::percent_decode(value).into_owned())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Target {
+            route: Some(pattern),
+            params,
+        }
+    }
+}
+
+impl<S, B> Service<ServiceRequest> for IdempotencyService<S>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: MessageBody + 'static,
+{
+    type Response = ServiceResponse<BoxBody>;
+    type Error = Error;
+    type Future = LocalBoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    dev::forward_ready!(service);
+
+    fn call(&self, mut req: ServiceRequest) -> Self::Future {
+        let service = Rc::clone(&self.service);
+        let applies =
+            self.methods.contains(req.method()) && !req.extensions().contains::<Handled>();
+        let pattern = applies.then(|| req.match_pattern()).flatten();
+        let Some(pattern) = pattern else {
+            return Box::pin(async move { Ok(service.call(req).await?.map_into_boxed_body()) });
+        };
+        let Some(store) = pipeline::store_of(req.request()) else {
+            let response = pipeline::store_missing(&pattern);
+            return Box::pin(async move { Ok(req.into_response(response)) });
+        };
+        let target = self.target(&req, pattern);
+        let endpoint = self.endpoint;
+        req.extensions_mut().insert(Handled);
+        Box::pin(async move {
+            let payload = req.take_payload();
+            match pipeline::prepare(req.request(), payload, &store, &endpoint, target).await {
+                Prepared::Untouched(payload) => {
+                    req.set_payload(payload);
+                    Ok(service.call(req).await?.map_into_boxed_body())
+                }
+                Prepared::Respond(response) => Ok(req.into_response(response)),
+                Prepared::Run(run) => {
+                    req.set_payload(dev::Payload::from(run.body.clone()));
+                    // The inner router matches inside `call`, and needs the only reference to
+                    // the request: nothing here may keep a clone of it.
+                    let inner = service.call(req);
+                    let handler = async move {
+                        let (req, response) = inner.await?.into_parts();
+                        Ok((response.map_into_boxed_body(), req))
+                    };
+                    let (response, req) = pipeline::execute(run, handler).await?;
+                    Ok(ServiceResponse::new(req, response))
+                }
+            }
+        })
+    }
+}

@@ -1,0 +1,205 @@
+//! actix-web 4 integration: the `#[idempotent]` attribute for handlers and
+//! [`IdempotencyMiddleware`] for whole scopes.
+//!
+//! Register the store once as application data; both read it from there:
+//!
+//! ```
+//! use actix_web::{App, HttpResponse, Responder, post, web};
+//! use idempotent_runtime::IdempotencyStore;
+//! use idempotent_runtime::actix::idempotent;
+//!
+//! #[derive(serde::Deserialize)]
+//! struct NewOrder {
+//!     sku: String,
+//! }
+//!
+//! #[idempotent(require_key)]
+//! #[post("/orders")]
+//! async fn create_order(order: web::Json<NewOrder>) -> impl Responder {
+//!     HttpResponse::Created().json(serde_json::json!({ "sku": order.sku }))
+//! }
+//!
+//! # #[actix_web::main] async fn main() {
+//! let store = web::Data::new(IdempotencyStore::memory());
+//! let app = App::new().app_data(store.clone()).service(create_order);
+//! # let _ = actix_web::test::init_service(app).await;
+//! // after the server stopped: let claimed handlers finish
+//! store.shutdown().await;
+//! # }
+//! ```
+//!
+//! The attribute works above or below a route macro (`#[post("/x")]`), and on handlers
+//! registered with `.route("/x", web::post().to(handler))`. It rewrites the handler to take the
+//! request and its raw payload, runs the pipeline of DESIGN.md (key, body, scope, claim), and
+//! then runs each of the handler's own extractors on the buffered body, in order, inside a task
+//! of its own: a client that disconnects does not cancel a claimed handler. An extractor's
+//! rejection (malformed JSON, say) is the handler's response and is recorded like any 4xx.
+//!
+//! # Which body cap wins
+//!
+//! `max_body` (the runtime's setting, or the attribute's `max_body = "…"`) is checked first,
+//! while the body is read and before the key is claimed: a larger body gets 413
+//! `IDEMPOTENCY_PAYLOAD_TOO_LARGE` and claims nothing. actix's own `PayloadConfig` and
+//! `JsonConfig` limits apply afterwards, when the handler's extractors run on the buffered body;
+//! their rejection (413 from actix) is then the handler's recorded response. Keep `max_body` at
+//! or below those limits so that `max_body` is the one clients meet.
+//!
+//! # Identity
+//!
+//! The scope is built from an [`Identity`](crate::scope::Identity) that your authentication
+//! middleware inserts into the request extensions (`req.extensions_mut().insert(identity)`);
+//! such a middleware must wrap outside the idempotency step (App-level `wrap` runs before a
+//! handler's attribute and before a scope's [`IdempotencyMiddleware`]). Anonymous callers are
+//! scoped by `peer_addr().ip()`.
+
+use std::future::{Ready, ready};
+
+use actix_web::{FromRequest, HttpMessage, HttpRequest, dev};
+
+use crate::context::IdempotencyContext;
+
+mod middleware;
+mod pipeline;
+
+pub use middleware::{IdempotencyMiddleware, IdempotencyService};
+
+/// Makes an actix-web handler idempotent. See the [module documentation](self).
+///
+/// Arguments: `require_key`; `lease = "30s"`, `retention = "24h"`, `max_body = "64KiB"`,
+/// `max_response = "1MiB"`; `crate = path` for a renamed dependency.
+pub use idempotent_macros::idempotent_actix as idempotent;
+
+/// Available in a handler behind `#[idempotent]` or [`IdempotencyMiddleware`] for requests
+/// that carry a key. Take `Option<IdempotencyContext>` on endpoints where the key is optional.
+impl FromRequest for IdempotencyContext {
+    type Error = actix_web::Error;
+    type Future = Ready<Result<Self, Self::Error>>;
+
+    fn from_request(req: &HttpRequest, _: &mut dev::Payload) -> Self::Future {
+        ready(
+            req.extensions()
+                .get::<IdempotencyContext>()
+                .cloned()
+                .ok_or_else(|| {
+                    tracing::error!(
+                        "IdempotencyContext extracted outside an idempotent request: put \
+                         #[idempotent] on the handler or IdempotencyMiddleware around it, and \
+                         take Option<IdempotencyContext> where the key is optional"
+                    );
+                    actix_web::error::ErrorInternalServerError(
+                        "this request has no idempotency context",
+                    )
+                }),
+        )
+    }
+}
+
+/// What `#[idempotent]` expansions call. Not a stable API.
+#[doc(hidden)]
+pub mod __private {
+    use std::future::Future;
+
+    use actix_web::body::MessageBody;
+    use actix_web::{HttpMessage, HttpRequest, HttpResponse, Responder, dev, web};
+
+    use super::pipeline::{self, Handled, Prepared, Target};
+    use crate::config::EndpointConfig;
+
+    pub use crate::config::EndpointConfig as Endpoint;
+    pub use actix_web::dev::Payload as RawPayload;
+    pub use actix_web::web::Payload;
+    pub use actix_web::{FromRequest, HttpRequest as Request, HttpResponse as Response};
+    pub use core::time::Duration;
+
+    /// The rewritten handler's body: the pipeline around `handler`, which runs the original
+    /// extractors and the original function on the payload it is given.
+    pub async fn handle<F, Fut>(
+        req: HttpRequest,
+        payload: web::Payload,
+        endpoint: &'static EndpointConfig,
+        handler: F,
+    ) -> HttpResponse
+    where
+        F: FnOnce(HttpRequest, dev::Payload) -> Fut + 'static,
+        Fut: Future<Output = HttpResponse> + 'static,
+    {
+        let payload = payload.into_inner();
+        if req.extensions().contains::<Handled>() {
+            return handler(req, payload).await;
+        }
+        let target = Target::matched(&req);
+        let Some(store) = pipeline::store_of(&req) else {
+            return pipeline::store_missing(target.route.as_deref().unwrap_or(""));
+        };
+        req.extensions_mut().insert(Handled);
+        match pipeline::prepare(&req, payload, &store, endpoint, target).await {
+            Prepared::Untouched(payload) => handler(req, payload).await,
+            Prepared::Respond(response) => response,
+            Prepared::Run(run) => {
+                let body = run.body.clone();
+                let fut = async move {
+                    let response = handler(req, dev::Payload::from(body)).await;
+                    Ok((response, ()))
+                };
+                match pipeline::execute(run, fut).await {
+                    Ok((response, ())) => response,
+                    Err(error) => HttpResponse::from_error(error),
+                }
+            }
+        }
+    }
+
+    /// An extractor's rejection as the handler's response.
+    pub fn rejection<E: Into<actix_web::Error>>(error: E) -> HttpResponse {
+        HttpResponse::from_error(error)
+    }
+
+    /// The original function's return value as a response.
+    pub fn respond<R>(value: R, req: &HttpRequest) -> HttpResponse
+    where
+        R: Responder,
+        R::Body: MessageBody + 'static,
+    {
+        value.respond_to(req).map_into_boxed_body()
+    }
+
+    /// Compile-time check that a handler parameter does not stream the request body.
+    pub struct Probe<T>(core::marker::PhantomData<T>);
+
+    impl<T> Probe<T> {
+        /// A probe for `T`.
+        pub const fn new() -> Self {
+            Self(core::marker::PhantomData)
+        }
+    }
+
+    /// Implemented by the extractors that stream the request body.
+    pub trait Streaming {}
+    impl Streaming for web::Payload {}
+    impl Streaming for dev::Payload {}
+
+    /// A request body `#[idempotent]` can buffer.
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` streams the request body, which an #[idempotent] handler cannot take",
+        label = "streaming request body",
+        note = "#[idempotent] buffers the body to fingerprint it and hands it to the handler's \
+                extractors: take `web::Bytes`, `String`, `web::Json<T>` or `web::Form<T>` instead"
+    )]
+    pub trait BufferedBody {}
+
+    impl<T: Streaming> Probe<T> {
+        /// Chosen over [`NotStreaming::check`] for streaming types, and fails to compile.
+        pub fn check(&self)
+        where
+            T: BufferedBody,
+        {
+        }
+    }
+
+    /// The fallback [`Probe::check`] for every other type.
+    pub trait NotStreaming {
+        /// Accepts the type.
+        fn check(&self) {}
+    }
+    impl<T> NotStreaming for Probe<T> {}
+}
