@@ -16,6 +16,12 @@ use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 
 pub mod memory;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub mod sqlite;
 
 #[cfg(any(test, feature = "testing"))]
 pub mod contract;

@@ -1,0 +1,730 @@
+//! The PostgreSQL store, through sqlx (DESIGN.md §5): several replicas share one table.
+//!
+//! Every operation is one statement, so one round trip: a claim is `INSERT … ON CONFLICT DO
+//! NOTHING` with the standing row read back in the same statement, and a replay writes nothing
+//! (no row lock, no WAL). Leases and expiry are judged by the database's clock, so replicas
+//! never disagree about them. The schema ships with the crate and is applied by
+//! [`PostgresStore::migrate`], which keeps its own version table (never sqlx's
+//! `_sqlx_migrations`), so it coexists with the application's own migrations.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), sqlx::Error> {
+//! use idempotent_runtime::IdempotencyStore;
+//! use idempotent_runtime::store::postgres::PostgresStore;
+//!
+//! let store = PostgresStore::builder()
+//!     .schema("app")
+//!     .table("idempotency_records")
+//!     .connect("postgres://app@db/app")
+//!     .await?;
+//! store.migrate().await?;
+//! let idempotency = IdempotencyStore::builder(store).build();
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Row};
+
+use super::{
+    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
+};
+use crate::fingerprint::Fingerprint;
+use crate::scope::ScopeHash;
+
+/// The versioned DDL shipped with the crate, in order. `{table}` is replaced by the quoted,
+/// qualified table name and `{name}` by the bare one. Never edit a shipped migration: add one.
+const MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "create records",
+    include_str!("../../migrations/postgres/0001_create_records.sql"),
+)];
+
+/// Key of the transaction-scoped advisory lock that serialises concurrent `migrate()` calls
+/// (the bytes of "idem-mig").
+const MIGRATE_LOCK: i64 = 0x6964_656d_2d6d_6967;
+
+/// SQLSTATE `lock_not_available`: `lock_timeout` elapsed.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// How often a statement whose snapshot missed a concurrent commit is re-run before giving up.
+const MAX_RERUNS: usize = 8;
+
+/// The default table name.
+pub const DEFAULT_TABLE: &str = "idempotency_records";
+
+/// Builds a [`PostgresStore`]: table and schema names, and the settings of the pool it opens.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct PostgresStoreBuilder {
+    schema: Option<String>,
+    table: String,
+    lock_timeout: Duration,
+    statement_timeout: Duration,
+    acquire_timeout: Duration,
+    max_connections: u32,
+    application_name: Option<String>,
+}
+
+impl PostgresStoreBuilder {
+    /// The table name (default `idempotency_records`): ASCII letters, digits and `_`, not
+    /// starting with a digit, at most 48 characters (its index and version table are named
+    /// after it).
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The schema holding the table (default: the first schema of the connection's
+    /// `search_path`). Same naming rules as [`table`](Self::table); `migrate()` creates it.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = Some(schema.into());
+        self
+    }
+
+    /// `lock_timeout` of the store's connections (default 1 s): a claim that meets another
+    /// transaction's uncommitted row for the same key waits at most this long, then reports
+    /// the key as in progress (409) instead of waiting for that transaction.
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout;
+        self
+    }
+
+    /// `statement_timeout` of the store's connections (default 10 s).
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.statement_timeout = timeout;
+        self
+    }
+
+    /// How long an operation waits for a pooled connection before failing with
+    /// [`StoreError::Unavailable`] (503) (default 2 s).
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// Size of the pool the store opens (default 10).
+    pub fn max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max.max(1);
+        self
+    }
+
+    /// `application_name` of the store's connections (default `idempotent`), as shown in
+    /// `pg_stat_activity`.
+    pub fn application_name(mut self, name: impl Into<String>) -> Self {
+        self.application_name = Some(name.into());
+        self
+    }
+
+    /// Opens a pool to `url` with these settings and builds the store over it. Does not
+    /// migrate: call [`PostgresStore::migrate`] (once per deployment is enough; it is safe from
+    /// several replicas at once).
+    pub async fn connect(self, url: &str) -> Result<PostgresStore, sqlx::Error> {
+        let options: PgConnectOptions = url.parse()?;
+        self.connect_with(options).await
+    }
+
+    /// As [`connect`](Self::connect), from parsed connect options (whose own `options` and
+    /// `application_name` are kept unless this builder sets them).
+    pub async fn connect_with(
+        self,
+        options: PgConnectOptions,
+    ) -> Result<PostgresStore, sqlx::Error> {
+        let table = TableName::new(self.schema.as_deref(), &self.table)?;
+        let mut options = options.options([
+            (
+                "lock_timeout",
+                format!("{}ms", self.lock_timeout.as_millis().max(1)),
+            ),
+            (
+                "statement_timeout",
+                format!("{}ms", self.statement_timeout.as_millis().max(1)),
+            ),
+        ]);
+        match (&self.application_name, options.get_application_name()) {
+            (Some(name), _) => options = options.application_name(name),
+            (None, None) => options = options.application_name("idempotent"),
+            (None, Some(_)) => {}
+        }
+        let pool = PgPoolOptions::new()
+            .max_connections(self.max_connections)
+            .acquire_timeout(self.acquire_timeout)
+            // A ping before every checkout would double the round trips of a replay; a dead
+            // connection fails its statement instead (503) and is not reused.
+            .test_before_acquire(false)
+            .connect_lazy_with(options);
+        Ok(PostgresStore::with_table(pool, table))
+    }
+
+    /// Builds the store over an existing pool. The pool's connections should set
+    /// `lock_timeout` (see [`lock_timeout`](Self::lock_timeout)): without it, a claim that meets
+    /// another transaction's uncommitted row waits for that transaction. The pool settings of
+    /// this builder do not apply.
+    pub fn build(self, pool: PgPool) -> Result<PostgresStore, sqlx::Error> {
+        let table = TableName::new(self.schema.as_deref(), &self.table)?;
+        Ok(PostgresStore::with_table(pool, table))
+    }
+}
+
+/// A validated, quoted table name.
+#[derive(Debug, Clone)]
+struct TableName {
+    /// `"schema"."table"` or `"table"`.
+    qualified: String,
+    /// `"schema"."table_migrations"` or `"table_migrations"`.
+    versions: String,
+    schema: Option<String>,
+    name: String,
+}
+
+impl TableName {
+    fn new(schema: Option<&str>, name: &str) -> Result<Self, sqlx::Error> {
+        fn check(what: &str, ident: &str) -> Result<(), sqlx::Error> {
+            let ok = !ident.is_empty()
+                && ident.len() <= 48
+                && !ident.starts_with(|c: char| c.is_ascii_digit())
+                && ident.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if ok {
+                Ok(())
+            } else {
+                Err(sqlx::Error::Configuration(
+                    format!(
+                        "idempotency store {what} name {ident:?} must be 1-48 ASCII letters, digits \
+                         or '_', not starting with a digit"
+                    )
+                    .into(),
+                ))
+            }
+        }
+        check("table", name)?;
+        if let Some(schema) = schema {
+            check("schema", schema)?;
+        }
+        let prefix = schema.map_or_else(String::new, |s| format!("\"{s}\"."));
+        Ok(Self {
+            qualified: format!("{prefix}\"{name}\""),
+            versions: format!("{prefix}\"{name}_migrations\""),
+            schema: schema.map(str::to_owned),
+            name: name.to_owned(),
+        })
+    }
+}
+
+/// The statements, rendered once for the configured table.
+struct Statements {
+    claim: Arc<str>,
+    reclaim: Arc<str>,
+    complete: Arc<str>,
+    release: Arc<str>,
+    renew: Arc<str>,
+    sweep: Arc<str>,
+}
+
+/// `now()` moved by the test clock offset, bound as the parameter `$n` (milliseconds).
+fn now(n: usize) -> String {
+    format!("(now() + ${n}::bigint * interval '1 millisecond')")
+}
+
+/// The columns a standing row is reported with, from row `r` and the clock `clock.now`.
+const STANDING_COLUMNS: &str = "false, r.token, r.fingerprint, r.fp_version, \
+     CASE WHEN r.expires_at <= clock.now THEN 3 \
+          WHEN r.state = 1 THEN 2 \
+          WHEN r.lease_until > clock.now THEN 0 \
+          ELSE 1 END::smallint, \
+     GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.lease_until - clock.now)) * 1000))::bigint, \
+     r.status, r.headers, r.body";
+
+const ACQUIRED_COLUMNS: &str = "true, token, NULL::bytea, NULL::smallint, NULL::smallint, \
+     NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea";
+
+impl Statements {
+    fn new(t: &str) -> Self {
+        // Parameters shared by claim and reclaim: $1 scope, $2 key, $3 token, $4 fingerprint,
+        // $5 fingerprint version, $6 lease (ms), $7 retention (ms), $8 clock offset (ms).
+        let clock = format!("clock AS (SELECT {} AS now)", now(8));
+        let lease_until = "clock.now + $6::bigint * interval '1 millisecond'";
+        let expires_at = "clock.now + ($6::bigint + $7::bigint) * interval '1 millisecond'";
+        // The read-back sees the statement's snapshot: a conflicting row committed after it
+        // reads back as nothing, and the caller re-runs the statement. Data-modifying CTEs are
+        // invisible to the rest of the statement, so a successful insert reads back nothing.
+        let claim = format!(
+            "WITH {clock}, \
+             ins AS (INSERT INTO {t} (scope, key, token, fingerprint, fp_version, state, \
+                                      lease_until, expires_at) \
+                     SELECT $1, $2, $3, $4, $5, 0, {lease_until}, {expires_at} FROM clock \
+                     ON CONFLICT DO NOTHING \
+                     RETURNING token) \
+             SELECT {ACQUIRED_COLUMNS} FROM ins \
+             UNION ALL \
+             SELECT {STANDING_COLUMNS} FROM {t} r, clock WHERE r.scope = $1 AND r.key = $2"
+        );
+        // $9: the stale token. Takes over an expired record (whoever holds it) or an abandoned
+        // one still held by `stale`, the same rule as the in-memory store.
+        let reclaim = format!(
+            "WITH {clock}, \
+             upd AS (UPDATE {t} r SET token = $3, fingerprint = $4, fp_version = $5, state = 0, \
+                         lease_until = {lease_until}, expires_at = {expires_at}, \
+                         status = NULL, headers = NULL, body = NULL \
+                     FROM clock \
+                     WHERE r.scope = $1 AND r.key = $2 \
+                       AND (r.expires_at <= clock.now \
+                            OR (r.token = $9 AND r.state = 0 AND r.lease_until <= clock.now)) \
+                     RETURNING r.token) \
+             SELECT {ACQUIRED_COLUMNS} FROM upd \
+             UNION ALL \
+             SELECT {STANDING_COLUMNS} FROM {t} r, clock \
+             WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM upd)"
+        );
+        let complete = format!(
+            "UPDATE {t} SET state = 1, status = $4, headers = $5, body = $6, \
+                 lease_until = {n}, expires_at = {n} + $7::bigint * interval '1 millisecond' \
+             WHERE scope = $1 AND key = $2 AND token = $3 AND state = 0",
+            n = now(8)
+        );
+        let release =
+            format!("DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND state = 0");
+        // A reservation expires `retention` after its lease: keep that distance when renewing.
+        let renew = format!(
+            "UPDATE {t} SET lease_until = {n} + $4::bigint * interval '1 millisecond', \
+                 expires_at = {n} + $4::bigint * interval '1 millisecond' \
+                              + (expires_at - lease_until) \
+             WHERE scope = $1 AND key = $2 AND token = $3 AND state = 0",
+            n = now(5)
+        );
+        // `ctid = ANY(ARRAY(…))` plans as a TID scan; the outer predicate re-checks expiry so a
+        // row reclaimed between the select and the delete is never freed.
+        let sweep = format!(
+            "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM {t} WHERE expires_at <= {n} \
+                 LIMIT $1 FOR UPDATE SKIP LOCKED)) \
+             AND expires_at <= {n}",
+            n = now(2)
+        );
+        Self {
+            claim: claim.into(),
+            reclaim: reclaim.into(),
+            complete: complete.into(),
+            release: release.into(),
+            renew: renew.into(),
+            sweep: sweep.into(),
+        }
+    }
+}
+
+/// The PostgreSQL store. Cheap to share behind an `Arc`; build it with
+/// [`PostgresStore::connect`], [`PostgresStore::new`] or [`PostgresStore::builder`].
+pub struct PostgresStore {
+    pool: PgPool,
+    table: TableName,
+    sql: Statements,
+    clock_offset_ms: AtomicI64,
+    statements: AtomicU64,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.table.qualified)
+            .finish_non_exhaustive()
+    }
+}
+
+fn millis_i64(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn unavailable(e: sqlx::Error) -> StoreError {
+    StoreError::unavailable(e)
+}
+
+fn is_lock_timeout(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(LOCK_NOT_AVAILABLE))
+}
+
+/// What a claim or reclaim statement returned.
+enum Outcome {
+    Acquired,
+    Standing(Standing),
+    /// No row: the record vanished, or was committed after the statement's snapshot.
+    Nothing,
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::unavailable(format!("corrupt idempotency record: {what}"))
+}
+
+fn decode(rows: Vec<PgRow>) -> Result<Outcome, StoreError> {
+    // A row deleted after the snapshot can read back beside a successful insert: the insert
+    // wins.
+    let mut acquired = false;
+    for row in &rows {
+        acquired |= row.try_get::<bool, _>(0).map_err(unavailable)?;
+    }
+    let Some(row) = rows.into_iter().next() else {
+        return Ok(Outcome::Nothing);
+    };
+    if acquired {
+        return Ok(Outcome::Acquired);
+    }
+    let token: i64 = row.try_get(1).map_err(unavailable)?;
+    let digest: Vec<u8> = row.try_get(2).map_err(unavailable)?;
+    let version: i16 = row.try_get(3).map_err(unavailable)?;
+    let phase: i16 = row.try_get(4).map_err(unavailable)?;
+    let fingerprint = Fingerprint {
+        version: version as u16,
+        digest: digest
+            .try_into()
+            .map_err(|_| corrupt("fingerprint is not 32 bytes"))?,
+    };
+    let state = match phase {
+        0 => {
+            let left: i64 = row.try_get(5).map_err(unavailable)?;
+            StandingState::Running {
+                lease_left: Duration::from_millis(left.max(0) as u64),
+            }
+        }
+        1 => StandingState::Abandoned,
+        2 => {
+            let status: Option<i16> = row.try_get(6).map_err(unavailable)?;
+            let headers: Option<Vec<u8>> = row.try_get(7).map_err(unavailable)?;
+            let body: Option<Vec<u8>> = row.try_get(8).map_err(unavailable)?;
+            let status = status
+                .and_then(|s| u16::try_from(s).ok())
+                .ok_or_else(|| corrupt("completed without a status"))?;
+            let headers = RecordedResponse::decode_headers(headers.as_deref().unwrap_or_default())
+                .ok_or_else(|| corrupt("headers do not decode"))?;
+            StandingState::Completed(Arc::new(RecordedResponse {
+                status,
+                headers,
+                body: Bytes::from(body.unwrap_or_default()),
+            }))
+        }
+        _ => StandingState::Expired,
+    };
+    Ok(Outcome::Standing(Standing {
+        token: FencingToken::from_i64(token),
+        fingerprint,
+        state,
+    }))
+}
+
+impl PostgresStore {
+    /// A builder: table name `idempotency_records`, `lock_timeout` 1 s, a pool of 10.
+    pub fn builder() -> PostgresStoreBuilder {
+        PostgresStoreBuilder {
+            schema: None,
+            table: DEFAULT_TABLE.to_owned(),
+            lock_timeout: Duration::from_secs(1),
+            statement_timeout: Duration::from_secs(10),
+            acquire_timeout: Duration::from_secs(2),
+            max_connections: 10,
+            application_name: None,
+        }
+    }
+
+    /// Opens a pool to `url` with the default settings (see [`builder`](Self::builder)).
+    ///
+    /// ```no_run
+    /// # async fn example() -> Result<(), sqlx::Error> {
+    /// use idempotent_runtime::store::postgres::PostgresStore;
+    ///
+    /// let store = PostgresStore::connect("postgres://app@db/app").await?;
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
+        Self::builder().connect(url).await
+    }
+
+    /// The store over an existing pool, with the default table `idempotency_records` in the
+    /// connection's default schema. See [`PostgresStoreBuilder::build`] about `lock_timeout`.
+    pub fn new(pool: PgPool) -> Self {
+        let table = TableName::new(None, DEFAULT_TABLE).expect("the default table name is valid");
+        Self::with_table(pool, table)
+    }
+
+    fn with_table(pool: PgPool, table: TableName) -> Self {
+        Self {
+            sql: Statements::new(&table.qualified),
+            pool,
+            table,
+            clock_offset_ms: AtomicI64::new(0),
+            statements: AtomicU64::new(0),
+        }
+    }
+
+    /// The pool the store runs on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The quoted, schema-qualified table name, e.g. `"app"."idempotency_records"`.
+    pub fn table(&self) -> &str {
+        &self.table.qualified
+    }
+
+    /// Creates or upgrades the table to this crate's schema. Safe to call from several replicas
+    /// at once (they serialise on a transaction-scoped advisory lock) and idempotent. Applied
+    /// versions are kept in `<table>_migrations` beside the table, never in sqlx's
+    /// `_sqlx_migrations`, so the application's own migrations are unaffected.
+    pub async fn migrate(&self) -> Result<(), sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        // Migrating replicas queue behind each other; the store's short lock_timeout is for
+        // claims, not for this.
+        sqlx::query("SET LOCAL lock_timeout = '60s'")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(MIGRATE_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        if let Some(schema) = &self.table.schema {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "CREATE SCHEMA IF NOT EXISTS \"{schema}\""
+            )))
+            .execute(&mut *tx)
+            .await?;
+        }
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE TABLE IF NOT EXISTS {} (\
+                 version bigint PRIMARY KEY, \
+                 description text NOT NULL, \
+                 applied_at timestamptz NOT NULL DEFAULT now())",
+            self.table.versions
+        )))
+        .execute(&mut *tx)
+        .await?;
+        let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT version FROM {}",
+            self.table.versions
+        )))
+        .fetch_all(&mut *tx)
+        .await?;
+        for (version, description, ddl) in MIGRATIONS {
+            if applied.contains(version) {
+                continue;
+            }
+            let ddl = ddl
+                .replace("{table}", &self.table.qualified)
+                .replace("{name}", &self.table.name);
+            sqlx::raw_sql(AssertSqlSafe(ddl)).execute(&mut *tx).await?;
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {} (version, description) VALUES ($1, $2)",
+                self.table.versions
+            )))
+            .bind(version)
+            .bind(description)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await
+    }
+
+    /// Moves the store's clock forward by `by` (an offset added to the database's `now()` in
+    /// every statement), so the contract suite can test leases and retention without sleeping.
+    #[doc(hidden)]
+    pub fn advance_clock_for_tests(&self, by: Duration) {
+        self.clock_offset_ms
+            .fetch_add(millis_i64(by), Ordering::SeqCst);
+    }
+
+    /// Statements sent to the database so far (each one round trip).
+    #[doc(hidden)]
+    pub fn statements_executed(&self) -> u64 {
+        self.statements.load(Ordering::Relaxed)
+    }
+
+    fn offset(&self) -> i64 {
+        self.clock_offset_ms.load(Ordering::SeqCst)
+    }
+
+    fn count(&self) {
+        self.statements.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One claim or reclaim statement. A lock timeout means another transaction holds an
+    /// uncommitted row for the key: reported as running, with the request's own fingerprint
+    /// (the key is in progress whatever that request's body) and the request's lease as what is
+    /// left, since the holder's is unknown.
+    async fn claim_statement(
+        &self,
+        sql: &Arc<str>,
+        req: &ClaimRequest<'_>,
+        stale: Option<FencingToken>,
+    ) -> Result<Outcome, StoreError> {
+        let mut query = sqlx::query(AssertSqlSafe(Arc::clone(sql)))
+            .bind(&req.scope[..])
+            .bind(req.key)
+            .bind(req.token.as_i64())
+            .bind(&req.fingerprint.digest[..])
+            .bind(req.fingerprint.version as i16)
+            .bind(millis_i64(req.lease))
+            .bind(millis_i64(req.retention))
+            .bind(self.offset());
+        if let Some(stale) = stale {
+            query = query.bind(stale.as_i64());
+        }
+        self.count();
+        match query.fetch_all(&self.pool).await {
+            Ok(rows) => decode(rows),
+            Err(e) if is_lock_timeout(&e) => Ok(Outcome::Standing(Standing {
+                token: FencingToken(0),
+                fingerprint: req.fingerprint,
+                state: StandingState::Running {
+                    lease_left: req.lease,
+                },
+            })),
+            Err(e) => Err(unavailable(e)),
+        }
+    }
+}
+
+fn still_running(req: &ClaimRequest<'_>) -> Claim {
+    // Every re-run met a record committed after its snapshot: the key is being fought over
+    // right now, which is what "in progress" means.
+    Claim::Standing(Standing {
+        token: FencingToken(0),
+        fingerprint: req.fingerprint,
+        state: StandingState::Running {
+            lease_left: req.lease,
+        },
+    })
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        for _ in 0..MAX_RERUNS {
+            match self.claim_statement(&self.sql.claim, req, None).await? {
+                Outcome::Acquired => return Ok(Claim::Acquired),
+                Outcome::Standing(standing) => return Ok(Claim::Standing(standing)),
+                Outcome::Nothing => continue,
+            }
+        }
+        Ok(still_running(req))
+    }
+
+    async fn reclaim(
+        &self,
+        req: &ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> Result<Claim, StoreError> {
+        for _ in 0..MAX_RERUNS {
+            match self
+                .claim_statement(&self.sql.reclaim, req, Some(stale))
+                .await?
+            {
+                Outcome::Acquired => return Ok(Claim::Acquired),
+                // The row vanished (released or swept): claim it afresh.
+                Outcome::Nothing => return self.claim(req).await,
+                Outcome::Standing(standing) => {
+                    let takeable = standing.state == StandingState::Expired
+                        || (standing.token == stale && standing.state == StandingState::Abandoned);
+                    if !takeable {
+                        return Ok(Claim::Standing(standing));
+                    }
+                    // The update skipped a row the snapshot still shows as takeable: another
+                    // transaction changed it after the snapshot. Look again.
+                }
+            }
+        }
+        Ok(still_running(req))
+    }
+
+    async fn complete(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+        response: &RecordedResponse,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        self.count();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.complete)))
+            .bind(&scope[..])
+            .bind(key)
+            .bind(token.as_i64())
+            .bind(response.status as i16)
+            .bind(response.encode_headers())
+            .bind(&response.body[..])
+            .bind(millis_i64(retention))
+            .bind(self.offset())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+    ) -> Result<bool, StoreError> {
+        self.count();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
+            .bind(&scope[..])
+            .bind(key)
+            .bind(token.as_i64())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn renew(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.count();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.renew)))
+            .bind(&scope[..])
+            .bind(key)
+            .bind(token.as_i64())
+            .bind(millis_i64(lease))
+            .bind(self.offset())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
+        self.count();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.sweep)))
+            .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+            .bind(self.offset())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(done.rows_affected() as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_validated_and_quoted() {
+        let t = TableName::new(Some("app"), "records").unwrap();
+        assert_eq!(t.qualified, "\"app\".\"records\"");
+        assert_eq!(t.versions, "\"app\".\"records_migrations\"");
+        assert_eq!(TableName::new(None, "r_1").unwrap().qualified, "\"r_1\"");
+        for bad in ["", "1abc", "a\"b", "a b", "x;drop", &"a".repeat(49)] {
+            assert!(TableName::new(None, bad).is_err(), "{bad:?} accepted");
+            assert!(
+                TableName::new(Some(bad), "ok").is_err(),
+                "schema {bad:?} accepted"
+            );
+        }
+    }
+}
