@@ -31,6 +31,8 @@ pub struct Options {
     pub retention: Duration,
     pub max_body: usize,
     pub max_response: usize,
+    /// How long a request body may take to arrive (`--body-timeout SECS`, default 30).
+    pub body_timeout: Duration,
     pub reuse_status: ReuseStatus,
     pub missing_status: MissingKeyStatus,
 }
@@ -45,6 +47,7 @@ impl Default for Options {
             retention: Duration::from_secs(86_400),
             max_body: 1 << 20,
             max_response: 1 << 20,
+            body_timeout: Duration::from_secs(30),
             reuse_status: ReuseStatus::UnprocessableContent,
             missing_status: MissingKeyStatus::BadRequest,
         }
@@ -52,7 +55,8 @@ impl Default for Options {
 }
 
 const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite --database-url URL \
---lease SECS --retention SECS --max-body BYTES --max-response BYTES --reuse-status 422|409 \
+--lease SECS --retention SECS --max-body BYTES --max-response BYTES --body-timeout SECS \
+--reuse-status 422|409 \
 --missing-status 400|428";
 
 impl Options {
@@ -88,6 +92,9 @@ impl Options {
                 "--retention" => o.retention = secs(&value).ok_or_else(|| bad("not seconds"))?,
                 "--max-body" => o.max_body = value.parse().map_err(|_| bad("not bytes"))?,
                 "--max-response" => o.max_response = value.parse().map_err(|_| bad("not bytes"))?,
+                "--body-timeout" => {
+                    o.body_timeout = secs(&value).ok_or_else(|| bad("not seconds"))?;
+                }
                 "--reuse-status" => {
                     o.reuse_status = match value.as_str() {
                         "422" => ReuseStatus::UnprocessableContent,
@@ -115,6 +122,7 @@ impl Options {
             .retention(self.retention)
             .max_body(self.max_body)
             .max_response(self.max_response)
+            .body_timeout(self.body_timeout)
             .reuse_status(self.reuse_status)
             .missing_key_status(self.missing_status)
             .build()
@@ -128,8 +136,39 @@ impl Options {
             )
             .config(self.config())
             .build()),
+            #[cfg(feature = "postgres")]
+            StoreKind::Postgres => {
+                // Several replicas may start at once: `migrate()` serialises them. A test isolates
+                // itself through the URL (`?options=-c%20search_path%3D<schema>`).
+                let url = self
+                    .database_url
+                    .as_deref()
+                    .ok_or("--store postgres needs --database-url or DATABASE_URL")?;
+                let store = idempotent_runtime::store::postgres::PostgresStore::connect(url).await?;
+                store.migrate().await?;
+                Ok(IdempotencyStore::builder(store)
+                    .config(self.config())
+                    .build())
+            }
+            #[cfg(feature = "sqlite")]
+            StoreKind::Sqlite => {
+                let url = self
+                    .database_url
+                    .as_deref()
+                    .ok_or("--store sqlite needs --database-url PATH (a database file)")?;
+                let path = url
+                    .strip_prefix("sqlite://")
+                    .or_else(|| url.strip_prefix("sqlite:"))
+                    .unwrap_or(url);
+                let store = idempotent_runtime::store::sqlite::SqliteStore::open(path).await?;
+                store.migrate().await?;
+                Ok(IdempotencyStore::builder(store)
+                    .config(self.config())
+                    .build())
+            }
+            #[allow(unreachable_patterns)]
             StoreKind::Postgres | StoreKind::Sqlite => {
-                Err("this build has no SQL store support yet".into())
+                Err("this build has no support for the selected SQL store (cargo features postgres, sqlite)".into())
             }
         }
     }

@@ -1,1 +1,611 @@
-//! placeholder
+//! The black-box conformance suite (DESIGN.md §2–§4, ../shared/CONFORMANCE.md), written once
+//! over real HTTP and run against every server in [`harness::SERVERS`]: each case starts its
+//! own server process (with the options it needs) and drives it with an HTTP client, or with
+//! raw TCP where a client library would refuse to send the hostile request.
+
+#[path = "conformance/harness.rs"]
+mod harness;
+
+use std::io::Write as _;
+use std::time::Duration;
+
+use harness::{Resp, Server};
+use serde_json::{Value, json};
+
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $case() {
+            for server in harness::SERVERS {
+                eprintln!("{} against {server}", stringify!($case));
+                cases::$case(server).await;
+            }
+        }
+    )*};
+}
+
+conformance! {
+    first_request_runs_and_is_not_marked_replayed,
+    replays_completed_response_with_replayed_header,
+    repeat_while_running_is_409_in_progress_with_retry_after,
+    reused_key_with_another_body_is_422,
+    reuse_status_409_variant,
+    missing_key_where_required_is_400,
+    missing_status_428_variant,
+    optional_key_absent_runs_every_time,
+    optional_key_present_replays,
+    malformed_keys_are_400_and_never_echoed,
+    quoted_and_bare_keys_are_the_same_key,
+    checks_run_in_the_documented_order,
+    body_over_max_body_is_413,
+    chunked_body_past_the_cap_is_413,
+    slow_body_is_408,
+    thirty_two_concurrent_requests_run_once,
+    same_key_under_two_tenants_runs_twice,
+    api_key_and_anonymous_callers_are_scoped_apart,
+    path_parameters_are_fingerprinted,
+    query_order_is_irrelevant_but_raw_pairs_matter,
+    client_disconnect_does_not_cancel_the_handler,
+    panic_frees_the_key,
+    server_errors_and_429_are_not_recorded,
+    client_errors_are_recorded,
+    framework_rejection_of_malformed_json_is_recorded,
+    response_over_max_response_is_sent_and_not_recorded,
+    lease_is_renewed_while_the_handler_runs,
+    retention_lapses_and_the_key_runs_again,
+    malformed_authorization_is_401_before_idempotency,
+    other_methods_pass_through,
+}
+
+mod cases {
+    use super::*;
+
+    fn order(quantity: i64) -> Value {
+        json!({"sku": "book", "quantity": quantity})
+    }
+
+    async fn order_call(s: &Server, key: &str, body: &Value) -> Resp {
+        s.post("/orders").key(key).json(body).send().await
+    }
+
+    pub async fn first_request_runs_and_is_not_marked_replayed(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let r = order_call(&s, "k-first", &order(2)).await;
+        assert_eq!(r.status, 201);
+        assert!(!r.replayed());
+        assert_eq!(r.header("location"), Some("/orders/1"));
+        assert_eq!(r.header("set-cookie"), Some("seen=1"));
+        assert_eq!(
+            r.json(),
+            json!({"id": 1, "sku": "book", "quantity": 2, "execution": 1})
+        );
+        assert_eq!(s.runs("/orders").await, 1);
+        let stored = s.get("/orders/1").await;
+        assert_eq!(stored.status, 200);
+        assert_eq!(stored.json()["sku"], "book");
+    }
+
+    pub async fn replays_completed_response_with_replayed_header(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let first = order_call(&s, "k-replay", &order(3)).await;
+        let again = order_call(&s, "k-replay", &order(3)).await;
+        assert_eq!(first.status, 201);
+        assert_eq!(again.status, 201);
+        assert!(again.replayed());
+        assert_eq!(again.body, first.body, "replayed body differs");
+        assert_eq!(again.header("location"), Some("/orders/1"));
+        assert_eq!(again.header("content-type"), first.header("content-type"));
+        assert_eq!(
+            again.header("set-cookie"),
+            None,
+            "Set-Cookie must not be replayed"
+        );
+        assert_eq!(s.runs("/orders").await, 1);
+    }
+
+    pub async fn repeat_while_running_is_409_in_progress_with_retry_after(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let first = s.post("/slow?ms=1500").key("k-slow").send();
+        let first = tokio::spawn(first);
+        s.wait_runs("/slow", 1).await;
+        let during = s.post("/slow?ms=1500").key("k-slow").send().await;
+        during.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
+        assert_eq!(during.header("retry-after"), Some("1"));
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 201);
+        assert!(!first.replayed());
+        let after = s.post("/slow?ms=1500").key("k-slow").send().await;
+        assert_eq!(after.status, 201);
+        assert!(after.replayed());
+        assert_eq!(after.body, first.body);
+        assert_eq!(s.runs("/slow").await, 1);
+    }
+
+    pub async fn reused_key_with_another_body_is_422(name: &'static str) {
+        let s = Server::start(name, &[]);
+        assert_eq!(order_call(&s, "k-reuse", &order(1)).await.status, 201);
+        let other = order_call(&s, "k-reuse", &order(2)).await;
+        other.assert_problem(422, "IDEMPOTENCY_KEY_REUSED");
+        assert_eq!(s.runs("/orders").await, 1);
+    }
+
+    pub async fn reuse_status_409_variant(name: &'static str) {
+        let s = Server::start(name, &["--reuse-status", "409"]);
+        assert_eq!(order_call(&s, "k-reuse", &order(1)).await.status, 201);
+        order_call(&s, "k-reuse", &order(2))
+            .await
+            .assert_problem(409, "IDEMPOTENCY_KEY_REUSED");
+        assert_eq!(s.runs("/orders").await, 1);
+    }
+
+    pub async fn missing_key_where_required_is_400(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let r = s.post("/orders").json(&order(1)).send().await;
+        r.assert_problem(400, "IDEMPOTENCY_KEY_REQUIRED");
+        assert_eq!(s.runs("/orders").await, 0);
+    }
+
+    pub async fn missing_status_428_variant(name: &'static str) {
+        let s = Server::start(name, &["--missing-status", "428"]);
+        let r = s.post("/orders").json(&order(1)).send().await;
+        r.assert_problem(428, "IDEMPOTENCY_KEY_REQUIRED");
+        assert_eq!(s.runs("/orders").await, 0);
+    }
+
+    pub async fn optional_key_absent_runs_every_time(name: &'static str) {
+        let s = Server::start(name, &[]);
+        for n in 1..=2 {
+            let r = s.post("/notes").json(&json!({"text": "hi"})).send().await;
+            assert_eq!(r.status, 201);
+            assert!(!r.replayed());
+            assert_eq!(r.json(), json!({"execution": n}));
+        }
+        assert_eq!(s.runs("/notes").await, 2);
+    }
+
+    pub async fn optional_key_present_replays(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let body = json!({"text": "hi"});
+        let first = s.post("/notes").key("k-note").json(&body).send().await;
+        let again = s.post("/notes").key("k-note").json(&body).send().await;
+        assert_eq!((first.status, again.status), (201, 201));
+        assert!(!first.replayed());
+        assert!(again.replayed());
+        assert_eq!(again.json(), json!({"execution": 1}));
+        assert_eq!(s.runs("/notes").await, 1);
+    }
+
+    pub async fn malformed_keys_are_400_and_never_echoed(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let long = "k".repeat(256);
+        let bad = [
+            "\"\"",
+            long.as_str(),
+            "secret-1, secret-2",
+            "secret with space",
+            "\"secret-unterminated",
+            "\"secret\";param=1",
+        ];
+        for route in ["/orders", "/notes"] {
+            for key in bad {
+                let r = s.post(route).key(key).json(&order(1)).send().await;
+                r.assert_problem(400, "IDEMPOTENCY_KEY_INVALID");
+                let text = String::from_utf8_lossy(&r.body);
+                assert!(!text.contains("secret"), "key echoed: {text}");
+            }
+            // An empty value and two header lines need a raw request.
+            for headers in [
+                "Idempotency-Key: \r\n",
+                "Idempotency-Key: a\r\nIdempotency-Key: b\r\n",
+            ] {
+                let request = format!(
+                    "POST {route} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}\
+                     Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}"
+                );
+                let r = s.raw(request.as_bytes());
+                assert_eq!(r.status, 400, "{headers:?}: {}", r.text);
+                assert_eq!(r.json()["code"], "IDEMPOTENCY_KEY_INVALID");
+            }
+        }
+        let max = "k".repeat(255);
+        let ok = s.post("/orders").key(&max).json(&order(1)).send().await;
+        assert_eq!(ok.status, 201, "a 255-character key is valid");
+        assert_eq!(s.runs("/orders").await, 1);
+        assert_eq!(s.runs("/notes").await, 0);
+    }
+
+    pub async fn quoted_and_bare_keys_are_the_same_key(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let first = order_call(&s, "\"same-key\"", &order(1)).await;
+        let again = order_call(&s, "same-key", &order(1)).await;
+        assert_eq!((first.status, again.status), (201, 201));
+        assert!(again.replayed());
+        let case = order_call(&s, "SAME-KEY", &order(1)).await;
+        assert!(!case.replayed(), "keys are case-sensitive");
+        assert_eq!(s.runs("/orders").await, 2);
+    }
+
+    pub async fn checks_run_in_the_documented_order(name: &'static str) {
+        let s = Server::start(name, &["--max-body", "64"]);
+        let big = json!({"sku": "x".repeat(200), "quantity": 1});
+        // key syntax before presence and body
+        s.post("/orders")
+            .key("a,b")
+            .json(&big)
+            .send()
+            .await
+            .assert_problem(400, "IDEMPOTENCY_KEY_INVALID");
+        // key presence before body
+        s.post("/orders")
+            .json(&big)
+            .send()
+            .await
+            .assert_problem(400, "IDEMPOTENCY_KEY_REQUIRED");
+        // body before claim: a refused body never claims the key
+        s.post("/orders")
+            .key("k-order")
+            .json(&big)
+            .send()
+            .await
+            .assert_problem(413, "IDEMPOTENCY_PAYLOAD_TOO_LARGE");
+        let ok = order_call(&s, "k-order", &order(1)).await;
+        assert_eq!(ok.status, 201);
+        assert!(!ok.replayed());
+        assert_eq!(s.runs("/orders").await, 1);
+    }
+
+    pub async fn body_over_max_body_is_413(name: &'static str) {
+        let s = Server::start(name, &["--max-body", "100"]);
+        let big = json!({"text": "x".repeat(200)});
+        let r = s.post("/notes").key("k-big").json(&big).send().await;
+        r.assert_problem(413, "IDEMPOTENCY_PAYLOAD_TOO_LARGE");
+        assert_eq!(s.runs("/notes").await, 0);
+        let small = s
+            .post("/notes")
+            .key("k-small")
+            .json(&json!({"t": 1}))
+            .send()
+            .await;
+        assert_eq!(small.status, 201);
+        // Without a key on an optional endpoint, nothing is buffered: the handler sees it all.
+        let unkeyed = s.post("/notes").json(&big).send().await;
+        assert_eq!(unkeyed.status, 201);
+        assert_eq!(s.runs("/notes").await, 2);
+    }
+
+    pub async fn chunked_body_past_the_cap_is_413(name: &'static str) {
+        let s = Server::start(name, &["--max-body", "100"]);
+        let chunk = format!("{{\"t\":\"{}\"}}", "x".repeat(150));
+        let request = format!(
+            "POST /notes HTTP/1.1\r\nHost: x\r\nConnection: close\r\nIdempotency-Key: k-chunked\r\n\
+             Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n\
+             {:x}\r\n{chunk}\r\n0\r\n\r\n",
+            chunk.len()
+        );
+        let r = s.raw(request.as_bytes());
+        assert_eq!(r.status, 413, "{}", r.text);
+        assert_eq!(r.json()["code"], "IDEMPOTENCY_PAYLOAD_TOO_LARGE");
+        assert_eq!(s.runs("/notes").await, 0);
+    }
+
+    pub async fn slow_body_is_408(name: &'static str) {
+        let s = Server::start(name, &["--body-timeout", "0.3"]);
+        let mut stream = s.connect();
+        stream
+            .write_all(
+                b"POST /notes HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+                  Idempotency-Key: k-slow-body\r\nContent-Type: application/json\r\n\
+                  Content-Length: 20\r\n\r\n{\"a\"",
+            )
+            .unwrap();
+        let r = harness::read_raw(&mut stream);
+        assert_eq!(r.status, 408, "{}", r.text);
+        assert_eq!(r.json()["code"], "IDEMPOTENCY_BODY_TIMEOUT");
+        assert_eq!(s.runs("/notes").await, 0);
+    }
+
+    pub async fn thirty_two_concurrent_requests_run_once(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let calls = (0..32).map(|_| s.post("/slow?ms=300").key("k-herd").send());
+        let answers = futures_util::future::join_all(calls).await;
+        let originals: Vec<&Resp> = answers
+            .iter()
+            .filter(|r| r.status == 201 && !r.replayed())
+            .collect();
+        assert_eq!(originals.len(), 1, "exactly one request runs the handler");
+        let original = originals[0];
+        for r in &answers {
+            match r.status {
+                201 => assert_eq!(r.body, original.body, "a replay differs"),
+                409 => r.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS"),
+                other => panic!("unexpected {other}: {:?}", r.body),
+            }
+        }
+        assert_eq!(s.runs("/slow").await, 1);
+    }
+
+    pub async fn same_key_under_two_tenants_runs_twice(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let a = s
+            .post("/orders")
+            .key("k-shared")
+            .bearer("acme:alice")
+            .json(&order(1))
+            .send()
+            .await;
+        let b = s
+            .post("/orders")
+            .key("k-shared")
+            .bearer("globex:alice")
+            .json(&order(1))
+            .send()
+            .await;
+        assert_eq!((a.status, b.status), (201, 201));
+        assert!(
+            !a.replayed() && !b.replayed(),
+            "never another tenant's replay"
+        );
+        assert_eq!(a.json()["execution"], 1);
+        assert_eq!(b.json()["execution"], 2);
+        let a_again = s
+            .post("/orders")
+            .key("k-shared")
+            .bearer("acme:alice")
+            .json(&order(1))
+            .send()
+            .await;
+        assert!(a_again.replayed());
+        assert_eq!(a_again.body, a.body);
+        assert_eq!(s.runs("/orders").await, 2);
+    }
+
+    pub async fn api_key_and_anonymous_callers_are_scoped_apart(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let anonymous = order_call(&s, "k-scope", &order(1)).await;
+        let machine = s
+            .post("/orders")
+            .key("k-scope")
+            .header("x-api-key", "key-1")
+            .json(&order(1))
+            .send()
+            .await;
+        assert!(!anonymous.replayed() && !machine.replayed());
+        let machine_again = s
+            .post("/orders")
+            .key("k-scope")
+            .header("x-api-key", "key-1")
+            .json(&order(1))
+            .send()
+            .await;
+        assert!(machine_again.replayed());
+        assert_eq!(machine_again.body, machine.body);
+        assert_eq!(s.runs("/orders").await, 2);
+    }
+
+    pub async fn path_parameters_are_fingerprinted(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let body = json!({"item": 1});
+        let one = s
+            .post("/shops/1/orders")
+            .key("k-shop")
+            .json(&body)
+            .send()
+            .await;
+        assert_eq!(one.status, 201);
+        assert_eq!(one.json(), json!({"shop": "1", "execution": 1}));
+        let two = s
+            .post("/shops/2/orders")
+            .key("k-shop")
+            .json(&body)
+            .send()
+            .await;
+        two.assert_problem(422, "IDEMPOTENCY_KEY_REUSED");
+        let one_again = s
+            .post("/shops/1/orders")
+            .key("k-shop")
+            .json(&body)
+            .send()
+            .await;
+        assert!(one_again.replayed());
+        assert_eq!(s.runs("/shops/{shop}/orders").await, 1);
+    }
+
+    pub async fn query_order_is_irrelevant_but_raw_pairs_matter(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let first = s.post("/search?a=1&b=2").key("k-q").send().await;
+        assert_eq!(first.status, 200);
+        assert_eq!(first.json(), json!({"query": "a=1&b=2", "execution": 1}));
+        let reordered = s.post("/search?b=2&a=1").key("k-q").send().await;
+        assert_eq!(reordered.status, 200);
+        assert!(reordered.replayed());
+        assert_eq!(reordered.body, first.body);
+        let bare = s.post("/search?a").key("k-raw").send().await;
+        assert_eq!(bare.status, 200);
+        s.post("/search?a=")
+            .key("k-raw")
+            .send()
+            .await
+            .assert_problem(422, "IDEMPOTENCY_KEY_REUSED");
+        s.post("/search")
+            .send()
+            .await
+            .assert_problem(400, "IDEMPOTENCY_KEY_REQUIRED");
+        assert_eq!(s.runs("/search").await, 2);
+    }
+
+    pub async fn client_disconnect_does_not_cancel_the_handler(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let mut stream = s.connect();
+        stream
+            .write_all(
+                b"POST /slow?ms=800 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-gone\r\n\
+                  Content-Length: 0\r\n\r\n",
+            )
+            .unwrap();
+        s.wait_runs("/slow", 1).await;
+        drop(stream);
+        let retry = loop {
+            let r = s.post("/slow?ms=800").key("k-gone").send().await;
+            if r.status != 409 {
+                break r;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(retry.status, 201, "{:?}", retry.body);
+        assert!(retry.replayed(), "the handler finished and was recorded");
+        assert_eq!(retry.json(), json!({"execution": 1}));
+        assert_eq!(s.runs("/slow").await, 1);
+    }
+
+    pub async fn panic_frees_the_key(name: &'static str) {
+        let s = Server::start(name, &[]);
+        for run in 1..=2 {
+            let r = s.post("/panic").key("k-panic").send().await;
+            r.assert_problem(500, "IDEMPOTENCY_HANDLER_PANICKED");
+            assert_eq!(s.runs("/panic").await, run);
+        }
+    }
+
+    pub async fn server_errors_and_429_are_not_recorded(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let mut runs = 0;
+        for code in [500, 503, 429, 401] {
+            let key = format!("k-status-{code}");
+            for _ in 0..2 {
+                let r = s
+                    .post(&format!("/status?code={code}"))
+                    .key(&key)
+                    .send()
+                    .await;
+                runs += 1;
+                assert_eq!(r.status, code);
+                assert!(!r.replayed(), "{code} must not be replayed");
+                assert_eq!(r.json(), json!({"execution": runs}));
+            }
+        }
+        assert_eq!(s.runs("/status").await, runs);
+    }
+
+    pub async fn client_errors_are_recorded(name: &'static str) {
+        let s = Server::start(name, &[]);
+        for (i, code) in [404, 409, 422].into_iter().enumerate() {
+            let key = format!("k-status-{code}");
+            let path = format!("/status?code={code}");
+            let first = s.post(&path).key(&key).send().await;
+            let again = s.post(&path).key(&key).send().await;
+            assert_eq!((first.status, again.status), (code, code));
+            assert!(!first.replayed());
+            assert!(again.replayed(), "{code} is recorded");
+            assert_eq!(again.json(), json!({"execution": i + 1}));
+        }
+        let first = order_call(&s, "k-zero", &order(0)).await;
+        assert_eq!(first.status, 422);
+        let want = json!({"error": "quantity must be positive", "execution": 1});
+        assert_eq!(first.json(), want);
+        let again = order_call(&s, "k-zero", &order(0)).await;
+        assert_eq!(again.status, 422);
+        assert!(again.replayed());
+        assert_eq!(again.json(), want);
+        assert_eq!(s.runs("/status").await, 3);
+        assert_eq!(s.runs("/orders").await, 1);
+    }
+
+    pub async fn framework_rejection_of_malformed_json_is_recorded(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let first = s
+            .post("/orders")
+            .key("k-bad-json")
+            .raw_json("{\"sku\":")
+            .send()
+            .await;
+        assert!((400..500).contains(&first.status), "{}", first.status);
+        assert!(!first.replayed());
+        let again = s
+            .post("/orders")
+            .key("k-bad-json")
+            .raw_json("{\"sku\":")
+            .send()
+            .await;
+        assert_eq!(again.status, first.status);
+        assert!(again.replayed());
+        assert_eq!(again.body, first.body);
+        assert_eq!(s.runs("/orders").await, 0, "the handler never ran");
+    }
+
+    pub async fn response_over_max_response_is_sent_and_not_recorded(name: &'static str) {
+        let s = Server::start(name, &["--max-response", "1000"]);
+        for run in 1..=2 {
+            let r = s.post("/big?bytes=50000").key("k-big").send().await;
+            assert_eq!(r.status, 200);
+            assert!(!r.replayed());
+            assert_eq!(r.body.len(), 50_000, "the whole body is sent");
+            assert!(r.body.iter().all(|&b| b == b'a'));
+            assert_eq!(s.runs("/big").await, run);
+        }
+        let small = s.post("/big?bytes=1000").key("k-small").send().await;
+        let again = s.post("/big?bytes=1000").key("k-small").send().await;
+        assert!(!small.replayed());
+        assert!(again.replayed(), "a body within the cap is recorded");
+        assert_eq!(again.body.len(), 1000);
+        assert_eq!(
+            again.header("content-type"),
+            Some("application/octet-stream")
+        );
+        assert_eq!(s.runs("/big").await, 3);
+    }
+
+    pub async fn lease_is_renewed_while_the_handler_runs(name: &'static str) {
+        let s = Server::start(name, &["--lease", "0.5"]);
+        let first = tokio::spawn(s.post("/slow?ms=1500").key("k-lease").send());
+        s.wait_runs("/slow", 1).await;
+        // Well past the 0.5 s lease: a live handler keeps its key.
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        let during = s.post("/slow?ms=1500").key("k-lease").send().await;
+        during.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
+        assert_eq!(during.header("retry-after"), Some("1"));
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 201);
+        let after = s.post("/slow?ms=1500").key("k-lease").send().await;
+        assert!(after.replayed());
+        assert_eq!(after.body, first.body);
+        assert_eq!(s.runs("/slow").await, 1);
+    }
+
+    pub async fn retention_lapses_and_the_key_runs_again(name: &'static str) {
+        let s = Server::start(name, &["--retention", "0.5"]);
+        let body = json!({"t": 1});
+        let first = s.post("/notes").key("k-ret").json(&body).send().await;
+        assert_eq!(first.json(), json!({"execution": 1}));
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let later = s.post("/notes").key("k-ret").json(&body).send().await;
+        assert_eq!(later.status, 201);
+        assert!(!later.replayed(), "an expired record is gone");
+        assert_eq!(later.json(), json!({"execution": 2}));
+    }
+
+    pub async fn malformed_authorization_is_401_before_idempotency(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let r = s
+            .post("/orders")
+            .header("authorization", "Basic Zm9vOmJhcg==")
+            .key("a,b")
+            .json(&order(1))
+            .send()
+            .await;
+        assert_eq!(r.status, 401);
+        assert_eq!(s.runs("/orders").await, 0);
+    }
+
+    pub async fn other_methods_pass_through(name: &'static str) {
+        let s = Server::start(name, &[]);
+        assert_eq!(order_call(&s, "k-get", &order(1)).await.status, 201);
+        // GET is not wrapped: an invalid key changes nothing.
+        let r = s.get("/orders/1").await;
+        assert_eq!(r.status, 200);
+        let request = "GET /orders/1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+                       Idempotency-Key: a, b\r\n\r\n";
+        let raw = s.raw(request.as_bytes());
+        assert_eq!(raw.status, 200, "{}", raw.text);
+        assert_eq!(s.get("/orders/99").await.status, 404);
+    }
+}
