@@ -23,7 +23,6 @@
 //! The broker test (tests/consumer_nats.rs) runs this same code under unique names.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -220,7 +219,8 @@ struct Shared {
     /// Message ids to nak before processing, once.
     nak_first: Mutex<HashSet<String>>,
     report: Mutex<Report>,
-    acked: AtomicUsize,
+    /// Stream sequences acked: each published copy once, however often it was delivered.
+    acked: Mutex<HashSet<u64>>,
 }
 
 impl StockConsumer {
@@ -268,9 +268,9 @@ impl StockConsumer {
         self.shared.report.lock().unwrap().clone()
     }
 
-    /// Messages acked so far, over all replicas.
+    /// Published messages acked so far, over all replicas.
     pub fn acked(&self) -> usize {
-        self.shared.acked.load(Ordering::SeqCst)
+        self.shared.acked.lock().unwrap().len()
     }
 
     fn note(&self, f: impl FnOnce(&mut Report)) {
@@ -279,7 +279,10 @@ impl StockConsumer {
 
     /// Handles one delivery: processes it through the inbox and acks or naks it.
     pub async fn handle(&self, msg: jetstream::Message) -> Result<(), Error> {
-        let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+        let (delivered, sequence) = {
+            let info = msg.info()?;
+            (info.delivered, info.stream_sequence)
+        };
         if delivered > 1 {
             self.note(|r| r.redeliveries += 1);
         }
@@ -366,12 +369,12 @@ impl StockConsumer {
                 return Ok(());
             }
         }
-        self.shared.acked.fetch_add(1, Ordering::SeqCst);
+        self.shared.acked.lock().unwrap().insert(sequence);
         Ok(())
     }
 
-    /// Pulls and handles messages until `expected_acks` messages were acked (over all
-    /// replicas), or `deadline` passes.
+    /// Pulls and handles messages until `expected_acks` published messages were acked (over
+    /// all replicas), or `deadline` passes.
     pub async fn run(
         &self,
         consumer: &PullConsumer,
@@ -379,7 +382,13 @@ impl StockConsumer {
         deadline: Duration,
     ) -> Result<(), Error> {
         let stop = tokio::time::Instant::now() + deadline;
-        let mut messages = consumer.messages().await?;
+        // Pull a few at a time: JetStream's ack_wait runs from delivery, so messages waiting in a
+        // large prefetch buffer could be redelivered before this consumer even looked at them.
+        let mut messages = consumer
+            .stream()
+            .max_messages_per_batch(4)
+            .messages()
+            .await?;
         while self.acked() < expected_acks && tokio::time::Instant::now() < stop {
             match tokio::time::timeout(Duration::from_millis(250), messages.next()).await {
                 Ok(Some(msg)) => self.handle(msg?).await?,

@@ -34,29 +34,22 @@ async fn redelivered_messages_reserve_stock_once() {
         return;
     };
     let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());
-    let client = match tokio::time::timeout(
-        Duration::from_secs(5),
-        async_nats::ConnectOptions::new()
-            .retry_on_initial_connect()
-            .max_reconnects(Some(2))
-            .connect(&nats_url),
-    )
-    .await
-    {
-        Ok(Ok(client)) => client,
-        failed => {
-            let why = match failed {
-                Ok(Err(e)) => e.to_string(),
-                _ => "timed out".into(),
-            };
-            assert!(
-                !required("IDEMPOTENT_REQUIRE_BROKER"),
-                "NATS at {nats_url} is unreachable ({why}) but IDEMPOTENT_REQUIRE_BROKER=1"
-            );
-            eprintln!("consumer_nats: skipped, NATS at {nats_url} is unreachable ({why})");
-            return;
-        }
-    };
+    let client =
+        match tokio::time::timeout(Duration::from_secs(5), async_nats::connect(&nats_url)).await {
+            Ok(Ok(client)) => client,
+            failed => {
+                let why = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "timed out".into(),
+                };
+                assert!(
+                    !required("IDEMPOTENT_REQUIRE_BROKER"),
+                    "NATS at {nats_url} is unreachable ({why}) but IDEMPOTENT_REQUIRE_BROKER=1"
+                );
+                eprintln!("consumer_nats: skipped, NATS at {nats_url} is unreachable ({why})");
+                return;
+            }
+        };
     let js = jetstream::new(client);
     let names = Names::new(&format!("{:016x}", FencingToken::mint().0));
     let pool = PgPoolOptions::new()
@@ -65,9 +58,11 @@ async fn redelivered_messages_reserve_stock_once() {
         .await
         .expect("connect to DATABASE_URL");
     let inbox = example::setup_database(&pool, &names, 100).await.unwrap();
-    let consumer = example::setup_broker(&js, &names, Duration::from_secs(1))
+    // JetStream redelivers an unacked message after ack_wait: 2 s keeps a slow machine from
+    // redelivering messages that are merely queued, and the test short.
+    let consumer = example::setup_broker(&js, &names, Duration::from_secs(2))
         .await
-        .unwrap();
+        .expect("create the stream and consumer (is JetStream enabled on the server?)");
 
     let order = |id: &str, qty| ReserveStock {
         order_id: id.into(),
@@ -109,7 +104,7 @@ async fn redelivered_messages_reserve_stock_once() {
         .nak_first("order-3");
     let b = a.replica(inbox_b);
     let expected_acks = publishes.len();
-    // A liveness bound, not a speed assertion: ack_wait is 1 s, so this is ample.
+    // A liveness bound, not a speed assertion: ack_wait is 2 s, so this is ample.
     let deadline = Duration::from_secs(60);
     let (run_a, run_b) = tokio::join!(
         a.run(&consumer, expected_acks, deadline),
@@ -123,7 +118,7 @@ async fn redelivered_messages_reserve_stock_once() {
     let (units, reservations) = example::reserved(&pool, &names.schema).await.unwrap();
     let markers: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM {}",
-        inbox.table()
+        inbox.qualified_table()
     )))
     .fetch_one(&pool)
     .await
@@ -138,7 +133,7 @@ async fn redelivered_messages_reserve_stock_once() {
 
     assert_eq!(
         acked, expected_acks,
-        "not every delivery was acked: {report:?}"
+        "not every published message was acked: {report:?}"
     );
     assert_eq!(
         (units, reservations),
@@ -147,9 +142,9 @@ async fn redelivered_messages_reserve_stock_once() {
     );
     assert_eq!(markers, 4, "one marker per distinct message");
     assert_eq!(report.done, 4, "{report:?}");
-    // 10 publishes of 4 distinct messages, plus the redelivery of the unacked order-2: 7 copies
-    // are duplicates, acked without running.
-    assert_eq!(report.duplicate, 7, "{report:?}");
+    // 10 publishes of 4 distinct messages, plus the redelivery of the unacked order-2: at least
+    // 7 copies are duplicates, acked without running (more if the broker redelivered others).
+    assert!(report.duplicate >= 7, "{report:?}");
     assert_eq!(
         report.crashed_before_ack, 1,
         "the crash was not simulated: {report:?}"

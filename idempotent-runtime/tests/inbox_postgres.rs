@@ -89,7 +89,7 @@ impl Db {
     async fn markers(&self, inbox: &PgInbox, message_id: &str) -> i64 {
         self.scalar(&format!(
             "SELECT count(*) FROM {} WHERE consumer = '{}' AND message_id = '{message_id}'",
-            inbox.table(),
+            inbox.qualified_table(),
             inbox.consumer()
         ))
         .await
@@ -441,7 +441,7 @@ async fn sweep_deletes_only_markers_older_than_retention() {
     db.exec(&format!(
         "UPDATE {t} SET processed_at = now() - interval '8 days' WHERE message_id LIKE 'old-%'; \
          UPDATE {t} SET processed_at = now() - interval '6 days 23 hours' WHERE message_id = 'young'",
-        t = inbox.table()
+        t = inbox.qualified_table()
     ))
     .await;
 

@@ -124,6 +124,7 @@ pub(crate) enum Outcome {
     Duplicate,
     Busy,
     Failed,
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     StoreError,
 }
 
@@ -473,7 +474,7 @@ mod tests {
     #[tokio::test]
     async fn a_cancelled_or_panicking_handler_leaves_no_marker() {
         let inbox = MemoryInbox::new("c");
-        let fut = inbox.process("m1", || std::future::pending::<Result<(), Boom>>());
+        let fut = inbox.process("m1", std::future::pending::<Result<(), Boom>>);
         assert!(
             tokio::time::timeout(Duration::from_millis(5), fut)
                 .await

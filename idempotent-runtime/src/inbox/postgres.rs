@@ -274,7 +274,7 @@ impl PgInbox {
     }
 
     /// The table, quoted and schema-qualified as it appears in SQL.
-    pub fn table(&self) -> &str {
+    pub fn qualified_table(&self) -> &str {
         &self.s.qualified
     }
 
