@@ -349,6 +349,81 @@ async fn a_handlers_own_unique_violation_propagates_and_is_not_a_duplicate() {
 }
 
 #[tokio::test]
+async fn a_unique_violation_at_commit_is_a_duplicate_only_on_the_inboxs_constraint() {
+    let Some(db) = Db::connect("commit_unique").await else {
+        return;
+    };
+    // A deferred primary key moves the duplicate check to COMMIT: the copy runs its handler,
+    // then the commit fails on the inbox's constraint and everything is rolled back.
+    db.exec(&format!(
+        "CREATE TABLE {}.deferred_inbox (consumer text NOT NULL, message_id text NOT NULL, \
+         processed_at timestamptz NOT NULL DEFAULT now(), CONSTRAINT deferred_inbox_pkey \
+         PRIMARY KEY (consumer, message_id) DEFERRABLE INITIALLY DEFERRED)",
+        db.schema
+    ))
+    .await;
+    let deferred = PgInbox::builder(db.pool.clone(), "reserve-stock")
+        .schema(&db.schema)
+        .table("deferred_inbox")
+        .build()
+        .unwrap();
+    deferred.migrate().await.unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    for expected in [Processed::Done("reserved"), Processed::Duplicate] {
+        let (schema, runs) = (db.schema.clone(), runs.clone());
+        let got = deferred
+            .process("msg-1", move |conn| {
+                Box::pin(async move { reserve(conn, &schema, &runs).await })
+            })
+            .await
+            .unwrap();
+        assert_eq!(got, expected);
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the deferred check did not defer"
+    );
+    assert_eq!(
+        db.reserved().await,
+        1,
+        "the duplicate's changes were committed"
+    );
+
+    // The handler's own deferred constraint failing at COMMIT is a failure, never a duplicate:
+    // acking it would lose the message.
+    let inbox = db.inbox("reserve-stock").await;
+    db.exec(&format!(
+        "CREATE TABLE {s}.tickets (id int, CONSTRAINT tickets_id_key UNIQUE (id) \
+         DEFERRABLE INITIALLY DEFERRED); INSERT INTO {s}.tickets VALUES (1)",
+        s = db.schema
+    ))
+    .await;
+    let schema = db.schema.clone();
+    let err = inbox
+        .process("msg-2", move |conn| {
+            Box::pin(async move {
+                sqlx::query(AssertSqlSafe(format!(
+                    "INSERT INTO {schema}.tickets VALUES (1)"
+                )))
+                .execute(&mut *conn)
+                .await?;
+                Ok::<_, sqlx::Error>(())
+            })
+        })
+        .await
+        .expect_err("a failed commit was reported as processed");
+    let InboxError::Store(e) = &err else {
+        panic!("expected the commit's failure, got {err:?}");
+    };
+    let e = e.downcast_ref::<sqlx::Error>().expect("a sqlx::Error");
+    let e = e.as_database_error().expect("a database error");
+    assert_eq!(e.constraint(), Some("tickets_id_key"));
+    assert_eq!(db.markers(&inbox, "msg-2").await, 0);
+    db.drop_schema().await;
+}
+
+#[tokio::test]
 async fn a_handler_error_rolls_back_and_leaves_no_marker_so_the_redelivery_runs() {
     let Some(db) = Db::connect("rollback").await else {
         return;
@@ -468,6 +543,43 @@ async fn sweep_deletes_only_markers_older_than_retention() {
         .await
         .unwrap();
     assert_eq!(swept, Processed::Done(()), "a swept message runs again");
+    db.drop_schema().await;
+}
+
+#[tokio::test]
+async fn the_background_sweeper_deletes_old_markers() {
+    let Some(db) = Db::connect("sweeper").await else {
+        return;
+    };
+    let inbox = PgInbox::builder(db.pool.clone(), "reserve-stock")
+        .schema(&db.schema)
+        .retention(Duration::from_secs(3600))
+        .build()
+        .unwrap();
+    inbox.migrate().await.unwrap();
+    for id in ["old", "young"] {
+        let got = inbox
+            .process(id, |_| Box::pin(async { Ok::<_, sqlx::Error>(()) }))
+            .await
+            .unwrap();
+        assert_eq!(got, Processed::Done(()));
+    }
+    db.exec(&format!(
+        "UPDATE {} SET processed_at = now() - interval '2 hours' WHERE message_id = 'old'",
+        inbox.qualified_table()
+    ))
+    .await;
+    let sweeper = inbox.spawn_sweeper();
+    // Its first tick is immediate; poll with a liveness bound, not a speed assertion.
+    let swept = tokio::time::timeout(Duration::from_secs(60), async {
+        while db.markers(&inbox, "old").await != 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    sweeper.abort();
+    assert!(swept.is_ok(), "the sweeper never deleted the old marker");
+    assert_eq!(db.markers(&inbox, "young").await, 1);
     db.drop_schema().await;
 }
 
