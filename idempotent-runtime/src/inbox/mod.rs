@@ -163,11 +163,8 @@ pub(crate) fn observe(outcome: Outcome, consumer: &str, message_id: &str) {
             %message,
             "inbox: handler failed, its changes were rolled back; a redelivery runs it again"
         ),
-        Outcome::StoreError => tracing::warn!(
-            consumer,
-            %message,
-            "inbox: storage failed, nothing was committed; nack the message"
-        ),
+        // Logged where the error is known (with it).
+        Outcome::StoreError => {}
     }
 }
 

@@ -8,6 +8,8 @@ use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnection, PgDatabaseError, PgPool};
 use sqlx::{AssertSqlSafe, Postgres, Transaction};
 
+use crate::observe::KeyDisplay;
+
 use super::{
     BoxFuture, DEFAULT_RETENTION, DEFAULT_SWEEP_BATCH, InboxError, Outcome, Processed, observe,
     observe_swept, sweep_cadence,
@@ -384,7 +386,12 @@ impl PgInbox {
         e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
     ) -> Result<Processed<T>, InboxError<E>> {
         let e = e.into();
-        tracing::warn!(consumer = %self.s.consumer, error = %e, "inbox: database error");
+        tracing::warn!(
+            consumer = %self.s.consumer,
+            message = %KeyDisplay(message_id),
+            error = %e,
+            "inbox: database failed, nothing was committed; nack the message so it is redelivered"
+        );
         observe(Outcome::StoreError, &self.s.consumer, message_id);
         Err(InboxError::Store(e))
     }
