@@ -413,6 +413,78 @@ async fn a_claim_meeting_an_uncommitted_row_answers_in_progress_instead_of_waiti
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_committed_after_the_claims_snapshot_is_read_back_by_a_rerun() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let store = Arc::new(
+        db.builder()
+            .lock_timeout(Duration::from_secs(20))
+            .connect(&db.url)
+            .await
+            .unwrap(),
+    );
+    store.migrate().await.unwrap();
+    let scope = contract::fresh_scope();
+
+    let mut tx = db.admin.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".records (scope, key, token, fingerprint, fp_version, state, \
+         lease_until, expires_at) VALUES ($1, 'k', 7, $2, 1, 0, now() + interval '1 minute', \
+         now() + interval '1 hour')",
+        db.schema
+    )))
+    .bind(&scope[..])
+    .bind(&fp(1).digest[..])
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+
+    // The claim's statement starts (and takes its snapshot) while the row is uncommitted, waits
+    // on it, and finds the conflict once it commits: its read-back cannot see the row.
+    let before = store.statements_executed();
+    let claim = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            let r = req(&scope, "k", Duration::from_secs(30));
+            store.claim(&r).await
+        })
+    };
+    let app = db.application_name();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting = db
+            .scalar_i64(&format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{app}' \
+                 AND wait_event_type = 'Lock'"
+            ))
+            .await;
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the claim never waited on the row"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tx.commit().await.unwrap();
+
+    match claim.await.unwrap().unwrap() {
+        Claim::Standing(st) => {
+            assert_eq!(st.token, FencingToken(7), "the committed row is reported");
+            assert!(matches!(st.state, StandingState::Running { .. }));
+        }
+        Claim::Acquired => panic!("a claim acquired a key another transaction holds"),
+    }
+    assert_eq!(
+        store.statements_executed() - before,
+        2,
+        "the empty read-back was re-run once"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn terminated_connections_fail_claims_with_unavailable_and_the_pool_recovers() {
     let Some(db) = TestDb::new().await else {
