@@ -104,6 +104,15 @@ pub async fn setup_database(
         .schema(s.clone())
         .build()?;
     inbox.migrate().await?;
+    // A demo reset, so that every run starts from scratch: a real consumer never deletes its
+    // markers (the sweeper does, after the retention).
+    sqlx::query(AssertSqlSafe(format!(
+        "DELETE FROM {} WHERE consumer = $1",
+        inbox.qualified_table()
+    )))
+    .bind(inbox.consumer())
+    .execute(pool)
+    .await?;
     Ok(inbox)
 }
 
@@ -423,6 +432,8 @@ async fn main() -> Result<(), Error> {
         .connect(&database_url)
         .await?;
     let inbox = setup_database(&pool, &names, 100).await?;
+    // Deletes markers older than the retention (7 days), in batches, for as long as we run.
+    let sweeper = inbox.spawn_sweeper();
     let client = async_nats::connect(&nats_url).await?;
     let js = jetstream::new(client);
     // Start from an empty stream, so that a second run shows the same thing.
@@ -445,6 +456,7 @@ async fn main() -> Result<(), Error> {
         .nak_first("order-3");
     stock.run(&consumer, 4, Duration::from_secs(30)).await?;
 
+    sweeper.abort();
     let report = stock.report();
     let (units, reservations) = reserved(&pool, &names.schema).await?;
     println!(
