@@ -3,7 +3,11 @@
 //! Every operation is one statement, so one round trip: a claim is `INSERT … ON CONFLICT DO
 //! NOTHING` with the standing row read back in the same statement, and a replay writes nothing
 //! (no row lock, no WAL). Leases and expiry are judged by the database's clock, so replicas
-//! never disagree about them. The schema ships with the crate and is applied by
+//! never disagree about them. (Two costs sit beside that round trip, off the request's path or
+//! paid once: sqlx prepares each statement once per connection, and its pool checks a connection
+//! with a `Sync` message as it returns to the pool, after the answer has been read.)
+//!
+//! The schema ships with the crate and is applied by
 //! [`PostgresStore::migrate`], which keeps its own version table (never sqlx's
 //! `_sqlx_migrations`), so it coexists with the application's own migrations.
 //!
