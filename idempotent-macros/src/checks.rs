@@ -100,13 +100,16 @@ pub(crate) fn streaming_response(output: &ReturnType) -> syn::Result<()> {
 /// `BodyDataStream`), require `T: BufferedBody`, whose `on_unimplemented` message explains why.
 pub(crate) fn buffered_body_probe(rt: &TokenStream, ty: &Type) -> TokenStream {
     let (first, last) = first_last_span(ty);
-    let probe = quote_spanned!(first=> (&&#rt::__private::axum::BodyProbe::<#ty>::new()));
-    let call = quote_spanned!(last=> #probe.__idempotent_check_buffered_body());
+    // The argument's tokens start at the type's first token and end at its last, so the caret
+    // of an error on it covers the whole type.
+    let open = quote_spanned!(first=> (&&#rt::__private::axum::BodyProbe::<#ty>::new()));
+    let argument = quote_spanned!(last=> #open.__idempotent_body_kind());
+    let call = quote_spanned!(last=> #rt::__private::axum::require_buffered_body);
     quote::quote! {
         {
             #[allow(unused_imports)]
             use #rt::__private::axum::{CheckOther as _, CheckStreaming as _};
-            #call;
+            #call(#argument);
         }
     }
 }

@@ -58,8 +58,8 @@ pub use idempotent_macros::idempotent_axum as idempotent;
 pub mod __private {
     pub use super::extract::{FromExtension, FromState, Idempotent, context_missing};
     pub use super::probe::{
-        BodyProbe, BufferedBody, CheckOther, CheckStreaming, StreamingBody,
-        assert_state_provides_store,
+        Accepted, BodyProbe, BufferedBody, CheckOther, CheckStreaming, NotStreaming, Streaming,
+        StreamingBody, assert_state_provides_store, require_buffered_body,
     };
     pub use axum::response::Response;
 

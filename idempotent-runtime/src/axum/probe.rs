@@ -21,9 +21,10 @@ pub trait StreamingBody {}
 impl StreamingBody for axum::body::Body {}
 impl StreamingBody for axum::body::BodyDataStream {}
 
-/// The probe: `(&&BodyProbe::<T>::new()).__idempotent_check_buffered_body()` resolves to
-/// [`CheckStreaming`] when `T` is a streaming body (and then requires `T: BufferedBody`, which
-/// fails with its message), and to [`CheckOther`] for every other type.
+/// The probe: `(&&BodyProbe::<T>::new()).__idempotent_body_kind()` resolves to
+/// [`CheckStreaming`] when `T` is a streaming body and to [`CheckOther`] for every other type;
+/// [`require_buffered_body`] then requires `T: BufferedBody` of the streaming ones only, which
+/// fails with that trait's message.
 pub struct BodyProbe<T: ?Sized>(PhantomData<T>);
 
 impl<T: ?Sized> BodyProbe<T> {
@@ -34,23 +35,36 @@ impl<T: ?Sized> BodyProbe<T> {
     }
 }
 
+/// What the probe found: a streaming body `T`.
+pub struct Streaming<T: ?Sized>(PhantomData<T>);
+/// What the probe found: anything else.
+pub struct NotStreaming;
+
+/// Bodies `#[idempotent]` accepts.
+pub trait Accepted {}
+impl<T: BufferedBody + ?Sized> Accepted for Streaming<T> {}
+impl Accepted for NotStreaming {}
+
 /// Chosen for streaming bodies.
 pub trait CheckStreaming<T: ?Sized> {
-    /// Fails to compile: streaming bodies are not [`BufferedBody`].
-    fn __idempotent_check_buffered_body(&self)
-    where
-        T: BufferedBody,
-    {
+    /// The probe's verdict.
+    fn __idempotent_body_kind(&self) -> Streaming<T> {
+        Streaming(PhantomData)
     }
 }
 impl<T: StreamingBody + ?Sized> CheckStreaming<T> for &BodyProbe<T> {}
 
 /// Chosen for everything else.
 pub trait CheckOther {
-    /// Always fine.
-    fn __idempotent_check_buffered_body(&self) {}
+    /// The probe's verdict.
+    fn __idempotent_body_kind(&self) -> NotStreaming {
+        NotStreaming
+    }
 }
 impl<T: ?Sized> CheckOther for BodyProbe<T> {}
+
+/// Fails to compile for a streaming body.
+pub fn require_buffered_body<K: Accepted>(_: K) {}
 
 /// The early store assertion on the `State<S>` a handler names: fails with
 /// "`IdempotencyStore: FromRef<S>` is not satisfied" when the state cannot provide the store.

@@ -1,0 +1,29 @@
+use axum::routing::post;
+use axum::{Extension, Json, Router};
+use idempotent_runtime::axum::idempotent;
+use idempotent_runtime::{IdempotencyContext, IdempotencyStore};
+
+// The store comes from the request extensions, so the router needs no state.
+#[idempotent(require_key)]
+async fn charge(
+    Extension(_store): Extension<IdempotencyStore>,
+    context: IdempotencyContext,
+    Json(amount): Json<u64>,
+) -> String {
+    format!("{amount} with {}", context.derived_key("charge"))
+}
+
+#[idempotent]
+async fn maybe(
+    context: Option<IdempotencyContext>,
+    Extension(_store): Extension<IdempotencyStore>,
+) -> String {
+    context.map(|c| c.derived_key("note")).unwrap_or_default()
+}
+
+fn main() {
+    let _app: Router = Router::new()
+        .route("/charge", post(charge))
+        .route("/maybe", post(maybe))
+        .layer(Extension(IdempotencyStore::memory()));
+}

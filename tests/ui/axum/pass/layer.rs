@@ -1,0 +1,28 @@
+use axum::Router;
+use axum::http::Method;
+use axum::routing::post;
+use idempotent_runtime::axum::{IdempotencyLayer, idempotent};
+use idempotent_runtime::{EndpointConfig, IdempotencyContext, IdempotencyStore};
+
+async fn plain(context: IdempotencyContext) -> String {
+    context.derived_key("plain")
+}
+
+// Where the layer applies, the attribute steps aside.
+#[idempotent(require_key)]
+async fn both(body: String) -> String {
+    body
+}
+
+fn main() {
+    let store = IdempotencyStore::memory();
+    let _app: Router = Router::new()
+        .route("/plain", post(plain))
+        .route("/both", post(both))
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .endpoint(EndpointConfig::REQUIRED)
+                .methods([Method::POST, Method::PUT]),
+        )
+        .with_state(store);
+}

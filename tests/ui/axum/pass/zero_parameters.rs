@@ -1,0 +1,15 @@
+use axum::Router;
+use axum::routing::post;
+use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::axum::idempotent;
+
+#[idempotent(require_key)]
+async fn ping() -> &'static str {
+    "pong"
+}
+
+fn main() {
+    let _app: Router = Router::new()
+        .route("/ping", post(ping))
+        .with_state(IdempotencyStore::memory());
+}
