@@ -136,6 +136,7 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
         ReturnType::Default => Span::call_site(),
     };
     let respond = quote_spanned!(output_span=> #private::respond);
+    let returned = proc_macro2::Ident::new("__idempotent_returned", output_span);
 
     Ok(quote! {
         #(#attrs)*
@@ -154,7 +155,8 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
                 &__IDEMPOTENT_ENDPOINT,
                 |#req: #private::Request, mut #payload: #private::RawPayload| async move {
                     #(#extract)*
-                    #respond(#inner(#(#call_args),*).await, &#req)
+                    let #returned = #inner(#(#call_args),*).await;
+                    #respond(#returned, &#req)
                 },
             )
             .await
@@ -233,10 +235,14 @@ fn buffered_body_probe(private: &TokenStream, ty: &Type) -> TokenStream {
     let mut iter = tokens.into_iter();
     let first = iter.next().map_or_else(Span::call_site, |t| t.span());
     let last = iter.last().map_or(first, |t| t.span());
-    let probe = quote_spanned!(first=> #private::Probe::<#ty>::new());
-    quote_spanned!(last=> {
+    // The receiver is a local named at the type's first token: the interpolated runtime path
+    // carries the call site's span, which would otherwise pull the error onto the attribute.
+    let probe = proc_macro2::Ident::new("__idempotent_probe", first);
+    let check = quote_spanned!(last=> #probe.check());
+    quote! {{
         #[allow(unused_imports)]
         use #private::NotStreaming as _;
-        #probe.check();
-    })
+        let #probe = #private::Probe::<#ty>::new();
+        #check;
+    }}
 }
