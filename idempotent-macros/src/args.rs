@@ -243,6 +243,42 @@ pub(crate) fn enlisted_unsupported(span: Span) -> Error {
     )
 }
 
+/// Parses the attribute's arguments and the function it sits on. On failure, the error comes
+/// with the untouched item so the rest of the crate (and the IDE) still see the function.
+pub(crate) fn parse(
+    attr: proc_macro2::TokenStream,
+    item: proc_macro2::TokenStream,
+) -> Result<(Args, syn::ItemFn), proc_macro2::TokenStream> {
+    let fail = |e: Error, item: &proc_macro2::TokenStream| {
+        let e = e.to_compile_error();
+        quote::quote!(#e #item)
+    };
+    let function: syn::ItemFn = match syn::parse2(item.clone()) {
+        Ok(f) => f,
+        Err(e) => {
+            return Err(fail(
+                Error::new(e.span(), "#[idempotent] goes on an `async fn` handler"),
+                &item,
+            ));
+        }
+    };
+    let args: Args = syn::parse2(attr).map_err(|e| fail(e, &item))?;
+    if let Some(span) = args.enlisted {
+        return Err(fail(enlisted_unsupported(span), &item));
+    }
+    Ok((args, function))
+}
+
+/// A compile error at `span`, followed by the untouched function.
+pub(crate) fn error_with_item(
+    span: Span,
+    message: &str,
+    item: &syn::ItemFn,
+) -> proc_macro2::TokenStream {
+    let e = Error::new(span, message).to_compile_error();
+    quote::quote!(#e #item)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,40 +322,4 @@ mod tests {
         assert!(syn::parse_str::<Args>("bogus").is_err());
         assert!(syn::parse_str::<Args>("lease = 30").is_err());
     }
-}
-
-/// Parses the attribute's arguments and the function it sits on. On failure, the error comes
-/// with the untouched item so the rest of the crate (and the IDE) still see the function.
-pub(crate) fn parse(
-    attr: proc_macro2::TokenStream,
-    item: proc_macro2::TokenStream,
-) -> Result<(Args, syn::ItemFn), proc_macro2::TokenStream> {
-    let fail = |e: Error, item: &proc_macro2::TokenStream| {
-        let e = e.to_compile_error();
-        quote::quote!(#e #item)
-    };
-    let function: syn::ItemFn = match syn::parse2(item.clone()) {
-        Ok(f) => f,
-        Err(e) => {
-            return Err(fail(
-                Error::new(e.span(), "#[idempotent] goes on an `async fn` handler"),
-                &item,
-            ));
-        }
-    };
-    let args: Args = syn::parse2(attr).map_err(|e| fail(e, &item))?;
-    if let Some(span) = args.enlisted {
-        return Err(fail(enlisted_unsupported(span), &item));
-    }
-    Ok((args, function))
-}
-
-/// A compile error at `span`, followed by the untouched function.
-pub(crate) fn error_with_item(
-    span: Span,
-    message: &str,
-    item: &syn::ItemFn,
-) -> proc_macro2::TokenStream {
-    let e = Error::new(span, message).to_compile_error();
-    quote::quote!(#e #item)
 }

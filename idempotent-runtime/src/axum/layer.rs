@@ -133,6 +133,7 @@ where
                 Prepared::Pass(request) => inner.call(request).await.into_response(),
                 Prepared::Answer(response) => response,
                 Prepared::Claimed(claimed) => {
+                    let claimed = *claimed;
                     let handler = async move { inner.call(claimed.request).await.into_response() };
                     pipeline::run_claimed(
                         shared.store.clone(),

@@ -69,3 +69,6 @@ pub mod __private {
         r.into_response()
     }
 }
+
+#[cfg(test)]
+mod tests;

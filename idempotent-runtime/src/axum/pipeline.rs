@@ -36,7 +36,7 @@ pub(crate) enum Prepared {
     /// A refusal or a replay; the handler does not run.
     Answer(Response),
     /// The key is held: run the handler on this (re-assembled) request, then settle.
-    Claimed(Claimed),
+    Claimed(Box<Claimed>),
 }
 
 pub(crate) struct Claimed {
@@ -83,9 +83,10 @@ pub(crate) async fn prepare(
             Err(answer) => return Prepared::Answer(answer),
         };
 
-    let peer = parts
-        .extensions
-        .get::<ConnectInfo<SocketAddr>>()
+    // Through the extractor, so `MockConnectInfo` (tests) counts as a peer address too.
+    let peer = ConnectInfo::<SocketAddr>::from_request_parts(&mut parts, &())
+        .await
+        .ok()
         .map(|ConnectInfo(addr)| {
             scope::client_ip(
                 addr.ip(),
@@ -140,13 +141,13 @@ pub(crate) async fn prepare(
         Begin::Run(reservation) => {
             let context = IdempotencyContext::new(key, *scope.hash());
             parts.extensions.insert(context.clone());
-            Prepared::Claimed(Claimed {
+            Prepared::Claimed(Box::new(Claimed {
                 request: Request::from_parts(parts, Body::from(body)),
                 reservation,
                 context,
                 permit,
                 route: route.unwrap_or_default(),
-            })
+            }))
         }
     }
 }

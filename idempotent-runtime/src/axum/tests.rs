@@ -1,0 +1,181 @@
+//! In-process checks of what the conformance suite cannot reach over HTTP: requests without a
+//! peer address, credentials without a published identity, the buffer budget, and the layer's
+//! pass-through rules.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::connect_info::MockConnectInfo;
+use axum::extract::{Request, State};
+use axum::response::Response;
+use axum::routing::{get, post};
+use http::StatusCode;
+use http_body_util::BodyExt;
+use tower_service::Service;
+
+use super::{IdempotencyLayer, idempotent};
+use crate::{IdempotencyContext, IdempotencyStore};
+
+#[derive(Clone)]
+struct App {
+    store: IdempotencyStore,
+    runs: Arc<AtomicUsize>,
+}
+
+impl axum::extract::FromRef<App> for IdempotencyStore {
+    fn from_ref(app: &App) -> Self {
+        app.store.clone()
+    }
+}
+
+#[idempotent(crate = crate, require_key)]
+async fn create(State(app): State<App>, context: IdempotencyContext, body: String) -> String {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    format!("{body}:{}", context.derived_key("t"))
+}
+
+async fn plain(State(app): State<App>) -> &'static str {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    "plain"
+}
+
+fn app(store: IdempotencyStore) -> (Router, Arc<AtomicUsize>) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = Router::new()
+        .route("/create", post(create))
+        .with_state(App {
+            store,
+            runs: Arc::clone(&runs),
+        });
+    (router, runs)
+}
+
+fn peer() -> MockConnectInfo<SocketAddr> {
+    MockConnectInfo(([10, 0, 0, 1], 4000).into())
+}
+
+async fn call(router: &Router, request: Request) -> (StatusCode, http::HeaderMap, String) {
+    let response: Response = router.clone().call(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+fn post_with_key(path: &str, key: &str, body: &str) -> Request {
+    Request::post(path)
+        .header("idempotency-key", key)
+        .body(Body::from(body.to_owned()))
+        .unwrap()
+}
+
+fn code(body: &str) -> String {
+    let doc: serde_json::Value = serde_json::from_str(body).unwrap();
+    doc["code"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn anonymous_request_without_a_peer_address_is_500_scope_unresolved() {
+    let (router, runs) = app(IdempotencyStore::memory());
+    let (status, headers, body) = call(&router, post_with_key("/create", "k", "x")).await;
+    assert_eq!(status, 500);
+    assert_eq!(headers["content-type"], "application/problem+json");
+    assert_eq!(code(&body), "IDEMPOTENCY_SCOPE_UNRESOLVED");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn credentials_without_a_published_identity_are_500_not_the_peer_scope() {
+    let (router, runs) = app(IdempotencyStore::memory());
+    let router = router.layer(peer());
+    let mut request = post_with_key("/create", "k", "x");
+    request
+        .headers_mut()
+        .insert("authorization", "Bearer t:u".parse().unwrap());
+    let (status, _, body) = call(&router, request).await;
+    assert_eq!(status, 500);
+    assert_eq!(code(&body), "IDEMPOTENCY_SCOPE_UNRESOLVED");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn exhausted_buffer_budget_is_503_with_retry_after() {
+    let store = IdempotencyStore::builder(crate::store::memory::MemoryStore::default())
+        .max_buffered_bytes(4)
+        .build();
+    let (router, runs) = app(store);
+    let router = router.layer(peer());
+    let mut request = post_with_key("/create", "k", "0123456789");
+    request
+        .headers_mut()
+        .insert("content-length", "10".parse().unwrap());
+    let (status, headers, body) = call(&router, request).await;
+    assert_eq!(status, 503);
+    assert_eq!(headers["retry-after"], "1");
+    assert_eq!(code(&body), "IDEMPOTENCY_STORE_FULL");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn the_context_is_stable_across_the_replay() {
+    let (router, runs) = app(IdempotencyStore::memory());
+    let router = router.layer(peer());
+    let (s1, h1, first) = call(&router, post_with_key("/create", "k", "x")).await;
+    let (s2, h2, again) = call(&router, post_with_key("/create", "k", "x")).await;
+    assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK));
+    assert!(!h1.contains_key("idempotency-replayed"));
+    assert_eq!(h2["idempotency-replayed"], "true");
+    assert_eq!(first, again);
+    assert!(first.starts_with("x:") && first.len() == 2 + 64);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn the_layer_applies_to_post_and_passes_other_requests_through() {
+    let store = IdempotencyStore::memory();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = Router::new()
+        .route("/plain", get(plain).post(plain).put(plain))
+        .route("/create", post(create))
+        .fallback(plain)
+        .layer(IdempotencyLayer::new(store.clone()).require_key())
+        .layer(peer())
+        .with_state(App {
+            store,
+            runs: Arc::clone(&runs),
+        });
+    let no_key = |method: &str, path: &str| {
+        Request::builder()
+            .method(method)
+            .uri(path)
+            .body(Body::empty())
+            .unwrap()
+    };
+    // POST without a key is refused; GET, PUT, HEAD and unmatched routes pass.
+    let (status, _, body) = call(&router, no_key("POST", "/plain")).await;
+    assert_eq!(status, 400);
+    assert_eq!(code(&body), "IDEMPOTENCY_KEY_REQUIRED");
+    for (method, path) in [
+        ("GET", "/plain"),
+        ("PUT", "/plain"),
+        ("HEAD", "/plain"),
+        ("POST", "/nowhere"),
+    ] {
+        let (status, _, _) = call(&router, no_key(method, path)).await;
+        assert_eq!(status, 200, "{method} {path}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 4);
+    // Under the layer, the attribute steps aside: one claim, one run, then the replay.
+    let (s1, _, first) = call(&router, post_with_key("/create", "k", "x")).await;
+    let (s2, h2, again) = call(&router, post_with_key("/create", "k", "x")).await;
+    assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK));
+    assert_eq!(h2["idempotency-replayed"], "true");
+    assert_eq!(first, again);
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
+}
