@@ -9,3 +9,13 @@ fn axum() {
     t.pass("tests/ui/axum/pass/*.rs");
     t.compile_fail("tests/ui/axum/fail/*.rs");
 }
+
+/// actix-web's `#[idempotent]`. Its short-path cases need both features on, as `--all-features`
+/// has (this file already requires `axum`).
+#[cfg(feature = "actix")]
+#[test]
+fn actix() {
+    let t = trybuild::TestCases::new();
+    t.pass("tests/ui/actix/pass/*.rs");
+    t.compile_fail("tests/ui/actix/fail/*.rs");
+}

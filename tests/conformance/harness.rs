@@ -11,7 +11,11 @@ use bytes::Bytes;
 use serde_json::Value;
 
 /// The servers the suite runs against; each is an example of the root package.
+#[cfg(not(feature = "actix"))]
 pub const SERVERS: &[&str] = &["conformance_axum"];
+/// The servers the suite runs against; each is an example of the root package.
+#[cfg(feature = "actix")]
+pub const SERVERS: &[&str] = &["conformance_axum", "conformance_actix"];
 
 static BUILT: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
 
