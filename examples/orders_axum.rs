@@ -1,0 +1,162 @@
+//! An orders service whose `POST /orders` is safe to repeat.
+//!
+//! ```text
+//! cargo run --example orders_axum
+//! ```
+//!
+//! It runs on the embedded in-memory store, or on PostgreSQL when `DATABASE_URL` is set (several
+//! replicas may then share the database). It prints where it listens and a `curl` to paste twice:
+//! the first answer is `201 Created`, the second the same answer with `Idempotency-Replayed: true`,
+//! and the order was created once.
+//!
+//! `ORDERS_ADDR` (default `127.0.0.1:3000`) sets the address; port 0 picks a free one.
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{FromRef, Path, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use idempotent_runtime::axum::idempotent;
+use idempotent_runtime::{IdempotencyStore, Identity};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone)]
+struct AppState {
+    idempotency: IdempotencyStore,
+    orders: Arc<Mutex<Vec<Order>>>,
+    next_id: Arc<AtomicU64>,
+}
+
+/// How `#[idempotent]` finds the store: checked at compile time.
+impl FromRef<AppState> for IdempotencyStore {
+    fn from_ref(state: &AppState) -> Self {
+        state.idempotency.clone()
+    }
+}
+
+#[derive(Deserialize)]
+struct NewOrder {
+    sku: String,
+    quantity: u32,
+}
+
+#[derive(Clone, Serialize)]
+struct Order {
+    id: u64,
+    sku: String,
+    quantity: u32,
+}
+
+/// Runs once per `Idempotency-Key`: a retry, a double click or a replayed request gets the
+/// recorded answer instead.
+#[idempotent(require_key)]
+async fn create_order(
+    State(state): State<AppState>,
+    Json(new): Json<NewOrder>,
+) -> Result<(StatusCode, [(header::HeaderName, String); 1], Json<Order>), (StatusCode, String)> {
+    if new.quantity == 0 {
+        return Err((StatusCode::UNPROCESSABLE_ENTITY, "quantity must be positive".into()));
+    }
+    let order = Order {
+        id: state.next_id.fetch_add(1, Ordering::Relaxed) + 1,
+        sku: new.sku,
+        quantity: new.quantity,
+    };
+    state.orders.lock().expect("orders lock").push(order.clone());
+    let location = format!("/orders/{}", order.id);
+    Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(order)))
+}
+
+async fn get_order(State(state): State<AppState>, Path(id): Path<u64>) -> Response {
+    let orders = state.orders.lock().expect("orders lock");
+    match orders.iter().find(|o| o.id == id) {
+        Some(order) => Json(order.clone()).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
+async fn list_orders(State(state): State<AppState>) -> Json<Vec<Order>> {
+    Json(state.orders.lock().expect("orders lock").clone())
+}
+
+/// A stand-in for real authentication: `Authorization: Bearer <user>` is user `<user>` of tenant
+/// `demo`. Publishing the `Identity` scopes keys per caller; anonymous callers are scoped by
+/// their IP address.
+async fn authenticate(mut request: Request, next: Next) -> Response {
+    let bearer = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| v.to_str().ok().and_then(|v| v.strip_prefix("Bearer ")));
+    match bearer {
+        None => {}
+        Some(Some(user)) if !user.is_empty() => {
+            let identity = Identity::subject("demo", user);
+            request.extensions_mut().insert(identity);
+        }
+        Some(_) => return (StatusCode::UNAUTHORIZED, "expected: Bearer <user>").into_response(),
+    }
+    next.run(request).await
+}
+
+async fn idempotency_store() -> Result<IdempotencyStore, Box<dyn std::error::Error>> {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if url.starts_with("postgres") => {
+            let store = idempotent_runtime::store::postgres::PostgresStore::connect(&url).await?;
+            store.migrate().await?;
+            eprintln!("idempotency store: PostgreSQL");
+            Ok(IdempotencyStore::new(store))
+        }
+        _ => {
+            eprintln!("idempotency store: in memory (set DATABASE_URL=postgres://… for PostgreSQL)");
+            Ok(IdempotencyStore::memory())
+        }
+    }
+}
+
+fn app(idempotency: IdempotencyStore) -> Router {
+    let state = AppState {
+        idempotency,
+        orders: Arc::default(),
+        next_id: Arc::default(),
+    };
+    Router::new()
+        .route("/orders", post(create_order).get(list_orders))
+        .route("/orders/{id}", get(get_order))
+        .layer(middleware::from_fn(authenticate))
+        .with_state(state)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let addr = std::env::var("ORDERS_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    let idempotency = idempotency_store().await?;
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr}: {e} (set ORDERS_ADDR=127.0.0.1:0)"))?;
+    let url = format!("http://{}", listener.local_addr()?);
+    println!("listening on {url}");
+    println!("send this twice; the second answer is the replay (Idempotency-Replayed: true):");
+    println!(
+        "curl -si -X POST {url}/orders -H 'Idempotency-Key: order-1' \
+         -H 'Content-Type: application/json' -d '{{\"sku\":\"A1\",\"quantity\":2}}'"
+    );
+    println!("then list the orders (one, not two): curl -s {url}/orders");
+    std::io::stdout().flush()?;
+
+    let shutdown = idempotency.clone();
+    axum::serve(
+        listener,
+        app(idempotency).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async { tokio::signal::ctrl_c().await.unwrap_or(()) })
+    .await?;
+    // Claimed handlers run to completion even after the server stops accepting.
+    shutdown.shutdown().await;
+    Ok(())
+}
