@@ -8,15 +8,10 @@
 //! use idempotent_runtime::IdempotencyStore;
 //! use idempotent_runtime::actix::idempotent;
 //!
-//! #[derive(serde::Deserialize)]
-//! struct NewOrder {
-//!     sku: String,
-//! }
-//!
 //! #[idempotent(require_key)]
 //! #[post("/orders")]
-//! async fn create_order(order: web::Json<NewOrder>) -> impl Responder {
-//!     HttpResponse::Created().json(serde_json::json!({ "sku": order.sku }))
+//! async fn create_order(order: web::Json<serde_json::Value>) -> impl Responder {
+//!     HttpResponse::Created().json(serde_json::json!({ "sku": order["sku"] }))
 //! }
 //!
 //! # #[actix_web::main] async fn main() {
@@ -170,6 +165,12 @@ pub mod __private {
         /// A probe for `T`.
         pub const fn new() -> Self {
             Self(core::marker::PhantomData)
+        }
+    }
+
+    impl<T> Default for Probe<T> {
+        fn default() -> Self {
+            Self::new()
         }
     }
 
