@@ -536,6 +536,20 @@ pub mod model {
         },
         /// Run one sweep.
         Sweep,
+        /// Claim `key % KEYS` from `copies` (2–8) requests at once, as concurrent retries do,
+        /// each taking over what the engine would: exactly one acquires (or takes over) when the
+        /// model says the key is free, and every other copy sees a running record (the winner's,
+        /// or the store's "in progress, holder unknown" answer with token 0).
+        ClaimConcurrently {
+            /// Key index.
+            key: u8,
+            /// Fingerprint index.
+            fp: u8,
+            /// Lease in seconds.
+            lease_s: u8,
+            /// How many copies (clamped to 2–8).
+            copies: u8,
+        },
     }
 
     #[derive(Debug, Clone)]
@@ -738,6 +752,108 @@ pub mod model {
                         let r = m.records.get_mut(&k).expect("renewed a record");
                         r.lease_until = now + lease;
                         r.expires_at = r.lease_until + r.retention;
+                    }
+                }
+                Op::ClaimConcurrently {
+                    key,
+                    fp: f,
+                    lease_s,
+                    copies,
+                } => {
+                    let k = key % KEYS;
+                    let f = f % 2;
+                    let lease = u64::from(lease_s.clamp(1, 4));
+                    let reqs: Vec<ClaimRequest<'_>> = (0..copies.clamp(2, 8))
+                        .map(|_| ClaimRequest {
+                            scope: &scope,
+                            key: &keys[k as usize],
+                            quota_bucket: 0,
+                            fingerprint: fp(f),
+                            token: FencingToken::mint(),
+                            lease: Duration::from_secs(lease),
+                            retention: Duration::from_secs(RETENTION_S),
+                        })
+                        .collect();
+                    let store = &store;
+                    let got = futures_util::future::join_all(reqs.iter().map(|req| async move {
+                        let mut got = store.claim(req).await.expect("claim");
+                        if let Claim::Standing(st) = &got {
+                            let takeover = st.state == StandingState::Expired
+                                || (st.state == StandingState::Abandoned
+                                    && st.fingerprint == fp(f));
+                            if takeover {
+                                got = store.reclaim(req, st.token).await.expect("reclaim");
+                            }
+                        }
+                        got
+                    }))
+                    .await;
+                    let expected = match m.live(k) {
+                        None => None,
+                        Some(r) if r.completed.is_none() && m.now >= r.lease_until && r.fp == f => {
+                            None
+                        }
+                        Some(r) => Some(r.clone()),
+                    };
+                    match expected {
+                        None => {
+                            let winners: Vec<_> = got
+                                .iter()
+                                .zip(&reqs)
+                                .filter(|(g, _)| **g == Claim::Acquired)
+                                .map(|(_, r)| r.token)
+                                .collect();
+                            assert_eq!(winners.len(), 1, "{ctx}: winners {winners:?}");
+                            let winner = winners[0];
+                            for g in &got {
+                                if let Claim::Standing(st) = g {
+                                    assert!(
+                                        st.token == winner || st.token == FencingToken(0),
+                                        "{ctx}: a loser saw {st:?}, not the winner's record"
+                                    );
+                                    assert_eq!(st.fingerprint, fp(f), "{ctx}");
+                                    assert!(
+                                        matches!(st.state, StandingState::Running { .. }),
+                                        "{ctx}: a loser saw {st:?}"
+                                    );
+                                }
+                            }
+                            if let Some(old) = m.records.get(&k) {
+                                m.stale.insert(k, old.token);
+                            }
+                            m.records.insert(
+                                k,
+                                Rec {
+                                    token: winner,
+                                    fp: f,
+                                    lease_until: m.now + lease,
+                                    completed: None,
+                                    expires_at: m.now + lease + RETENTION_S,
+                                    retention: RETENTION_S,
+                                },
+                            );
+                        }
+                        Some(r) => {
+                            for g in got {
+                                let Claim::Standing(st) = g else {
+                                    panic!("{ctx}: acquired a key the model holds: {r:?}");
+                                };
+                                assert_eq!(st.token, r.token, "{ctx}");
+                                assert_eq!(st.fingerprint, fp(r.fp), "{ctx}");
+                                match (r.completed, st.state) {
+                                    (Some(id), StandingState::Completed(resp)) => {
+                                        assert_eq!(*resp, response(id), "{ctx}")
+                                    }
+                                    (None, StandingState::Running { .. }) => {
+                                        assert!(m.now < r.lease_until, "{ctx}")
+                                    }
+                                    (None, StandingState::Abandoned) => {
+                                        assert!(m.now >= r.lease_until, "{ctx}")
+                                    }
+                                    (c, s) => panic!("{ctx}: model {c:?}, store {s:?}"),
+                                }
+                            }
+                        }
                     }
                 }
                 Op::Advance { secs } => {
