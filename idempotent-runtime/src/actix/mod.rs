@@ -55,6 +55,8 @@ use crate::context::IdempotencyContext;
 
 mod middleware;
 mod pipeline;
+#[cfg(test)]
+mod tests;
 
 pub use middleware::{IdempotencyMiddleware, IdempotencyService};
 

@@ -1,0 +1,355 @@
+//! In-process behaviour of the actix integration: what the black-box conformance suite cannot
+//! set up (no peer address, no store, nested middlewares, settings per endpoint).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use actix_web::body::to_bytes;
+use actix_web::dev::{Service, ServiceResponse};
+use actix_web::http::Method;
+use actix_web::{App, HttpMessage, HttpResponse, test, web};
+use bytes::Bytes;
+use serde_json::{Value, json};
+
+use super::{IdempotencyMiddleware, idempotent};
+use crate::scope::Identity;
+use crate::{IdempotencyContext, IdempotencyStore};
+
+#[derive(Default)]
+struct Runs(AtomicUsize);
+
+impl Runs {
+    fn next(&self) -> usize {
+        self.0.fetch_add(1, Ordering::SeqCst) + 1
+    }
+    fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+fn peer() -> SocketAddr {
+    ([127, 0, 0, 1], 40_000).into()
+}
+
+fn post(uri: &str, key: Option<&str>) -> test::TestRequest {
+    let req = test::TestRequest::post().uri(uri).peer_addr(peer());
+    match key {
+        Some(key) => req.insert_header(("idempotency-key", key)),
+        None => req,
+    }
+}
+
+async fn parts<B: actix_web::body::MessageBody>(res: ServiceResponse<B>) -> (u16, bool, Bytes) {
+    let status = res.status().as_u16();
+    let replayed = res.headers().get("idempotency-replayed").is_some();
+    let body = to_bytes(res.into_body()).await.unwrap_or_default();
+    (status, replayed, body)
+}
+
+fn code(body: &Bytes) -> String {
+    let doc: Value = serde_json::from_slice(body).unwrap_or_default();
+    doc["code"].as_str().unwrap_or_default().to_owned()
+}
+
+async fn counted(runs: web::Data<Runs>) -> HttpResponse {
+    let n = runs.next();
+    HttpResponse::Created().json(json!({ "execution": n }))
+}
+
+#[idempotent(crate = crate, require_key)]
+async fn attributed(runs: web::Data<Runs>) -> HttpResponse {
+    let n = runs.next();
+    HttpResponse::Created().json(json!({ "execution": n }))
+}
+
+#[actix_web::test]
+async fn middleware_passes_other_methods_and_unmatched_routes_through() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(runs.clone())
+            .service(
+                web::scope("/api")
+                    .wrap(IdempotencyMiddleware::new().require_key())
+                    .route("/x", web::post().to(counted))
+                    .route("/x", web::get().to(counted))
+                    .default_service(web::to(HttpResponse::NotFound)),
+            ),
+    )
+    .await;
+    let get = test::TestRequest::get().uri("/api/x").peer_addr(peer());
+    assert_eq!(
+        parts(test::call_service(&app, get.to_request()).await)
+            .await
+            .0,
+        201
+    );
+    let unmatched = post("/api/nowhere", None).to_request();
+    assert_eq!(
+        parts(test::call_service(&app, unmatched).await).await.0,
+        404
+    );
+    let keyless = post("/api/x", None).to_request();
+    let (status, _, body) = parts(test::call_service(&app, keyless).await).await;
+    assert_eq!(
+        (status, code(&body).as_str()),
+        (400, "IDEMPOTENCY_KEY_REQUIRED")
+    );
+    assert_eq!(runs.get(), 1, "only the GET ran");
+}
+
+#[actix_web::test]
+async fn middleware_applies_to_the_methods_it_is_given() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(runs.clone())
+            .service(
+                web::resource("/x")
+                    .wrap(IdempotencyMiddleware::new().methods([Method::PUT]))
+                    .route(web::put().to(counted))
+                    .route(web::post().to(counted)),
+            ),
+    )
+    .await;
+    for method in [Method::PUT, Method::PUT, Method::POST, Method::POST] {
+        let req = post("/x", Some("k")).method(method).to_request();
+        test::call_service(&app, req).await;
+    }
+    assert_eq!(runs.get(), 3, "PUT replayed once; POST is not handled");
+}
+
+#[actix_web::test]
+async fn attribute_steps_aside_under_the_middleware() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(runs.clone())
+            .service(
+                web::resource("/x")
+                    .wrap(IdempotencyMiddleware::new())
+                    .route(web::post().to(attributed)),
+            ),
+    )
+    .await;
+    // The middleware's key is optional: it decides, and the attribute's require_key does not
+    // apply underneath it.
+    let keyless = parts(test::call_service(&app, post("/x", None).to_request()).await).await;
+    assert_eq!((keyless.0, keyless.1), (201, false));
+    let first = parts(test::call_service(&app, post("/x", Some("k")).to_request()).await).await;
+    let again = parts(test::call_service(&app, post("/x", Some("k")).to_request()).await).await;
+    assert_eq!((first.0, first.1), (201, false));
+    assert_eq!((again.0, again.1), (201, true));
+    assert_eq!(again.2, first.2);
+    assert_eq!(runs.get(), 2);
+}
+
+#[actix_web::test]
+async fn nested_middlewares_let_the_outer_one_decide() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(runs.clone())
+            .wrap(IdempotencyMiddleware::new())
+            .service(
+                web::scope("/api")
+                    .wrap(IdempotencyMiddleware::new().require_key())
+                    .route("/x", web::post().to(counted)),
+            ),
+    )
+    .await;
+    let keyless = parts(test::call_service(&app, post("/api/x", None).to_request()).await).await;
+    assert_eq!(keyless.0, 201);
+    for _ in 0..2 {
+        test::call_service(&app, post("/api/x", Some("k")).to_request()).await;
+    }
+    assert_eq!(
+        runs.get(),
+        2,
+        "one keyless run, one keyed run and its replay"
+    );
+}
+
+#[actix_web::test]
+async fn missing_store_is_a_500_that_runs_nothing() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(runs.clone())
+            .route("/x", web::post().to(attributed)),
+    )
+    .await;
+    let res = test::call_service(&app, post("/x", Some("k")).to_request()).await;
+    assert_eq!(res.status().as_u16(), 500);
+    assert_eq!(runs.get(), 0);
+}
+
+#[actix_web::test]
+async fn anonymous_request_without_peer_address_is_scope_unresolved() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(runs.clone())
+            .route("/x", web::post().to(attributed)),
+    )
+    .await;
+    let req = test::TestRequest::post()
+        .uri("/x")
+        .insert_header(("idempotency-key", "k"))
+        .to_request();
+    let (status, _, body) = parts(test::call_service(&app, req).await).await;
+    assert_eq!(
+        (status, code(&body).as_str()),
+        (500, "IDEMPOTENCY_SCOPE_UNRESOLVED")
+    );
+    let with_auth = post("/x", Some("k"))
+        .insert_header(("authorization", "Bearer t:u"))
+        .to_request();
+    let (status, _, body) = parts(test::call_service(&app, with_auth).await).await;
+    assert_eq!(
+        (status, code(&body).as_str()),
+        (500, "IDEMPOTENCY_SCOPE_UNRESOLVED")
+    );
+    assert_eq!(runs.get(), 0);
+}
+
+#[idempotent(crate = crate, require_key)]
+async fn with_context(context: IdempotencyContext, runs: web::Data<Runs>) -> HttpResponse {
+    runs.next();
+    HttpResponse::Ok().body(context.derived_key("charge"))
+}
+
+#[idempotent(crate = crate)]
+async fn with_optional_context(context: Option<IdempotencyContext>) -> HttpResponse {
+    HttpResponse::Ok().body(if context.is_some() {
+        "keyed"
+    } else {
+        "keyless"
+    })
+}
+
+#[actix_web::test]
+async fn context_carries_a_derived_key_scoped_to_the_caller() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(runs.clone())
+            .wrap_fn(|req, srv| {
+                let subject = req
+                    .headers()
+                    .get("x-user")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned);
+                if let Some(subject) = subject {
+                    req.extensions_mut()
+                        .insert(Identity::subject("acme", subject));
+                }
+                srv.call(req)
+            })
+            .route("/pay", web::post().to(with_context))
+            .route("/note", web::post().to(with_optional_context)),
+    )
+    .await;
+    let as_user =
+        |user: &str| post("/pay", Some("same-key")).insert_header(("x-user", user.to_owned()));
+    let alice = parts(test::call_service(&app, as_user("alice").to_request()).await).await;
+    let bob = parts(test::call_service(&app, as_user("bob").to_request()).await).await;
+    let alice_again = parts(test::call_service(&app, as_user("alice").to_request()).await).await;
+    assert_eq!(alice.2.len(), 64);
+    assert_ne!(alice.2, bob.2, "two callers' derived keys must differ");
+    assert!(alice_again.1);
+    assert_eq!(alice_again.2, alice.2);
+    assert_eq!(runs.get(), 2, "one run per caller");
+
+    let keyless = parts(test::call_service(&app, post("/note", None).to_request()).await).await;
+    let keyed = parts(test::call_service(&app, post("/note", Some("n")).to_request()).await).await;
+    assert_eq!(
+        (&keyless.2[..], &keyed.2[..]),
+        (&b"keyless"[..], &b"keyed"[..])
+    );
+}
+
+#[idempotent(crate = crate, require_key, max_body = "8B", max_response = "16B")]
+async fn small(runs: web::Data<Runs>, body: web::Bytes) -> HttpResponse {
+    runs.next();
+    let len = body.len() * 10;
+    let chunks = (0..len).map(|_| Ok::<_, std::convert::Infallible>(Bytes::from_static(b"a")));
+    HttpResponse::Ok().streaming(futures_util::stream::iter(chunks))
+}
+
+#[actix_web::test]
+async fn endpoint_caps_apply_to_request_and_response() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(runs.clone())
+            .route("/small", web::post().to(small)),
+    )
+    .await;
+    let big = post("/small", Some("k1"))
+        .set_payload("123456789")
+        .to_request();
+    let (status, _, body) = parts(test::call_service(&app, big).await).await;
+    assert_eq!(
+        (status, code(&body).as_str()),
+        (413, "IDEMPOTENCY_PAYLOAD_TOO_LARGE")
+    );
+    assert_eq!(runs.get(), 0);
+
+    // 1 byte in, 10 out: recorded. 2 bytes in, 20 out: past the cap, sent whole, not recorded.
+    for _ in 0..2 {
+        let req = post("/small", Some("k2")).set_payload("1").to_request();
+        assert_eq!(parts(test::call_service(&app, req).await).await.2.len(), 10);
+    }
+    assert_eq!(runs.get(), 1);
+    for _ in 0..2 {
+        let req = post("/small", Some("k3")).set_payload("12").to_request();
+        let (status, replayed, body) = parts(test::call_service(&app, req).await).await;
+        assert_eq!((status, replayed, body.len()), (200, false, 20));
+    }
+    assert_eq!(runs.get(), 3);
+}
+
+#[actix_web::test]
+async fn running_handlers_are_tracked_for_shutdown() {
+    let store = IdempotencyStore::memory();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Notify::new());
+    let app = {
+        let (started, release) = (Arc::clone(&started), Arc::clone(&release));
+        test::init_service(
+            App::new().app_data(web::Data::new(store.clone())).service(
+                web::resource("/wait")
+                    .wrap(IdempotencyMiddleware::new())
+                    .route(web::post().to(move || {
+                        let (started, release) = (Arc::clone(&started), Arc::clone(&release));
+                        async move {
+                            started.notify_one();
+                            release.notified().await;
+                            HttpResponse::Ok().finish()
+                        }
+                    })),
+            ),
+        )
+        .await
+    };
+    let call = app.call(post("/wait", Some("k")).to_request());
+    let observe = async {
+        started.notified().await;
+        let running = store.running();
+        release.notify_one();
+        running
+    };
+    let (res, running_meanwhile) = tokio::join!(call, observe);
+    assert_eq!(running_meanwhile, 1);
+    assert_eq!(res.expect("response").status().as_u16(), 200);
+    assert_eq!(store.running(), 0);
+}
