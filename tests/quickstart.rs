@@ -19,7 +19,9 @@ impl Drop for Running {
 fn quickstart_commands() -> Vec<String> {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
         .expect("README.md");
-    let start = readme.find("## Quick start").expect("a '## Quick start' section");
+    let start = readme
+        .find("## Quick start")
+        .expect("a '## Quick start' section");
     let block = readme[start..]
         .split("```")
         .nth(1)
@@ -44,11 +46,26 @@ fn sh(command: &str) -> String {
 #[test]
 fn readme_quick_start_shows_a_replay() {
     let commands = quickstart_commands();
-    assert_eq!(commands.len(), 2, "two commands: run the example, run the tests: {commands:?}");
+    assert_eq!(
+        commands.len(),
+        2,
+        "two commands: run the example, run the tests: {commands:?}"
+    );
     let run = &commands[0];
     assert!(run.starts_with("cargo run --example "), "{run}");
     assert!(commands[1].contains("test"), "{}", commands[1]);
+    shows_a_replay(run);
+}
 
+/// The actix twin of the main example behaves the same.
+#[test]
+fn orders_actix_shows_a_replay() {
+    shows_a_replay("cargo run --example orders_actix");
+}
+
+/// Runs `run` (a `cargo run --example …` line), pastes the `curl` it prints twice, and checks
+/// the original, the replay, and that one order exists.
+fn shows_a_replay(run: &str) {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let run = run.replacen("cargo", &cargo, 1);
     let mut child = Command::new("sh")
@@ -79,7 +96,10 @@ fn readme_quick_start_shows_a_replay() {
             Err(e) => panic!("the example printed {lines:?} and then {e}"),
         }
     }
-    assert!(lines[0].starts_with("listening on http://127.0.0.1:"), "{lines:?}");
+    assert!(
+        lines[0].starts_with("listening on http://127.0.0.1:"),
+        "{lines:?}"
+    );
     let curl = lines
         .iter()
         .find(|l| l.starts_with("curl -si -X POST"))
@@ -94,14 +114,23 @@ fn readme_quick_start_shows_a_replay() {
     let (head1, body1) = first.split_once("\r\n\r\n").expect("headers and body");
     let (head2, body2) = second.split_once("\r\n\r\n").expect("headers and body");
     assert!(head1.starts_with("HTTP/1.1 201"), "{first}");
-    assert!(!head1.to_ascii_lowercase().contains("idempotency-replayed"), "{first}");
+    assert!(
+        !head1.to_ascii_lowercase().contains("idempotency-replayed"),
+        "{first}"
+    );
     assert!(head2.starts_with("HTTP/1.1 201"), "{second}");
     assert!(
-        head2.to_ascii_lowercase().contains("idempotency-replayed: true"),
+        head2
+            .to_ascii_lowercase()
+            .contains("idempotency-replayed: true"),
         "{second}"
     );
     assert_eq!(body1, body2, "the replay carries the original body");
     let orders: serde_json::Value = serde_json::from_str(&sh(&list)).expect("JSON list");
-    assert_eq!(orders.as_array().map(Vec::len), Some(1), "one order: {orders}");
+    assert_eq!(
+        orders.as_array().map(Vec::len),
+        Some(1),
+        "one order: {orders}"
+    );
     drop(server);
 }
