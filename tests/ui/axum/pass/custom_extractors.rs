@@ -1,8 +1,8 @@
+use axum::Router;
 use axum::extract::{FromRequest, FromRequestParts, Request, State};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::routing::post;
-use axum::Router;
 use idempotent_runtime::axum::idempotent;
 use idempotent_runtime::{IdempotencyStore, Identity};
 
@@ -19,7 +19,9 @@ impl<S: Send + Sync> FromRequestParts<S> for User {
             .and_then(|v| v.to_str().ok())
             .ok_or(StatusCode::UNAUTHORIZED)?
             .to_owned();
-        parts.extensions.insert(Identity::subject("tenant", user.clone()));
+        parts
+            .extensions
+            .insert(Identity::subject("tenant", user.clone()));
         Ok(User(user))
     }
 }

@@ -7,7 +7,10 @@ use idempotent_runtime::axum::idempotent;
 // `#[idempotent]` goes above `#[axum::debug_handler]`, which then checks the rewritten handler.
 #[idempotent(require_key)]
 #[axum::debug_handler]
-async fn create(State(_store): State<IdempotencyStore>, Json(v): Json<serde_json::Value>) -> Json<serde_json::Value> {
+async fn create(
+    State(_store): State<IdempotencyStore>,
+    Json(v): Json<serde_json::Value>,
+) -> Json<serde_json::Value> {
     Json(v)
 }
 

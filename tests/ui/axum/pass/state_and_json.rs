@@ -23,7 +23,13 @@ struct NewOrder {
 }
 
 /// Docs and other attributes are kept.
-#[idempotent(require_key, lease = "30s", retention = "24h", max_body = "64KiB", max_response = "1MiB")]
+#[idempotent(
+    require_key,
+    lease = "30s",
+    retention = "24h",
+    max_body = "64KiB",
+    max_response = "1MiB"
+)]
 async fn create_order(
     State(_state): State<AppState>,
     Json(NewOrder { sku }): Json<NewOrder>,
