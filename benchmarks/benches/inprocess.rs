@@ -1,0 +1,104 @@
+//! In-process costs through axum with tower's `oneshot`: the bare handler against the same
+//! handler under `#[idempotent]` on the memory store (a first request with a new key each
+//! iteration, and a replay of one key), and fingerprinting alone at 1 KiB, 64 KiB and 1 MiB.
+//! Each iteration posts the 1 KiB JSON body and reads the whole response body; building the
+//! request (and its key) is setup, outside the measurement.
+//!
+//! `cargo bench -p idempotent-benchmarks --bench inprocess`
+
+use std::hint::black_box;
+use std::sync::LazyLock;
+
+use axum::Router;
+use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use http_body_util::BodyExt;
+use idempotent_benchmarks as bench;
+use idempotent_runtime::fingerprint::{self, FingerprintInput};
+use idempotent_runtime::scope::{Identity, Scope};
+use tower::ServiceExt;
+
+static BODY: LazyLock<Vec<u8>> = LazyLock::new(bench::order_body);
+
+fn body() -> &'static [u8] {
+    BODY.as_slice()
+}
+
+async fn call(router: &Router, request: axum::extract::Request) -> (u16, bytes::Bytes) {
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await.expect("body").to_bytes();
+    (status, body)
+}
+
+fn handler(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let bare = bench::bare_router();
+    let ours = rt.block_on(async { bench::idempotent_router(bench::unbounded_memory_store()) });
+
+    // Every variant answers what it should before it is timed.
+    rt.block_on(async {
+        assert_eq!(call(&bare, bench::request(body(), Some("k"))).await.0, 201);
+        assert_eq!(call(&ours, bench::request(body(), Some("r"))).await.0, 201);
+        let (status, replayed) = call(&ours, bench::request(body(), Some("r"))).await;
+        assert_eq!(status, 201);
+        assert_eq!(replayed.len(), bench::BODY_LEN);
+    });
+
+    let mut group = c.benchmark_group("axum_1KiB");
+    group.bench_function("bare", |b| {
+        b.iter_batched(
+            || bench::request(body(), Some("bare")),
+            |request| rt.block_on(call(&bare, request)),
+            BatchSize::SmallInput,
+        )
+    });
+    let mut n = 0u64;
+    group.bench_function("idempotent_memory_first", |b| {
+        b.iter_batched(
+            || {
+                n += 1;
+                bench::request(body(), Some(&format!("first-{n}")))
+            },
+            |request| rt.block_on(call(&ours, request)),
+            BatchSize::SmallInput,
+        )
+    });
+    group.bench_function("idempotent_memory_replay", |b| {
+        b.iter_batched(
+            || bench::request(body(), Some("r")),
+            |request| rt.block_on(call(&ours, request)),
+            BatchSize::SmallInput,
+        )
+    });
+    group.finish();
+}
+
+fn fingerprinting(c: &mut Criterion) {
+    let scope = Scope::from_identity(&Identity::subject("acme", "alice"), None).expect("scope");
+    let mut group = c.benchmark_group("fingerprint");
+    for size in [1 << 10, 64 << 10, 1 << 20] {
+        let body = vec![b'x'; size];
+        group.throughput(Throughput::Bytes(size as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(size), &body, |b, body| {
+            b.iter(|| {
+                let input = FingerprintInput {
+                    method: "POST",
+                    route: Some(bench::ROUTE),
+                    path_params: &[],
+                    query: None,
+                    scope: &scope,
+                    content_type: Some(b"application/json"),
+                    body,
+                };
+                fingerprint::compute(black_box(&input), None)
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, handler, fingerprinting);
+criterion_main!(benches);
