@@ -52,6 +52,7 @@ conformance! {
     framework_rejection_of_malformed_json_is_recorded,
     response_over_max_response_is_sent_and_not_recorded,
     lease_is_renewed_while_the_handler_runs,
+    abandoned_reservation_is_reclaimed_after_its_lease_lapses,
     retention_lapses_and_the_key_runs_again,
     malformed_authorization_is_401_before_idempotency,
     other_methods_pass_through,
@@ -569,6 +570,45 @@ mod cases {
         assert!(after.replayed());
         assert_eq!(after.body, first.body);
         assert_eq!(s.runs("/slow").await, 1);
+    }
+
+    /// A crash (SIGKILL mid-handler) leaves a reservation nobody renews: once its lease lapsed,
+    /// the same request reclaims the key and runs. Needs a store that outlives the process.
+    pub async fn abandoned_reservation_is_reclaimed_after_its_lease_lapses(name: &'static str) {
+        if !cfg!(feature = "sqlite") {
+            eprintln!("skipped: needs the sqlite feature");
+            return;
+        }
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let db = std::env::temp_dir().join(format!("idempotent-lapse-{name}-{nanos}.db"));
+        let db = db.to_str().unwrap().to_owned();
+        let options = ["--store", "sqlite", "--database-url", &db, "--lease", "0.5"];
+        let crashed = Server::start(name, &options);
+        let first = tokio::spawn(crashed.post("/slow?ms=1500").key("k-crash").try_send());
+        crashed.wait_runs("/slow", 1).await;
+        drop(crashed);
+        assert!(
+            first.await.unwrap().is_err(),
+            "the server was killed mid-handler"
+        );
+
+        let s = Server::start(name, &options);
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let retry = s.post("/slow?ms=1500").key("k-crash").send().await;
+        assert_eq!(retry.status, 201, "{:?}", retry.body);
+        assert!(!retry.replayed(), "the abandoned request never finished");
+        assert_eq!(retry.json(), json!({"execution": 1}));
+        let again = s.post("/slow?ms=1500").key("k-crash").send().await;
+        assert!(again.replayed());
+        assert_eq!(again.body, retry.body);
+        assert_eq!(s.runs("/slow").await, 1);
+        drop(s);
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{db}{suffix}"));
+        }
     }
 
     pub async fn retention_lapses_and_the_key_runs_again(name: &'static str) {
