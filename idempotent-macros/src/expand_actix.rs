@@ -103,9 +103,22 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
     let inner = format_ident!("__idempotent_inner");
 
     let probes = types.iter().map(|ty| buffered_body_probe(&private, ty));
+    let context = format_ident!("__idempotent_context");
     let mut extract = Vec::new();
+    let mut extracted = Vec::new();
+    let mut extracted_types = Vec::new();
     let mut call_args = Vec::new();
+    let mut needs_context = false;
     for (i, ty) in types.iter().enumerate() {
+        if is_named(ty, "IdempotencyContext") {
+            needs_context = true;
+            call_args.push(quote!(::core::clone::Clone::clone(&#context)));
+            continue;
+        }
+        if single_generic(ty, "Option").is_some_and(|t| is_named(t, "IdempotencyContext")) {
+            call_args.push(quote!(::core::clone::Clone::clone(&#context)));
+            continue;
+        }
         let arg = format_ident!("__idempotent_arg{}", i);
         let from_request = quote_spanned!(ty.span()=>
             <#ty as #private::FromRequest>::from_request(&#req, &mut #payload)
@@ -113,11 +126,23 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
         extract.push(quote! {
             let #arg = match #from_request.await {
                 ::core::result::Result::Ok(value) => value,
-                ::core::result::Result::Err(error) => return #private::rejection(error),
+                ::core::result::Result::Err(error) => {
+                    return ::core::result::Result::Err(#private::rejection(error));
+                }
             };
         });
-        call_args.push(arg);
+        extracted.push(arg.clone());
+        extracted_types.push(*ty);
+        call_args.push(quote!(#arg));
     }
+    let unwrap_context = needs_context.then(|| {
+        quote! {
+            let #context = match #context {
+                ::core::option::Option::Some(context) => context,
+                ::core::option::Option::None => return #private::context_missing(),
+            };
+        }
+    });
 
     let endpoint = endpoint(args, &private);
     let attrs = &item.attrs;
@@ -155,6 +180,12 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
                 &__IDEMPOTENT_ENDPOINT,
                 |#req: #private::Request, mut #payload: #private::RawPayload| async move {
                     #(#extract)*
+                    ::core::result::Result::Ok::<_, #private::Response>((#(#extracted,)*))
+                },
+                |(#(#extracted,)*): (#(#extracted_types,)*),
+                 #context: ::core::option::Option<#private::Context>,
+                 #req: #private::Request| async move {
+                    #unwrap_context
                     let #returned = #inner(#(#call_args),*).await;
                     #respond(#returned, &#req)
                 },
@@ -202,6 +233,23 @@ fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {
         Type::Paren(p) => last_segment(&p.elem),
         _ => None,
     }
+}
+
+/// `Outer<Inner>` → `Inner` when the last segment is named `outer`.
+fn single_generic<'a>(ty: &'a Type, outer: &str) -> Option<&'a Type> {
+    let segment = last_segment(ty)?;
+    if segment.ident != outer {
+        return None;
+    }
+    let syn::PathArguments::AngleBracketed(args) = &segment.arguments else {
+        return None;
+    };
+    let mut types = args.args.iter().filter_map(|a| match a {
+        syn::GenericArgument::Type(t) => Some(t),
+        _ => None,
+    });
+    let first = types.next()?;
+    types.next().is_none().then_some(first)
 }
 
 fn is_named(ty: &Type, name: &str) -> bool {

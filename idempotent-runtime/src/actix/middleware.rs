@@ -11,7 +11,7 @@ use actix_web::http::Method;
 use actix_web::{Error, HttpMessage};
 use futures_util::future::LocalBoxFuture;
 
-use super::pipeline::{self, Handled, Prepared, Target};
+use super::pipeline::{self, Claimed, Handled, Read, Target};
 use crate::config::EndpointConfig;
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
@@ -175,13 +175,18 @@ where
         req.extensions_mut().insert(Handled);
         Box::pin(async move {
             let payload = req.take_payload();
-            match pipeline::prepare(req.request(), payload, &store, &endpoint, target).await {
-                Prepared::Untouched(payload) => {
-                    req.set_payload(payload);
-                    Ok(service.call(req).await?.map_into_boxed_body())
-                }
-                Prepared::Respond(response) => Ok(req.into_response(response)),
-                Prepared::Run(run) => {
+            let buffered =
+                match pipeline::read(req.request(), payload, &store, &endpoint, target).await {
+                    Read::Untouched(payload) => {
+                        req.set_payload(payload);
+                        return Ok(service.call(req).await?.map_into_boxed_body());
+                    }
+                    Read::Respond(response) => return Ok(req.into_response(response)),
+                    Read::Buffered(buffered) => buffered,
+                };
+            match pipeline::claim(req.request(), &store, buffered).await {
+                Claimed::Respond(response) => Ok(req.into_response(response)),
+                Claimed::Run(run) => {
                     req.set_payload(dev::Payload::from(run.body.clone()));
                     // The inner router matches inside `call`, and needs the only reference to
                     // the request: nothing here may keep a clone of it.

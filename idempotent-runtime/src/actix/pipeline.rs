@@ -15,10 +15,10 @@ use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 
-use crate::config::EndpointConfig;
+use crate::config::{Effective, EndpointConfig};
 use crate::context::IdempotencyContext;
 use crate::fingerprint::FingerprintInput;
-use crate::key;
+use crate::key::{self, IdempotencyKey};
 use crate::problem::{self, Problem};
 use crate::record;
 use crate::runtime::{Begin, BeginRequest, BufferPermit, IdempotencyStore, Outcome, Reservation};
@@ -54,10 +54,27 @@ impl Target {
     }
 }
 
-/// What to do after the decision steps.
-pub(crate) enum Prepared {
+/// What to do after the key and body steps.
+pub(crate) enum Read {
     /// No key on an optional endpoint: run the handler as if the runtime were not there.
     Untouched(dev::Payload),
+    /// A refusal.
+    Respond(HttpResponse),
+    /// A keyed request with its whole body.
+    Buffered(Buffered),
+}
+
+/// A keyed request whose body has been read.
+pub(crate) struct Buffered {
+    key: IdempotencyKey,
+    pub(crate) body: Bytes,
+    permit: Option<BufferPermit>,
+    effective: Effective,
+    target: Target,
+}
+
+/// What to do after the claim.
+pub(crate) enum Claimed {
     /// A refusal or a replay.
     Respond(HttpResponse),
     /// The key is held: run the handler on the buffered body.
@@ -69,6 +86,7 @@ pub(crate) struct Run {
     pub(crate) store: IdempotencyStore,
     pub(crate) reservation: Reservation,
     pub(crate) body: Bytes,
+    pub(crate) context: IdempotencyContext,
     pub(crate) permit: Option<BufferPermit>,
     pub(crate) route: String,
 }
@@ -93,32 +111,52 @@ pub(crate) fn store_missing(route: &str) -> HttpResponse {
         .body("the idempotency store is not configured")
 }
 
-/// Steps 1–4 of the pipeline: key syntax, key presence, body, scope, claim.
-pub(crate) async fn prepare(
+/// Steps 1–2 of the pipeline: key syntax, key presence, body.
+pub(crate) async fn read(
     req: &HttpRequest,
     mut payload: dev::Payload,
     store: &IdempotencyStore,
     endpoint: &EndpointConfig,
     target: Target,
-) -> Prepared {
+) -> Read {
     let route = target.route.as_deref().unwrap_or("");
     let values = req.headers().get_all(key::HEADER_NAME);
     let key = match key::parse_header_values(values.map(HeaderValue::as_bytes)) {
         Ok(Some(key)) => key,
         Ok(None) if endpoint.require_key => {
-            return Prepared::Respond(problem_response(&store.key_missing(route)));
+            return Read::Respond(problem_response(&store.key_missing(route)));
         }
-        Ok(None) => return Prepared::Untouched(payload),
-        Err(error) => {
-            return Prepared::Respond(problem_response(&store.key_invalid(error, route)));
-        }
+        Ok(None) => return Read::Untouched(payload),
+        Err(error) => return Read::Respond(problem_response(&store.key_invalid(error, route))),
     };
+    let effective = endpoint.resolve(store.config());
+    match buffer(req, &mut payload, store, effective.max_body, route).await {
+        Ok((body, permit)) => Read::Buffered(Buffered {
+            key,
+            body,
+            permit,
+            effective,
+            target,
+        }),
+        Err(response) => Read::Respond(response),
+    }
+}
+
+/// Steps 3–4 of the pipeline: scope and claim.
+pub(crate) async fn claim(
+    req: &HttpRequest,
+    store: &IdempotencyStore,
+    buffered: Buffered,
+) -> Claimed {
+    let Buffered {
+        key,
+        body,
+        permit,
+        effective,
+        target,
+    } = buffered;
+    let route = target.route.as_deref().unwrap_or("");
     let config = store.config();
-    let effective = endpoint.resolve(config);
-    let (body, permit) = match buffer(req, &mut payload, store, effective.max_body, route).await {
-        Ok(buffered) => buffered,
-        Err(response) => return Prepared::Respond(response),
-    };
     let resolved = {
         let extensions = req.extensions();
         let peer = req.peer_addr().map(|addr| {
@@ -138,7 +176,7 @@ pub(crate) async fn prepare(
     let scope = match resolved {
         Ok(scope) => scope,
         Err(error) => {
-            return Prepared::Respond(problem_response(&store.scope_unresolved(error, route)));
+            return Claimed::Respond(problem_response(&store.scope_unresolved(error, route)));
         }
     };
     let params: Vec<&str> = target.params.iter().map(String::as_str).collect();
@@ -160,18 +198,19 @@ pub(crate) async fn prepare(
     };
     match store.begin(&begin).await {
         Begin::Run(reservation) => {
-            req.extensions_mut()
-                .insert(IdempotencyContext::new(key, *scope.hash()));
-            Prepared::Run(Run {
+            let context = IdempotencyContext::new(key, *scope.hash());
+            req.extensions_mut().insert(context.clone());
+            Claimed::Run(Run {
                 store: store.clone(),
                 reservation,
                 body,
+                context,
                 permit,
                 route: route.to_owned(),
             })
         }
-        Begin::Replay(recorded) => Prepared::Respond(replay_response(&recorded)),
-        Begin::Refuse(problem) => Prepared::Respond(problem_response(&problem)),
+        Begin::Replay(recorded) => Claimed::Respond(replay_response(&recorded)),
+        Begin::Refuse(problem) => Claimed::Respond(problem_response(&problem)),
     }
 }
 
@@ -241,9 +280,9 @@ where
     let Run {
         store,
         mut reservation,
-        body: _,
         permit,
         route,
+        ..
     } = run;
     let panicked = {
         let store = store.clone();

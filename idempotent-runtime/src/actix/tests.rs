@@ -353,3 +353,66 @@ async fn running_handlers_are_tracked_for_shutdown() {
     assert_eq!(res.expect("response").status().as_u16(), 200);
     assert_eq!(store.running(), 0);
 }
+
+/// An authentication extractor: publishes the caller's identity, or rejects.
+struct User;
+
+impl actix_web::FromRequest for User {
+    type Error = actix_web::Error;
+    type Future = std::future::Ready<Result<Self, Self::Error>>;
+
+    fn from_request(req: &actix_web::HttpRequest, _: &mut actix_web::dev::Payload) -> Self::Future {
+        let user = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer "))
+            .map(str::to_owned);
+        std::future::ready(match user {
+            Some(user) => {
+                req.extensions_mut().insert(Identity::subject("acme", user));
+                Ok(User)
+            }
+            None => Err(actix_web::error::ErrorUnauthorized("who are you?")),
+        })
+    }
+}
+
+#[idempotent(crate = crate, require_key)]
+async fn as_user(_user: User, runs: web::Data<Runs>, body: String) -> HttpResponse {
+    let n = runs.next();
+    HttpResponse::Created().json(json!({ "execution": n, "body": body }))
+}
+
+#[actix_web::test]
+async fn extractors_run_before_the_claim_and_on_replays() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(runs.clone())
+            .route("/pay", web::post().to(as_user)),
+    )
+    .await;
+    let call = |user: Option<&str>| {
+        let req = post("/pay", Some("k")).set_payload("x");
+        match user {
+            Some(user) => req.insert_header(("authorization", format!("Bearer {user}"))),
+            None => req,
+        }
+        .to_request()
+    };
+    let alice = parts(test::call_service(&app, call(Some("alice"))).await).await;
+    assert_eq!((alice.0, alice.1), (201, false));
+    let again = parts(test::call_service(&app, call(Some("alice"))).await).await;
+    assert_eq!((again.0, again.1), (201, true));
+    assert_eq!(again.2, alice.2);
+    let anonymous = parts(test::call_service(&app, call(None)).await).await;
+    assert_eq!(
+        (anonymous.0, anonymous.1),
+        (401, false),
+        "no replay without the extractor"
+    );
+    let bob = parts(test::call_service(&app, call(Some("bob"))).await).await;
+    assert_eq!((bob.0, bob.1), (201, false));
+    assert_eq!(runs.get(), 2);
+}
