@@ -179,3 +179,104 @@ async fn the_layer_applies_to_post_and_passes_other_requests_through() {
     assert_eq!(first, again);
     assert_eq!(runs.load(Ordering::SeqCst), 5);
 }
+
+/// The memory store, with switches that make claims or completions fail as an unreachable
+/// database would.
+#[derive(Default)]
+struct Flaky {
+    inner: crate::store::memory::MemoryStore,
+    fail_claim: std::sync::atomic::AtomicBool,
+    fail_complete: std::sync::atomic::AtomicBool,
+}
+
+fn down() -> crate::store::StoreError {
+    crate::store::StoreError::unavailable("connection refused")
+}
+
+#[async_trait::async_trait]
+impl crate::store::Store for Flaky {
+    async fn claim(
+        &self,
+        req: &crate::store::ClaimRequest<'_>,
+    ) -> Result<crate::store::Claim, crate::store::StoreError> {
+        if self.fail_claim.load(Ordering::SeqCst) {
+            return Err(down());
+        }
+        self.inner.claim(req).await
+    }
+    async fn reclaim(
+        &self,
+        req: &crate::store::ClaimRequest<'_>,
+        stale: crate::store::FencingToken,
+    ) -> Result<crate::store::Claim, crate::store::StoreError> {
+        self.inner.reclaim(req, stale).await
+    }
+    async fn complete(
+        &self,
+        scope: &crate::scope::ScopeHash,
+        key: &str,
+        token: crate::store::FencingToken,
+        response: &crate::store::RecordedResponse,
+        retention: std::time::Duration,
+    ) -> Result<bool, crate::store::StoreError> {
+        if self.fail_complete.load(Ordering::SeqCst) {
+            return Err(down());
+        }
+        self.inner
+            .complete(scope, key, token, response, retention)
+            .await
+    }
+    async fn release(
+        &self,
+        scope: &crate::scope::ScopeHash,
+        key: &str,
+        token: crate::store::FencingToken,
+    ) -> Result<bool, crate::store::StoreError> {
+        self.inner.release(scope, key, token).await
+    }
+    async fn renew(
+        &self,
+        scope: &crate::scope::ScopeHash,
+        key: &str,
+        token: crate::store::FencingToken,
+        lease: std::time::Duration,
+    ) -> Result<bool, crate::store::StoreError> {
+        self.inner.renew(scope, key, token, lease).await
+    }
+    async fn sweep(&self, batch: usize) -> Result<usize, crate::store::StoreError> {
+        self.inner.sweep(batch).await
+    }
+}
+
+#[tokio::test]
+async fn unreachable_store_when_claiming_is_503_and_nothing_runs() {
+    let flaky = Arc::new(Flaky::default());
+    flaky.fail_claim.store(true, Ordering::SeqCst);
+    let store = IdempotencyStore::builder_arc(flaky).build();
+    let (router, runs) = app(store);
+    let router = router.layer(peer());
+    let (status, headers, body) = call(&router, post_with_key("/create", "k", "x")).await;
+    assert_eq!(status, 503);
+    assert_eq!(headers["retry-after"], "1");
+    assert_eq!(code(&body), "IDEMPOTENCY_STORE_UNAVAILABLE");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn unreachable_store_when_recording_still_sends_the_response() {
+    let flaky = Arc::new(Flaky::default());
+    flaky.fail_complete.store(true, Ordering::SeqCst);
+    let store = IdempotencyStore::builder_arc(flaky).build();
+    let (router, runs) = app(store);
+    let router = router.layer(peer());
+    let (status, headers, body) = call(&router, post_with_key("/create", "k", "x")).await;
+    assert_eq!(status, 200);
+    assert!(!headers.contains_key("idempotency-replayed"));
+    assert!(body.starts_with("x:"));
+    // The reservation stands until its lease lapses: the retry is told to wait, not run.
+    let (status, headers, body) = call(&router, post_with_key("/create", "k", "x")).await;
+    assert_eq!(status, 409);
+    assert_eq!(headers["retry-after"], "1");
+    assert_eq!(code(&body), "IDEMPOTENCY_IN_PROGRESS");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
