@@ -53,8 +53,8 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// ```
 ///
 /// The handler is rewritten to take the request and its raw payload: the runtime buffers the
-/// body, claims the key and answers replays and refusals; then the handler's own extractors run
-/// on the buffered body and the handler runs in a task of its own. The store comes from the
+/// body and runs the handler's own extractors on it, then claims the key and answers replays
+/// and refusals, or runs the handler in a task of its own. The store comes from the
 /// application data (`web::Data<IdempotencyStore>`). Works above or below `#[post("/…")]` and
 /// with `.route("/…", web::post().to(handler))`. `web::Payload` and `Multipart` parameters are
 /// compile errors: a streamed body cannot be fingerprinted.

@@ -25,10 +25,15 @@
 //!
 //! The attribute works above or below a route macro (`#[post("/x")]`), and on handlers
 //! registered with `.route("/x", web::post().to(handler))`. It rewrites the handler to take the
-//! request and its raw payload, runs the pipeline of DESIGN.md (key, body, scope, claim), and
-//! then runs each of the handler's own extractors on the buffered body, in order, inside a task
-//! of its own: a client that disconnects does not cancel a claimed handler. An extractor's
-//! rejection (malformed JSON, say) is the handler's response and is recorded like any 4xx.
+//! request and its raw payload. It checks the key, reads the body (bounded), then runs each of
+//! the handler's own extractors on the buffered body, in order, as they would run without the
+//! attribute: before the claim and on replays too, so an authentication extractor still
+//! rejects a caller, whatever was recorded. Then it resolves the scope and claims the key, and
+//! runs the handler in a task of its own: a client that disconnects does not cancel a claimed
+//! handler. An extractor's rejection with a recordable status (malformed JSON, say) is recorded
+//! like any 4xx; one that is not (401, 403, 5xx) is answered without claiming the key.
+//! `IdempotencyContext` and `Option<IdempotencyContext>` parameters are filled by the runtime
+//! after the claim.
 //!
 //! # Which body cap wins
 //!
@@ -37,15 +42,18 @@
 //! `IDEMPOTENCY_PAYLOAD_TOO_LARGE` and claims nothing. actix's own `PayloadConfig` and
 //! `JsonConfig` limits apply afterwards, when the handler's extractors run on the buffered body;
 //! their rejection (413 from actix) is then the handler's recorded response. Keep `max_body` at
-//! or below those limits so that `max_body` is the one clients meet.
+//! or below those limits so that `max_body` is the one clients meet. Under
+//! [`IdempotencyMiddleware`] the same holds, with the middleware's endpoint settings.
 //!
 //! # Identity
 //!
-//! The scope is built from an [`Identity`](crate::scope::Identity) that your authentication
-//! middleware inserts into the request extensions (`req.extensions_mut().insert(identity)`);
-//! such a middleware must wrap outside the idempotency step (App-level `wrap` runs before a
-//! handler's attribute and before a scope's [`IdempotencyMiddleware`]). Anonymous callers are
-//! scoped by `peer_addr().ip()`.
+//! The scope is built from an [`Identity`](crate::scope::Identity) in the request extensions
+//! (`req.extensions_mut().insert(identity)`), put there by your authentication middleware
+//! (wrapped outside the idempotency step: App-level `wrap` runs before a handler's attribute and
+//! before a scope's [`IdempotencyMiddleware`]) or, with the attribute, by an authentication
+//! extractor among the handler's parameters. A request that carries `Authorization` without a
+//! published identity is refused (500 `IDEMPOTENCY_SCOPE_UNRESOLVED`); anonymous callers are
+//! scoped by `peer_addr().ip()` (behind `trusted_proxies`, by `X-Forwarded-For`).
 
 use std::future::{Ready, ready};
 
