@@ -106,16 +106,16 @@ mod cases {
 
     pub async fn repeat_while_running_is_409_in_progress_with_retry_after(name: &'static str) {
         let s = Server::start(name, &[]);
-        let first = s.post("/slow?ms=1500").key("k-slow").send();
+        let first = s.post("/slow?ms=2000").key("k-slow").send();
         let first = tokio::spawn(first);
         s.wait_runs("/slow", 1).await;
-        let during = s.post("/slow?ms=1500").key("k-slow").send().await;
+        let during = s.post("/slow?ms=2000").key("k-slow").send().await;
         during.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
         assert_eq!(during.header("retry-after"), Some("1"));
         let first = first.await.unwrap();
         assert_eq!(first.status, 201);
         assert!(!first.replayed());
-        let after = s.post("/slow?ms=1500").key("k-slow").send().await;
+        let after = s.post("/slow?ms=2000").key("k-slow").send().await;
         assert_eq!(after.status, 201);
         assert!(after.replayed());
         assert_eq!(after.body, first.body);
@@ -557,16 +557,16 @@ mod cases {
 
     pub async fn lease_is_renewed_while_the_handler_runs(name: &'static str) {
         let s = Server::start(name, &["--lease", "0.5"]);
-        let first = tokio::spawn(s.post("/slow?ms=1500").key("k-lease").send());
+        let first = tokio::spawn(s.post("/slow?ms=2500").key("k-lease").send());
         s.wait_runs("/slow", 1).await;
         // Well past the 0.5 s lease: a live handler keeps its key.
         tokio::time::sleep(Duration::from_millis(900)).await;
-        let during = s.post("/slow?ms=1500").key("k-lease").send().await;
+        let during = s.post("/slow?ms=2500").key("k-lease").send().await;
         during.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
         assert_eq!(during.header("retry-after"), Some("1"));
         let first = first.await.unwrap();
         assert_eq!(first.status, 201);
-        let after = s.post("/slow?ms=1500").key("k-lease").send().await;
+        let after = s.post("/slow?ms=2500").key("k-lease").send().await;
         assert!(after.replayed());
         assert_eq!(after.body, first.body);
         assert_eq!(s.runs("/slow").await, 1);
