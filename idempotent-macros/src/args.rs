@@ -85,11 +85,20 @@ impl Parse for Args {
             } else if lookahead.peek(kw::lease) {
                 input.parse::<kw::lease>()?;
                 once("lease")?;
-                args.lease_ms = Some(duration_value(input, "lease")?);
+                let lease = duration_value(input, "lease")?;
+                args.lease_ms = Some(lease.0);
+                // The lease is renewed every third of it: a few milliseconds would renew in a
+                // busy loop.
+                if lease.0 < 30 {
+                    return Err(Error::new(
+                        lease.1,
+                        "`lease` must be at least 30ms: it is renewed every third of it",
+                    ));
+                }
             } else if lookahead.peek(kw::retention) {
                 input.parse::<kw::retention>()?;
                 once("retention")?;
-                args.retention_ms = Some(duration_value(input, "retention")?);
+                args.retention_ms = Some(duration_value(input, "retention")?.0);
             } else if lookahead.peek(kw::max_body) {
                 input.parse::<kw::max_body>()?;
                 once("max_body")?;
@@ -162,7 +171,7 @@ fn string_value(input: ParseStream<'_>, name: &str, example: &str) -> syn::Resul
     input.parse()
 }
 
-fn duration_value(input: ParseStream<'_>, name: &str) -> syn::Result<u64> {
+fn duration_value(input: ParseStream<'_>, name: &str) -> syn::Result<(u64, Span)> {
     let lit = string_value(input, name, "30s")?;
     let ms = parse_duration(&lit.value()).map_err(|why| {
         Error::new(
@@ -170,7 +179,7 @@ fn duration_value(input: ParseStream<'_>, name: &str) -> syn::Result<u64> {
             format!("invalid `{name}` {:?}: {why}", lit.value()),
         )
     })?;
-    Ok(ms)
+    Ok((ms, lit.span()))
 }
 
 fn size_value(input: ParseStream<'_>, name: &str) -> syn::Result<u64> {
