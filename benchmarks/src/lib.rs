@@ -131,8 +131,11 @@ pub async fn sqlite_store(path: &str) -> IdempotencyStore {
 /// `SqlxIdempotencyStore` on the same PostgreSQL, around the bare router.
 pub async fn cratestack_router(url: &str, connections: u32) -> Router {
     use cratestack_sqlx::sqlx::postgres::PgPoolOptions;
+    // The same pool settings as our store's: no ping before each checkout (sqlx's default
+    // would add a round trip to every statement of the peer).
     let pool = PgPoolOptions::new()
         .max_connections(connections)
+        .test_before_acquire(false)
         .connect(url)
         .await
         .expect("connect to PostgreSQL");

@@ -7,7 +7,8 @@
 //! Variants: `axum-bare`, `axum-memory`, `axum-postgres`, `axum-sqlite`, `actix-bare`,
 //! `actix-memory` (ours), `peer-cratestack` (cratestack-axum + cratestack-sqlx on PostgreSQL),
 //! `peer-axum-idempotent` (axum-idempotent on a moka memory store). It prints
-//! `listening on ADDR` once bound and serves until killed. Both frameworks run two workers,
+//! `listening on ADDR` once bound and serves until killed (`bench_server print-body` prints the
+//! 1 KiB request body instead). Both frameworks run two workers,
 //! one a core.
 
 use std::net::SocketAddr;
@@ -21,6 +22,13 @@ const PG_CONNECTIONS: u32 = 10;
 fn main() {
     let mut args = std::env::args().skip(1);
     let variant = args.next().unwrap_or_else(|| usage("no variant"));
+    if variant == "print-body" {
+        use std::io::Write as _;
+        std::io::stdout()
+            .write_all(&bench::order_body())
+            .expect("stdout");
+        return;
+    }
     let mut addr: SocketAddr = "127.0.0.1:0".parse().expect("address");
     let mut database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idempotent_bench".into());
