@@ -4,6 +4,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::future::{Ready, ready};
 use std::rc::Rc;
+use std::sync::Arc;
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{self, ResourceDef, Service, ServiceRequest, ServiceResponse, Transform};
@@ -44,7 +45,7 @@ use crate::config::EndpointConfig;
 #[derive(Debug, Clone)]
 pub struct IdempotencyMiddleware {
     endpoint: EndpointConfig,
-    methods: Rc<[Method]>,
+    methods: Arc<[Method]>,
 }
 
 impl Default for IdempotencyMiddleware {
@@ -58,7 +59,7 @@ impl IdempotencyMiddleware {
     pub fn new() -> Self {
         Self {
             endpoint: EndpointConfig::OPTIONAL,
-            methods: Rc::from([Method::POST, Method::PATCH]),
+            methods: Arc::from([Method::POST, Method::PATCH]),
         }
     }
 
@@ -100,7 +101,7 @@ where
         ready(Ok(IdempotencyService {
             service: Rc::new(service),
             endpoint: self.endpoint,
-            methods: Rc::clone(&self.methods),
+            methods: Arc::clone(&self.methods),
             patterns: Rc::default(),
         }))
     }
@@ -110,7 +111,7 @@ where
 pub struct IdempotencyService<S> {
     service: Rc<S>,
     endpoint: EndpointConfig,
-    methods: Rc<[Method]>,
+    methods: Arc<[Method]>,
     // Route patterns compiled once per worker, to read the path parameters of a request whose
     // resource has not been matched yet (a scope middleware runs before the scope's router).
     patterns: Rc<RefCell<HashMap<String, ResourceDef>>>,
