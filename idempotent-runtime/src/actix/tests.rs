@@ -417,7 +417,8 @@ async fn extractors_run_before_the_claim_and_on_replays() {
     assert_eq!(runs.get(), 2);
 }
 
-#[test]
+// `test` here is actix-web's module; this test needs no runtime.
+#[::core::prelude::v1::test]
 fn middleware_can_be_built_outside_the_server_factory() {
     // HttpServer::new needs a Send factory: a middleware built once outside it moves in.
     fn send_sync_clone<T: Send + Sync + Clone + 'static>(_: &T) {}
