@@ -1,0 +1,76 @@
+//! The `Idempotency-Key` parser (DESIGN.md §2 "Key syntax") on arbitrary header values: it
+//! never panics, and whatever it accepts is 1–255 visible ASCII characters that round-trip
+//! through both the bare and the quoted form.
+#![no_main]
+
+use idempotent_runtime::key::{
+    IdempotencyKey, KeyError, MAX_KEY_LEN, parse_header_values, parse_value,
+};
+use libfuzzer_sys::fuzz_target;
+
+fn quote(key: &str) -> Vec<u8> {
+    let mut q = vec![b'"'];
+    for b in key.bytes() {
+        if b == b'"' || b == b'\\' {
+            q.push(b'\\');
+        }
+        q.push(b);
+    }
+    q.push(b'"');
+    q
+}
+
+fuzz_target!(|values: Vec<Vec<u8>>| {
+    for raw in &values {
+        let parsed = parse_value(raw);
+        // Surrounding optional whitespace never changes the answer.
+        let mut padded = b" \t".to_vec();
+        padded.extend_from_slice(raw);
+        padded.extend_from_slice(b"\t ");
+        assert_eq!(parse_value(&padded), parsed, "OWS changed the answer");
+        match parsed {
+            Ok(key) => {
+                let s = key.as_str();
+                assert!(
+                    (1..=MAX_KEY_LEN).contains(&s.len()),
+                    "accepted {} bytes",
+                    s.len()
+                );
+                assert!(
+                    s.bytes().all(|b| (0x21..=0x7e).contains(&b)),
+                    "accepted a non-visible byte"
+                );
+                assert_eq!(IdempotencyKey::new(s), Ok(key.clone()));
+                // `"abc"` and `abc` are the same key.
+                assert_eq!(
+                    parse_value(&quote(s)),
+                    Ok(key.clone()),
+                    "quoted form differs"
+                );
+                if !s.starts_with('"') && !s.contains(',') {
+                    assert_eq!(
+                        parse_value(s.as_bytes()),
+                        Ok(key.clone()),
+                        "bare form differs"
+                    );
+                }
+                // The key is never shown by Debug.
+                if s.len() >= 4 {
+                    assert!(!format!("{key:?}").contains(s), "Debug shows the key");
+                }
+            }
+            Err(KeyError::TooLong { len }) => assert!(len > MAX_KEY_LEN),
+            Err(_) => {}
+        }
+    }
+    let all = parse_header_values(values.iter().map(Vec::as_slice));
+    match values.len() {
+        0 => assert_eq!(all, Ok(None)),
+        1 => assert_eq!(all, parse_value(&values[0]).map(Some)),
+        _ => assert_eq!(
+            all,
+            Err(KeyError::Multiple),
+            "a header twice must be refused"
+        ),
+    }
+});
