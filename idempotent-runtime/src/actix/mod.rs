@@ -35,6 +35,15 @@
 //! `IdempotencyContext` and `Option<IdempotencyContext>` parameters are filled by the runtime
 //! after the claim.
 //!
+//! # Shutdown
+//!
+//! Call [`IdempotencyStore::shutdown`](crate::IdempotencyStore::shutdown) after the server
+//! stopped. actix-web's graceful shutdown waits for requests whose client is still connected
+//! (`HttpServer::shutdown_timeout`, which should match `shutdown_grace`), then stops its workers;
+//! a claimed handler whose client had already gone is cancelled with its worker, like a crash:
+//! its key frees itself when the lease lapses, and the retry then runs it again (counted as
+//! `reclaimed`).
+//!
 //! # Which body cap wins
 //!
 //! `max_body` (the runtime's setting, or the attribute's `max_body = "…"`) is checked first,
