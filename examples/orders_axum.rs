@@ -61,16 +61,27 @@ async fn create_order(
     Json(new): Json<NewOrder>,
 ) -> Result<(StatusCode, [(header::HeaderName, String); 1], Json<Order>), (StatusCode, String)> {
     if new.quantity == 0 {
-        return Err((StatusCode::UNPROCESSABLE_ENTITY, "quantity must be positive".into()));
+        return Err((
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "quantity must be positive".into(),
+        ));
     }
     let order = Order {
         id: state.next_id.fetch_add(1, Ordering::Relaxed) + 1,
         sku: new.sku,
         quantity: new.quantity,
     };
-    state.orders.lock().expect("orders lock").push(order.clone());
+    state
+        .orders
+        .lock()
+        .expect("orders lock")
+        .push(order.clone());
     let location = format!("/orders/{}", order.id);
-    Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(order)))
+    Ok((
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(order),
+    ))
 }
 
 async fn get_order(State(state): State<AppState>, Path(id): Path<u64>) -> Response {
@@ -113,7 +124,9 @@ async fn idempotency_store() -> Result<IdempotencyStore, Box<dyn std::error::Err
             Ok(IdempotencyStore::new(store))
         }
         _ => {
-            eprintln!("idempotency store: in memory (set DATABASE_URL=postgres://… for PostgreSQL)");
+            eprintln!(
+                "idempotency store: in memory (set DATABASE_URL=postgres://… for PostgreSQL)"
+            );
             Ok(IdempotencyStore::memory())
         }
     }
