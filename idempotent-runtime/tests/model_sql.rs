@@ -173,3 +173,122 @@ fn postgres_store_agrees_with_the_model() {
     let clock = Arc::clone(&store);
     run_model(&rt, store, move |d| clock.advance_clock_for_tests(d));
 }
+
+/// DESIGN.md §3: a handler runs once while the store is reachable. A database restart, a
+/// failover or `pg_terminate_backend` leaves the pool holding dead connections while the
+/// database itself answers; a completion, release or renewal sent on one must still land (these
+/// writes are token-conditional, so sending one again is safe), or the next retry of the key
+/// would run its handler a second time.
+#[cfg(feature = "postgres")]
+#[test]
+fn token_conditional_writes_survive_connections_the_database_dropped() {
+    use idempotent_runtime::fingerprint::Fingerprint;
+    use idempotent_runtime::store::postgres::PostgresStore;
+    use idempotent_runtime::store::{Claim, ClaimRequest, RecordedResponse, StandingState};
+
+    let Ok(url) = std::env::var("DATABASE_URL") else {
+        assert_ne!(
+            std::env::var("IDEMPOTENT_REQUIRE_DB").as_deref(),
+            Ok("1"),
+            "IDEMPOTENT_REQUIRE_DB=1 but DATABASE_URL is unset"
+        );
+        eprintln!("DATABASE_URL is unset: skipping this PostgreSQL test");
+        return;
+    };
+    let schema = format!("idem_drop_{:016x}", FencingToken::mint().0);
+    let rt = runtime();
+    rt.block_on(async {
+        use sqlx::Connection;
+        let mut admin = sqlx::PgConnection::connect(&url).await.expect("connect");
+        let store = PostgresStore::builder()
+            .schema(&schema)
+            .table("records")
+            .application_name(&schema)
+            .max_connections(3)
+            .connect(&url)
+            .await
+            .expect("connect");
+        store.migrate().await.expect("migrate");
+        let scope = idempotent_runtime::store::contract::fresh_scope();
+        let req = |key: &'static str| ClaimRequest {
+            scope: &scope,
+            key,
+            quota_bucket: 0,
+            fingerprint: Fingerprint {
+                version: 1,
+                digest: [7; 32],
+            },
+            token: FencingToken::mint(),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(60),
+        };
+        let (done, renewed, released) = (req("done"), req("renewed"), req("released"));
+        for r in [&done, &renewed, &released] {
+            assert_eq!(store.claim(r).await.expect("claim"), Claim::Acquired);
+        }
+        let terminate = format!(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE application_name = '{schema}'"
+        );
+        let response = RecordedResponse {
+            status: 201,
+            headers: vec![],
+            body: "{}".into(),
+        };
+
+        let killed: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(terminate.clone()))
+            .fetch_one(&mut admin)
+            .await
+            .expect("terminate");
+        assert!(killed > 0, "the store held no connection to terminate");
+        let completed = store
+            .complete(
+                &scope,
+                "done",
+                done.token,
+                &response,
+                Duration::from_secs(60),
+            )
+            .await;
+        assert!(
+            matches!(completed, Ok(true)),
+            "completion on a dropped connection: {completed:?}"
+        );
+
+        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(terminate.clone()))
+            .fetch_one(&mut admin)
+            .await
+            .expect("terminate");
+        let renew = store
+            .renew(&scope, "renewed", renewed.token, Duration::from_secs(30))
+            .await;
+        assert!(
+            matches!(renew, Ok(true)),
+            "renewal on a dropped connection: {renew:?}"
+        );
+
+        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(terminate))
+            .fetch_one(&mut admin)
+            .await
+            .expect("terminate");
+        let release = store.release(&scope, "released", released.token).await;
+        assert!(
+            matches!(release, Ok(true)),
+            "release on a dropped connection: {release:?}"
+        );
+
+        match store.claim(&req("done")).await.expect("claim") {
+            Claim::Standing(st) => assert!(
+                matches!(st.state, StandingState::Completed(_)),
+                "{:?}",
+                st.state
+            ),
+            Claim::Acquired => panic!("the completed key ran again"),
+        }
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
+        )))
+        .execute(&mut admin)
+        .await;
+    });
+}

@@ -346,6 +346,18 @@ fn unavailable(e: sqlx::Error) -> StoreError {
     StoreError::unavailable(e)
 }
 
+/// Whether the connection a statement went out on was already gone: the server terminated its
+/// backend (SQLSTATE class 57P: `pg_terminate_backend`, a restart) or the socket failed.
+fn connection_dropped(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|code| code.starts_with("57P") || code.starts_with("08")),
+        _ => false,
+    }
+}
+
 fn is_lock_timeout(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(LOCK_NOT_AVAILABLE))
 }
@@ -551,6 +563,30 @@ impl PostgresStore {
         self.statements.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Sends a token-conditional write (complete, release, renew) and returns the rows it
+    /// changed, sending it again when the connection it went out on was already dead. A database
+    /// restart, a failover or `pg_terminate_backend` leaves such connections in the pool (it
+    /// does not ping before lending one, to keep a replay at one round trip); failing the write
+    /// would leave a completed request's reservation standing until its lease lapses, and the
+    /// next retry would run the handler again. The write is conditional on the token, so sending
+    /// it twice can neither apply twice nor touch a new holder's record.
+    async fn conditional_write<'q>(
+        &self,
+        query: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<u64, StoreError> {
+        // Each dead connection fails once and is dropped: one attempt per pooled connection,
+        // plus one on a fresh connection, is enough.
+        let mut attempts_left = self.pool.options().get_max_connections();
+        loop {
+            self.count();
+            match query().execute(&self.pool).await {
+                Ok(done) => return Ok(done.rows_affected()),
+                Err(e) if attempts_left > 0 && connection_dropped(&e) => attempts_left -= 1,
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+    }
+
     /// One claim or reclaim statement. A lock timeout means another transaction holds an
     /// uncommitted row for the key: reported as running, with the request's own fingerprint
     /// (the key is in progress whatever that request's body) and the request's lease as what is
@@ -648,20 +684,21 @@ impl Store for PostgresStore {
         response: &RecordedResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        self.count();
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.complete)))
-            .bind(&scope[..])
-            .bind(key)
-            .bind(token.as_i64())
-            .bind(response.status as i16)
-            .bind(response.encode_headers())
-            .bind(&response.body[..])
-            .bind(millis_i64(retention))
-            .bind(self.offset())
-            .execute(&self.pool)
-            .await
-            .map_err(unavailable)?;
-        Ok(done.rows_affected() == 1)
+        let headers = response.encode_headers();
+        let rows = self
+            .conditional_write(|| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.complete)))
+                    .bind(&scope[..])
+                    .bind(key)
+                    .bind(token.as_i64())
+                    .bind(response.status as i16)
+                    .bind(headers.clone())
+                    .bind(&response.body[..])
+                    .bind(millis_i64(retention))
+                    .bind(self.offset())
+            })
+            .await?;
+        Ok(rows == 1)
     }
 
     async fn release(
@@ -670,15 +707,15 @@ impl Store for PostgresStore {
         key: &str,
         token: FencingToken,
     ) -> Result<bool, StoreError> {
-        self.count();
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
-            .bind(&scope[..])
-            .bind(key)
-            .bind(token.as_i64())
-            .execute(&self.pool)
-            .await
-            .map_err(unavailable)?;
-        Ok(done.rows_affected() == 1)
+        let rows = self
+            .conditional_write(|| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
+                    .bind(&scope[..])
+                    .bind(key)
+                    .bind(token.as_i64())
+            })
+            .await?;
+        Ok(rows == 1)
     }
 
     async fn renew(
@@ -688,17 +725,17 @@ impl Store for PostgresStore {
         token: FencingToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        self.count();
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.renew)))
-            .bind(&scope[..])
-            .bind(key)
-            .bind(token.as_i64())
-            .bind(millis_i64(lease))
-            .bind(self.offset())
-            .execute(&self.pool)
-            .await
-            .map_err(unavailable)?;
-        Ok(done.rows_affected() == 1)
+        let rows = self
+            .conditional_write(|| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.renew)))
+                    .bind(&scope[..])
+                    .bind(key)
+                    .bind(token.as_i64())
+                    .bind(millis_i64(lease))
+                    .bind(self.offset())
+            })
+            .await?;
+        Ok(rows == 1)
     }
 
     async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
