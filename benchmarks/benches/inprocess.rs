@@ -26,7 +26,12 @@ fn body() -> &'static [u8] {
 async fn call(router: &Router, request: axum::extract::Request) -> (u16, bytes::Bytes) {
     let response = router.clone().oneshot(request).await.expect("infallible");
     let status = response.status().as_u16();
-    let body = response.into_body().collect().await.expect("body").to_bytes();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
     (status, body)
 }
 

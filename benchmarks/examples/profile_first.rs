@@ -37,7 +37,12 @@ fn main() {
                 .await
                 .expect("infallible");
             assert_eq!(response.status(), 201);
-            let bytes = response.into_body().collect().await.expect("body").to_bytes();
+            let bytes = response
+                .into_body()
+                .collect()
+                .await
+                .expect("body")
+                .to_bytes();
             assert_eq!(bytes.len(), bench::BODY_LEN);
         }
         // Tearing a store of `n` records down is not what is being profiled.

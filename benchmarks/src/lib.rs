@@ -160,9 +160,14 @@ pub fn axum_idempotent_router() -> Router {
         .expire_after(24 * 3600);
     bare_router()
         .layer(IdempotentLayer::<MokaStore>::new(options))
-        .layer(SessionLayer::new(store).with_cookie_options(
-            CookieOptions::build().name("session").max_age(24 * 3600).path("/"),
-        ))
+        .layer(
+            SessionLayer::new(store).with_cookie_options(
+                CookieOptions::build()
+                    .name("session")
+                    .max_age(24 * 3600)
+                    .path("/"),
+            ),
+        )
         .layer(tower_cookies::CookieManagerLayer::new())
 }
 
@@ -186,9 +191,7 @@ pub fn request(body: &'static [u8], key: Option<&str>) -> Request {
     if let Some(key) = key {
         builder = builder.header("idempotency-key", key);
     }
-    let mut request = builder
-        .body(axum::body::Body::from(body))
-        .expect("request");
+    let mut request = builder.body(axum::body::Body::from(body)).expect("request");
     request
         .extensions_mut()
         .insert(axum::extract::ConnectInfo(SocketAddr::from((

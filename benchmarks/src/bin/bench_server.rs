@@ -54,9 +54,9 @@ fn main() {
         let router = match variant.as_str() {
             "axum-bare" => bench::bare_router(),
             "axum-memory" => bench::idempotent_router(bench::unbounded_memory_store()),
-            "axum-postgres" => bench::idempotent_router(
-                bench::postgres_store(&database_url, PG_CONNECTIONS).await,
-            ),
+            "axum-postgres" => {
+                bench::idempotent_router(bench::postgres_store(&database_url, PG_CONNECTIONS).await)
+            }
             "axum-sqlite" => bench::idempotent_router(bench::sqlite_store(&sqlite).await),
             "peer-cratestack" => bench::cratestack_router(&database_url, PG_CONNECTIONS).await,
             "peer-axum-idempotent" => bench::axum_idempotent_router(),
