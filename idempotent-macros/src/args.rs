@@ -243,13 +243,18 @@ pub(crate) fn parse_size(text: &str) -> Result<u64, &'static str> {
     Ok(bytes)
 }
 
-/// The error `enlisted` gives until the PostgreSQL enlisted mode exists.
-pub(crate) fn enlisted_unsupported(span: Span) -> Error {
-    Error::new(
-        span,
-        "`enlisted` needs the PostgreSQL store's enlisted-mode support, which this version of \
-         idempotent-runtime does not have yet; remove `enlisted` to run in detached mode",
-    )
+/// `enlisted` needs the runtime's `postgres` feature (forwarded to this crate, so the error
+/// names the cause instead of a missing path in the expansion).
+pub(crate) fn check_enlisted(args: &Args, postgres: bool) -> syn::Result<()> {
+    match args.enlisted {
+        Some(span) if !postgres => Err(Error::new(
+            span,
+            "`enlisted` runs the handler in a PostgreSQL transaction and needs the `postgres` \
+             feature of idempotent-runtime: enable it (`idempotent-runtime = { version = \"…\", \
+             features = [\"postgres\"] }`), or remove `enlisted` to run in detached mode",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Parses the attribute's arguments and the function it sits on. On failure, the error comes
@@ -272,9 +277,7 @@ pub(crate) fn parse(
         }
     };
     let args: Args = syn::parse2(attr).map_err(|e| fail(e, &item))?;
-    if let Some(span) = args.enlisted {
-        return Err(fail(enlisted_unsupported(span), &item));
-    }
+    check_enlisted(&args, cfg!(feature = "postgres")).map_err(|e| fail(e, &item))?;
     Ok((args, function))
 }
 
@@ -330,5 +333,16 @@ mod tests {
         assert!(syn::parse_str::<Args>("require_key, require_key").is_err());
         assert!(syn::parse_str::<Args>("bogus").is_err());
         assert!(syn::parse_str::<Args>("lease = 30").is_err());
+    }
+
+    #[test]
+    fn enlisted_needs_the_postgres_feature() {
+        let args: Args = syn::parse_str("require_key, enlisted").unwrap();
+        assert!(args.enlisted.is_some());
+        let error = check_enlisted(&args, false).unwrap_err().to_string();
+        assert!(error.contains("`postgres` feature"), "{error}");
+        assert!(check_enlisted(&args, true).is_ok());
+        let detached: Args = syn::parse_str("require_key").unwrap();
+        assert!(check_enlisted(&detached, false).is_ok());
     }
 }

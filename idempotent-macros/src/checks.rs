@@ -129,3 +129,55 @@ fn first_last_span(ty: &Type) -> (Span, Span) {
     let last = iter.last().map_or(first, |t| t.span());
     (first, last)
 }
+
+/// Whether a parameter is the enlisted transaction, `&mut EnlistedTx`. Taking it any other way,
+/// or without `enlisted`, is an error on the parameter's type.
+pub(crate) fn enlisted_tx(ty: &Type, enlisted: bool) -> syn::Result<bool> {
+    let (inner, mutable) = match ty {
+        Type::Reference(r) => (&*r.elem, r.mutability.is_some()),
+        other => (other, false),
+    };
+    if !is_named(inner, "EnlistedTx") {
+        return Ok(false);
+    }
+    if !enlisted {
+        return Err(Error::new_spanned(
+            ty,
+            "`EnlistedTx` is the transaction of an enlisted handler: write \
+             `#[idempotent(enlisted)]` (PostgreSQL store), or remove this parameter",
+        ));
+    }
+    if !mutable || !matches!(ty, Type::Reference(_)) {
+        return Err(Error::new_spanned(
+            ty,
+            "take the enlisted transaction as `&mut EnlistedTx`: the runtime keeps it, to record \
+             the response in it and commit after the handler returned",
+        ));
+    }
+    Ok(true)
+}
+
+/// An enlisted handler takes exactly one `&mut EnlistedTx`.
+pub(crate) fn enlisted_params(
+    enlisted: Option<Span>,
+    transactions: usize,
+    sig: &syn::Signature,
+) -> syn::Result<()> {
+    match (enlisted, transactions) {
+        (Some(span), 0) => Err(Error::new(
+            span,
+            format!(
+                "`enlisted` hands the handler the transaction that holds its reservation, but \
+                 `{}` takes none: add a parameter `tx: &mut EnlistedTx` \
+                 (`idempotent_runtime::enlisted::EnlistedTx`) and write through it, or remove \
+                 `enlisted`",
+                sig.ident
+            ),
+        )),
+        (Some(_), n) if n > 1 => Err(Error::new(
+            sig.inputs.span(),
+            "an enlisted handler takes one `&mut EnlistedTx`, not several",
+        )),
+        _ => Ok(()),
+    }
+}

@@ -28,6 +28,7 @@ use syn::spanned::Spanned;
 use syn::{Error, FnArg, ItemFn, ReturnType, Type};
 
 use crate::args::{Args, Framework};
+use crate::checks;
 
 /// Expands `#[idempotent]` for actix-web; on error, the error and the untouched function.
 pub(crate) fn expand(args: Args, item: ItemFn) -> TokenStream {
@@ -86,6 +87,10 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
                  extractor type",
             ));
         }
+        if checks::enlisted_tx(ty, args.enlisted.is_some())? {
+            types.push(ty);
+            continue;
+        }
         streaming_request(ty)?;
         if is_named(ty, "IdempotencyContext") && !args.require_key {
             return Err(Error::new(
@@ -97,12 +102,23 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
         types.push(ty);
     }
 
+    let transactions = types
+        .iter()
+        .filter(|ty| matches!(checks::enlisted_tx(ty, true), Ok(true)))
+        .count();
+    checks::enlisted_params(args.enlisted, transactions, sig)?;
+    let enlisted = args.enlisted.is_some();
+    let tx = format_ident!("__idempotent_tx");
+
     let private = quote!(#rt::__private::actix);
     let req = format_ident!("__idempotent_req");
     let payload = format_ident!("__idempotent_payload");
     let inner = format_ident!("__idempotent_inner");
 
-    let probes = types.iter().map(|ty| buffered_body_probe(&private, ty));
+    let probes = types
+        .iter()
+        .filter(|ty| !matches!(checks::enlisted_tx(ty, true), Ok(true)))
+        .map(|ty| buffered_body_probe(&private, ty));
     let context = format_ident!("__idempotent_context");
     let mut extract = Vec::new();
     let mut extracted = Vec::new();
@@ -110,6 +126,10 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
     let mut call_args = Vec::new();
     let mut needs_context = false;
     for (i, ty) in types.iter().enumerate() {
+        if enlisted && matches!(checks::enlisted_tx(ty, true), Ok(true)) {
+            call_args.push(quote!(&mut #tx));
+            continue;
+        }
         if is_named(ty, "IdempotencyContext") {
             needs_context = true;
             call_args.push(quote!(::core::clone::Clone::clone(&#context)));
@@ -135,11 +155,16 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
         extracted_types.push(*ty);
         call_args.push(quote!(#arg));
     }
+    let missing = if enlisted {
+        quote!((#tx, #private::context_missing()))
+    } else {
+        quote!(#private::context_missing())
+    };
     let unwrap_context = needs_context.then(|| {
         quote! {
             let #context = match #context {
                 ::core::option::Option::Some(context) => context,
-                ::core::option::Option::None => return #private::context_missing(),
+                ::core::option::Option::None => return #missing,
             };
         }
     });
@@ -162,6 +187,19 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
     };
     let respond = quote_spanned!(output_span=> #private::respond);
     let returned = proc_macro2::Ident::new("__idempotent_returned", output_span);
+    let (handle, tx_param, answer) = if enlisted {
+        (
+            quote!(#private::handle_enlisted),
+            quote!(, mut #tx: #private::EnlistedTx),
+            quote!((#tx, #respond(#returned, &#req))),
+        )
+    } else {
+        (
+            quote!(#private::handle),
+            quote!(),
+            quote!(#respond(#returned, &#req)),
+        )
+    };
 
     Ok(quote! {
         #(#attrs)*
@@ -174,7 +212,7 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
             #[allow(clippy::too_many_arguments, clippy::unused_async)]
             #inner_sig #block
             const __IDEMPOTENT_ENDPOINT: #private::Endpoint = #endpoint;
-            #private::handle(
+            #handle(
                 #req,
                 #payload,
                 &__IDEMPOTENT_ENDPOINT,
@@ -184,10 +222,10 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
                 },
                 |(#(#extracted,)*): (#(#extracted_types,)*),
                  #context: ::core::option::Option<#private::Context>,
-                 #req: #private::Request| async move {
+                 #req: #private::Request #tx_param| async move {
                     #unwrap_context
                     let #returned = #inner(#(#call_args),*).await;
-                    #respond(#returned, &#req)
+                    #answer
                 },
             )
             .await

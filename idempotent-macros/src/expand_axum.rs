@@ -43,6 +43,8 @@ enum Param<'a> {
     Context,
     /// `Option<IdempotencyContext>`.
     OptionalContext,
+    /// `&mut EnlistedTx`, the enlisted request's transaction.
+    Tx,
 }
 
 fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
@@ -86,7 +88,9 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
         };
         let ty = &*pat_type.ty;
         checks::streaming_request(ty)?;
-        let param = if checks::is_named(ty, "IdempotencyContext") {
+        let param = if checks::enlisted_tx(ty, args.enlisted.is_some())? {
+            Param::Tx
+        } else if checks::is_named(ty, "IdempotencyContext") {
             if !args.require_key {
                 return Err(Error::new(
                     ty.span(),
@@ -104,6 +108,13 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
         };
         params.push(param);
     }
+
+    checks::enlisted_params(
+        args.enlisted,
+        params.iter().filter(|p| matches!(p, Param::Tx)).count(),
+        sig,
+    )?;
+    let enlisted = args.enlisted.is_some();
 
     let from_extension = params.iter().any(|p| match p {
         Param::Plain(ty) => checks::single_generic(ty, "Extension")
@@ -150,6 +161,12 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
         quote!(#require, #lease, #retention, #max_body, #max_response)
     };
 
+    let wrapper = if enlisted {
+        quote!(#rt::__private::axum::EnlistedIdempotent)
+    } else {
+        quote!(#rt::__private::axum::Idempotent)
+    };
+    let tx = format_ident!("__idempotent_tx");
     let last = format_ident!("__idempotent_last");
     let value = format_ident!("__idempotent_value");
     let context = format_ident!("__idempotent_context");
@@ -160,7 +177,7 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
         match p {
             Param::Plain(ty) if Some(i) == wrapped => {
                 outer_inputs.push(quote!(
-                    #last: #rt::__private::axum::Idempotent<#ty, #source, #endpoint>
+                    #last: #wrapper<#ty, #source, #endpoint>
                 ));
                 call_args.push(quote!(#value));
             }
@@ -176,18 +193,24 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
             Param::OptionalContext => {
                 call_args.push(quote!(::core::clone::Clone::clone(&#context)));
             }
+            Param::Tx => call_args.push(quote!(&mut #tx)),
         }
     }
     if wrapped.is_none() {
         outer_inputs.push(quote!(
-            #last: #rt::__private::axum::Idempotent<(), #source, #endpoint>
+            #last: #wrapper<(), #source, #endpoint>
         ));
     }
+    let missing = if enlisted {
+        quote!((#tx, #rt::__private::axum::context_missing()))
+    } else {
+        quote!(#rt::__private::axum::context_missing())
+    };
     let unwrap_context = needs_context.then(|| {
         quote! {
             let #context = match #context {
                 ::core::option::Option::Some(c) => c,
-                ::core::option::Option::None => return #rt::__private::axum::context_missing(),
+                ::core::option::Option::None => return #missing,
             };
         }
     });
@@ -206,16 +229,32 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
     let into_response = quote_spanned!(output_span=> #rt::__private::axum::into_response);
     let response = quote!(#rt::__private::axum::Response);
 
+    let run = if enlisted {
+        // The transaction travels into the handler's task and back out with the response,
+        // so the runtime can record in it and commit.
+        quote! {
+            #last.run(move |mut #tx, #value, #context| async move {
+                #unwrap_context
+                let __idempotent_response = #into_response(#inner_ident(#(#call_args),*).await);
+                (#tx, __idempotent_response)
+            })
+        }
+    } else {
+        quote! {
+            #last.run(move |#value, #context| async move {
+                #unwrap_context
+                #into_response(#inner_ident(#(#call_args),*).await)
+            })
+        }
+    };
+
     Ok(quote! {
         #(#attrs)*
         #vis async fn #name(#(#outer_inputs),*) -> #response {
             #(#emitted_checks)*
             #[allow(clippy::too_many_arguments, clippy::unused_async)]
             #inner_sig #block
-            #last.run(move |#value, #context| async move {
-                #unwrap_context
-                #into_response(#inner_ident(#(#call_args),*).await)
-            })
+            #run
             .await
         }
     })

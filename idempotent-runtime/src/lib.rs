@@ -18,6 +18,9 @@ pub mod axum;
 pub mod clock;
 pub mod config;
 pub mod context;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod enlisted;
 pub mod fingerprint;
 pub mod inbox;
 pub mod key;

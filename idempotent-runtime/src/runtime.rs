@@ -137,11 +137,12 @@ impl Builder {
     }
 }
 
-/// What the pipeline tells the framework integration to do after claiming.
+/// What the pipeline tells the framework integration to do after claiming. `R` is what holds
+/// the key: a [`Reservation`] in detached mode, the open transaction in enlisted mode.
 #[derive(Debug)]
-pub enum Begin {
+pub enum Begin<R = Reservation> {
     /// The key is held: run the handler, then settle the reservation.
-    Run(Reservation),
+    Run(R),
     /// Replay this recorded response with `Idempotency-Replayed: true`.
     Replay(Arc<RecordedResponse>),
     /// Answer this refusal.
@@ -159,7 +160,63 @@ pub struct BeginRequest<'a> {
     pub endpoint: &'a Effective,
 }
 
+/// How a framework pipeline claims a key: detached ([`IdempotencyStore::begin`]) or enlisted
+/// (in the transaction the handler then writes through). Monomorphised, so the detached path
+/// pays nothing for the choice.
+#[cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
+pub(crate) trait ClaimMode {
+    /// What holds the key while the handler runs.
+    type Held: Send + 'static;
+
+    fn begin<'a>(
+        handle: &'a IdempotencyStore,
+        req: &'a BeginRequest<'a>,
+    ) -> impl Future<Output = Begin<Self::Held>> + Send + 'a;
+}
+
+/// The default mode: the reservation commits before the handler runs.
+#[cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
+pub(crate) enum Detached {}
+
+impl ClaimMode for Detached {
+    type Held = Reservation;
+
+    fn begin<'a>(
+        handle: &'a IdempotencyStore,
+        req: &'a BeginRequest<'a>,
+    ) -> impl Future<Output = Begin> + Send + 'a {
+        handle.begin(req)
+    }
+}
+
 impl IdempotencyStore {
+    /// The fingerprint hook, for the enlisted pipeline (which claims outside [`Self::begin`]).
+    #[cfg_attr(
+        not(all(feature = "postgres", any(feature = "axum", feature = "actix"))),
+        allow(dead_code)
+    )]
+    pub(crate) fn contributor(&self) -> Option<&dyn FingerprintContributor> {
+        self.inner.contributor.as_deref()
+    }
+
+    /// The audit sink, for the enlisted pipeline.
+    #[cfg_attr(
+        not(all(feature = "postgres", any(feature = "axum", feature = "actix"))),
+        allow(dead_code)
+    )]
+    pub(crate) fn audit_sink(&self) -> &dyn AuditSink {
+        &*self.inner.audit
+    }
+
+    /// Counts a claimed handler until the guard drops, so [`Self::shutdown`] waits for it.
+    #[cfg_attr(
+        not(all(feature = "postgres", any(feature = "axum", feature = "actix"))),
+        allow(dead_code)
+    )]
+    pub(crate) fn enter_running(&self) -> RunningGuard {
+        self.inner.running.enter()
+    }
+
     /// The embedded default: an in-memory store with default limits and settings.
     pub fn memory() -> Self {
         Self::new(MemoryStore::default())
@@ -651,7 +708,7 @@ impl Running {
 }
 
 #[derive(Debug)]
-struct RunningGuard {
+pub(crate) struct RunningGuard {
     count: Arc<AtomicUsize>,
     idle: Arc<Notify>,
 }

@@ -70,6 +70,8 @@ use actix_web::{FromRequest, HttpMessage, HttpRequest, dev};
 
 use crate::context::IdempotencyContext;
 
+#[cfg(feature = "postgres")]
+mod enlisted;
 mod middleware;
 mod pipeline;
 #[cfg(test)]
@@ -120,8 +122,12 @@ pub mod __private {
     use crate::config::EndpointConfig;
     use crate::context::IdempotencyContext;
 
+    #[cfg(feature = "postgres")]
+    pub use super::enlisted::handle as handle_enlisted;
     pub use crate::config::EndpointConfig as Endpoint;
     pub use crate::context::IdempotencyContext as Context;
+    #[cfg(feature = "postgres")]
+    pub use crate::enlisted::EnlistedTx;
     pub use actix_web::dev::Payload as RawPayload;
     pub use actix_web::web::Payload;
     pub use actix_web::{FromRequest, HttpRequest as Request, HttpResponse as Response};

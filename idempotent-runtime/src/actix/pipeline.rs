@@ -21,7 +21,9 @@ use crate::fingerprint::FingerprintInput;
 use crate::key::{self, IdempotencyKey};
 use crate::problem::{self, Problem};
 use crate::record;
-use crate::runtime::{Begin, BeginRequest, BufferPermit, IdempotencyStore, Outcome, Reservation};
+use crate::runtime::{
+    Begin, BeginRequest, BufferPermit, ClaimMode, Detached, IdempotencyStore, Outcome, Reservation,
+};
 use crate::scope::{self, Identity};
 use crate::store::RecordedResponse;
 
@@ -73,18 +75,18 @@ pub(crate) struct Buffered {
     target: Target,
 }
 
-/// What to do after the claim.
-pub(crate) enum Claimed {
+/// What to do after the claim. `R` holds the key (see [`ClaimMode`]).
+pub(crate) enum Claimed<R = Reservation> {
     /// A refusal or a replay.
     Respond(HttpResponse),
     /// The key is held: run the handler on the buffered body.
-    Run(Run),
+    Run(Run<R>),
 }
 
 /// A claimed request, ready to run.
-pub(crate) struct Run {
+pub(crate) struct Run<R = Reservation> {
     pub(crate) store: IdempotencyStore,
-    pub(crate) reservation: Reservation,
+    pub(crate) reservation: R,
     pub(crate) body: Bytes,
     pub(crate) context: IdempotencyContext,
     pub(crate) permit: Option<BufferPermit>,
@@ -148,6 +150,15 @@ pub(crate) async fn claim(
     store: &IdempotencyStore,
     buffered: Buffered,
 ) -> Claimed {
+    claim_with::<Detached>(req, store, buffered).await
+}
+
+/// [`claim`], claiming the key the way `M` does.
+pub(crate) async fn claim_with<M: ClaimMode>(
+    req: &HttpRequest,
+    store: &IdempotencyStore,
+    buffered: Buffered,
+) -> Claimed<M::Held> {
     let Buffered {
         key,
         body,
@@ -196,7 +207,7 @@ pub(crate) async fn claim(
         },
         endpoint: &effective,
     };
-    match store.begin(&begin).await {
+    match M::begin(store, &begin).await {
         Begin::Run(reservation) => {
             let context = IdempotencyContext::new(key, *scope.hash());
             req.extensions_mut().insert(context.clone());
@@ -389,7 +400,7 @@ async fn settle(
     }
 }
 
-enum Collected {
+pub(crate) enum Collected {
     Complete(Bytes),
     Partial {
         read: Bytes,
@@ -399,7 +410,7 @@ enum Collected {
 
 /// Reads a response body up to `cap` bytes. Reading consumes the stream, so what was read is
 /// handed back to be sent when the body does not end within the cap.
-async fn collect(body: &mut BoxBody, cap: usize, store: &IdempotencyStore) -> Collected {
+pub(crate) async fn collect(body: &mut BoxBody, cap: usize, store: &IdempotencyStore) -> Collected {
     let mut permit = store.buffer_permit(0);
     let mut read = BytesMut::new();
     loop {

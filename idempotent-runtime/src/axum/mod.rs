@@ -39,11 +39,16 @@
 //! # }
 //! ```
 
+#[cfg(feature = "postgres")]
+mod enlisted;
 mod extract;
 mod layer;
 mod pipeline;
 mod probe;
 
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use enlisted::EnlistedIdempotent;
 pub use extract::{FromExtension, FromState, Idempotent, StoreSource, Via, context_missing};
 pub use layer::{IdempotencyLayer, IdempotencyService};
 pub use pipeline::REPLAYED_HEADER;
@@ -56,11 +61,15 @@ pub use idempotent_macros::idempotent_axum as idempotent;
 /// What `#[idempotent]` expansions for axum name. Not a stable API.
 #[doc(hidden)]
 pub mod __private {
+    #[cfg(feature = "postgres")]
+    pub use super::enlisted::EnlistedIdempotent;
     pub use super::extract::{FromExtension, FromState, Idempotent, context_missing};
     pub use super::probe::{
         Accepted, BodyProbe, BufferedBody, CheckOther, CheckStreaming, NotStreaming, Streaming,
         StreamingBody, assert_state_provides_store, require_buffered_body,
     };
+    #[cfg(feature = "postgres")]
+    pub use crate::enlisted::EnlistedTx;
     pub use axum::response::Response;
 
     /// The handler's answer as a response.

@@ -18,7 +18,9 @@ use crate::context::IdempotencyContext;
 use crate::fingerprint::FingerprintInput;
 use crate::key::{self, HEADER_NAME};
 use crate::problem::{self, Problem};
-use crate::runtime::{Begin, BeginRequest, BufferPermit, IdempotencyStore, Outcome, Reservation};
+use crate::runtime::{
+    Begin, BeginRequest, BufferPermit, ClaimMode, Detached, IdempotencyStore, Outcome, Reservation,
+};
 use crate::scope::{self, Identity};
 use crate::store::RecordedResponse;
 
@@ -29,19 +31,20 @@ pub const REPLAYED_HEADER: &str = "idempotency-replayed";
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LayerApplied;
 
-/// What to do with a request after the steps before the handler.
-pub(crate) enum Prepared {
+/// What to do with a request after the steps before the handler. `R` holds the key (see
+/// [`ClaimMode`]).
+pub(crate) enum Prepared<R = Reservation> {
     /// No key on an optional endpoint: run the handler untouched.
     Pass(Request),
     /// A refusal or a replay; the handler does not run.
     Answer(Response),
     /// The key is held: run the handler on this (re-assembled) request, then settle.
-    Claimed(Box<Claimed>),
+    Claimed(Box<Claimed<R>>),
 }
 
-pub(crate) struct Claimed {
+pub(crate) struct Claimed<R = Reservation> {
     pub request: Request,
-    pub reservation: Reservation,
+    pub reservation: R,
     pub context: IdempotencyContext,
     pub permit: Option<BufferPermit>,
     pub route: String,
@@ -53,6 +56,15 @@ pub(crate) async fn prepare(
     endpoint: &EndpointConfig,
     request: Request,
 ) -> Prepared {
+    prepare_with::<Detached>(handle, endpoint, request).await
+}
+
+/// [`prepare`], claiming the key the way `M` does.
+pub(crate) async fn prepare_with<M: ClaimMode>(
+    handle: &IdempotencyStore,
+    endpoint: &EndpointConfig,
+    request: Request,
+) -> Prepared<M::Held> {
     let (mut parts, body) = request.into_parts();
     let route = parts
         .extensions
@@ -127,13 +139,12 @@ pub(crate) async fn prepare(
         content_type: parts.headers.get(CONTENT_TYPE).map(HeaderValue::as_bytes),
         body: &body,
     };
-    let begin = handle
-        .begin(&BeginRequest {
-            key: &key,
-            input,
-            endpoint: &effective,
-        })
-        .await;
+    let begin_request = BeginRequest {
+        key: &key,
+        input,
+        endpoint: &effective,
+    };
+    let begin = M::begin(handle, &begin_request).await;
     drop(raw_params);
     match begin {
         Begin::Replay(recorded) => Prepared::Answer(replay(&recorded)),
@@ -291,13 +302,13 @@ pub(crate) async fn settle(
     }
 }
 
-enum Read {
+pub(crate) enum Read {
     Complete(Bytes),
     /// Past the cap, out of budget or broken: what was read, then the rest of the stream.
     Unrecordable(Body),
 }
 
-async fn read_capped(handle: &IdempotencyStore, mut body: Body, cap: usize) -> Read {
+pub(crate) async fn read_capped(handle: &IdempotencyStore, mut body: Body, cap: usize) -> Read {
     let hint = body.size_hint().lower() as usize;
     let mut permit = handle.buffer_permit(hint.min(cap));
     let mut reserved = hint.min(cap);

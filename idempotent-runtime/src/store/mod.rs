@@ -216,9 +216,11 @@ impl std::error::Error for StoreError {
 /// A backend that keeps idempotency records.
 ///
 /// Every method is one conditional write (or read) decided by the backend atomically; the
-/// contract suite ([`contract`], feature `testing`) checks an implementation.
+/// contract suite ([`contract`], feature `testing`) checks an implementation. (`Any` lets the
+/// enlisted mode find the PostgreSQL store behind an `Arc<dyn Store>`; every `'static` type is
+/// `Any`, so it asks nothing of an implementation.)
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait Store: std::any::Any + Send + Sync {
     /// Installs `req.token` under `(scope, key)` if nothing live stands there; otherwise reports
     /// what stands. An expired record is either taken over here (reported as
     /// [`Claim::Acquired`]) or reported as [`StandingState::Expired`] for a [`reclaim`](Self::reclaim).

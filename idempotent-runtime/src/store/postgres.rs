@@ -41,6 +41,8 @@ use super::{
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 
+mod enlisted;
+
 /// The versioned DDL shipped with the crate, in order. `{table}` is replaced by the quoted,
 /// qualified table name and `{name}` by the bare one. Never edit a shipped migration: add one.
 const MIGRATIONS: &[(i64, &str, &str)] = &[(

@@ -1,0 +1,441 @@
+//! Enlisted mode (DESIGN.md §5): the recorded response commits with the handler's own writes.
+//!
+//! In the default, detached mode the reservation commits before the handler runs, so a crash
+//! between the handler's writes and the record leaves the writes without the record (and the
+//! retry runs the handler again). With `#[idempotent(enlisted)]` the runtime claims the key
+//! *inside* a PostgreSQL transaction and hands the handler that transaction as an
+//! [`EnlistedTx`]; the handler writes through it and never commits. The runtime then records
+//! the response in the same transaction and commits, and sends the response only once the
+//! commit succeeded (503 `IDEMPOTENCY_STORE_UNAVAILABLE` otherwise):
+//!
+//! - a recordable final status (DESIGN.md §3) → the response is recorded and everything commits;
+//! - anything else (5xx, a non-replayable status), a handler that panics, a response that cannot
+//!   be recorded (over `max_response`, a `content-encoding` that is not allowlisted) → the
+//!   transaction rolls back: neither the business rows nor the record remain, and the retry
+//!   runs. A response that cannot be recorded is answered 500 (its changes are gone, so its
+//!   2xx would be a lie);
+//! - a crash (process or connection killed) → PostgreSQL rolls the transaction back: neither
+//!   remains.
+//!
+//! A duplicate that arrives while the first request's transaction is open cannot see its
+//! uncommitted reservation. It meets a transaction-scoped advisory try-lock on the key instead,
+//! and is answered 409 `IDEMPOTENCY_IN_PROGRESS` at once, whatever its body; it never waits on
+//! the first request's row lock. Once the first request committed, its record replays as usual
+//! (and a different body is 422).
+//!
+//! Enlisted handlers need the PostgreSQL store ([`PostgresStore`]) behind the
+//! [`IdempotencyStore`]: with another store they answer 500 and log how to fix it. The
+//! handler's statements run on one of the store's connections, under its `lock_timeout` and
+//! `statement_timeout` (use `SET LOCAL` through the transaction to change them). A request
+//! without a key (where the key is optional) runs in a transaction too, committed or rolled
+//! back by the same rule, with nothing recorded. Enlisted mode always fails closed: without the
+//! store there is no transaction to run in. There is no lease to renew: the reservation is
+//! invisible until it is complete, and the try-lock lasts exactly as long as the transaction.
+//!
+//! ```no_run
+//! # #[cfg(feature = "axum")] mod app {
+//! use axum::{Json, http::StatusCode};
+//! use idempotent_runtime::axum::idempotent;
+//! use idempotent_runtime::enlisted::EnlistedTx;
+//!
+//! #[idempotent(require_key, enlisted)]
+//! async fn create_order(
+//!     tx: &mut EnlistedTx,
+//!     Json(order): Json<serde_json::Value>,
+//! ) -> Result<StatusCode, StatusCode> {
+//!     sqlx::query("INSERT INTO orders (body) VALUES ($1)")
+//!         .bind(order.to_string())
+//!         .execute(tx.conn())
+//!         .await
+//!         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?; // 5xx: rolled back
+//!     Ok(StatusCode::CREATED) // recorded and committed with the order
+//! }
+//! # }
+//! ```
+
+// The pipeline half is driven by the framework integrations only.
+#![cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
+
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::Transaction;
+use sqlx::postgres::{PgConnection, Postgres};
+
+use crate::fingerprint::{self, Fingerprint};
+use crate::key::IdempotencyKey;
+use crate::observe::{self, AuditDecision, AuditEvent, Event, KeyDisplay};
+use crate::problem::{Problem, ProblemCode};
+use crate::record::{self, Claimed};
+use crate::runtime::{Begin, BeginRequest, ClaimMode, IdempotencyStore, RunningGuard};
+use crate::scope::ScopeHash;
+use crate::store::postgres::PostgresStore;
+use crate::store::{ClaimRequest, FencingToken, RecordedResponse, Store, StoreError};
+
+/// The transaction an enlisted handler writes through: take it as `tx: &mut EnlistedTx`.
+///
+/// It holds the request's reservation, and the runtime commits it (or rolls it back) after
+/// the handler returned, so nothing in its API commits: it gives the handler the connection
+/// ([`conn`](Self::conn), or `&mut **tx` through `DerefMut`), on which sqlx's own
+/// `Connection::begin` opens a savepoint, never a second transaction. (Sending a literal
+/// `COMMIT` statement through it would end the transaction early and break the guarantee;
+/// do not.)
+pub struct EnlistedTx {
+    tx: Transaction<'static, Postgres>,
+}
+
+impl EnlistedTx {
+    /// The connection the transaction runs on, for sqlx's `execute`/`fetch_*`.
+    pub fn conn(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+}
+
+impl Deref for EnlistedTx {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.tx
+    }
+}
+
+impl DerefMut for EnlistedTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+}
+
+impl fmt::Debug for EnlistedTx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EnlistedTx").finish_non_exhaustive()
+    }
+}
+
+/// The enlisted claim mode for the framework pipelines.
+pub(crate) enum Enlisted {}
+
+impl ClaimMode for Enlisted {
+    type Held = Held;
+
+    fn begin<'a>(
+        handle: &'a IdempotencyStore,
+        req: &'a BeginRequest<'a>,
+    ) -> impl Future<Output = Begin<Held>> + Send + 'a {
+        begin(handle, req)
+    }
+}
+
+/// An open transaction (holding the key's reservation, when the request has a key) and what
+/// settles it.
+pub(crate) struct Held {
+    pub(crate) tx: EnlistedTx,
+    pub(crate) settle: Settle,
+}
+
+/// Settles an enlisted request's transaction once the handler answered.
+pub(crate) struct Settle {
+    store: Arc<dyn Store>,
+    reserved: Option<Reserved>,
+    retention: Duration,
+    max_response: usize,
+    store_retry_after: Duration,
+    route: Arc<str>,
+    _running: RunningGuard,
+}
+
+struct Reserved {
+    scope: ScopeHash,
+    key: IdempotencyKey,
+    token: FencingToken,
+}
+
+impl fmt::Debug for Held {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Held")
+            .field("route", &self.settle.route)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The PostgreSQL store behind `handle`, if that is what it is.
+pub(crate) fn postgres(store: &Arc<dyn Store>) -> Option<&PostgresStore> {
+    let any: &dyn std::any::Any = &**store;
+    any.downcast_ref::<PostgresStore>()
+}
+
+/// The refusal when the store is not PostgreSQL: a setup mistake, logged with its fix.
+pub(crate) fn not_postgres(route: &str) -> Problem {
+    tracing::error!(
+        route,
+        "#[idempotent(enlisted)] needs the PostgreSQL store: build the IdempotencyStore over \
+         idempotent_runtime::store::postgres::PostgresStore, or remove `enlisted` to run this \
+         handler in detached mode"
+    );
+    Problem::new(
+        500,
+        ProblemCode::StoreUnavailable,
+        "this endpoint needs a PostgreSQL idempotency store, and none is configured",
+    )
+}
+
+fn unavailable(handle: &IdempotencyStore, route: &str, error: &StoreError) -> Problem {
+    observe::count(Event::StoreError, route);
+    tracing::warn!(route, %error, "enlisted transaction could not start or claim");
+    Problem::new(
+        503,
+        ProblemCode::StoreUnavailable,
+        "the idempotency store cannot be reached; retry later",
+    )
+    .with_retry_after(record::ceil_secs(handle.config().store_retry_after).max(1))
+}
+
+fn settle_for(
+    handle: &IdempotencyStore,
+    store: Arc<dyn Store>,
+    reserved: Option<Reserved>,
+    retention: Duration,
+    max_response: usize,
+    route: &str,
+) -> Settle {
+    Settle {
+        store,
+        reserved,
+        retention,
+        max_response,
+        store_retry_after: handle.config().store_retry_after,
+        route: route.into(),
+        _running: handle.enter_running(),
+    }
+}
+
+/// A transaction without a reservation, for a keyless request on an endpoint whose key is
+/// optional.
+pub(crate) async fn begin_unkeyed(handle: &IdempotencyStore, route: &str) -> Result<Held, Problem> {
+    let store = Arc::clone(handle.store());
+    let Some(pg) = postgres(&store) else {
+        return Err(not_postgres(route));
+    };
+    let tx = pg
+        .enlisted_begin()
+        .await
+        .map_err(|e| unavailable(handle, route, &e))?;
+    let config = handle.config();
+    Ok(Held {
+        tx: EnlistedTx { tx },
+        settle: settle_for(handle, store, None, config.retention, 0, route),
+    })
+}
+
+/// Opens the transaction, takes the key's try-lock and claims the key in it.
+async fn begin(handle: &IdempotencyStore, req: &BeginRequest<'_>) -> Begin<Held> {
+    let route = req.input.route.unwrap_or("");
+    let store = Arc::clone(handle.store());
+    let Some(pg) = postgres(&store) else {
+        return Begin::Refuse(not_postgres(route));
+    };
+    let contributor = handle.contributor();
+    let fp = fingerprint::compute(&req.input, contributor);
+    let same_request = |stored: &Fingerprint| {
+        if stored.version == fp.version {
+            return *stored == fp;
+        }
+        fingerprint::compute_version(stored.version, &req.input, contributor)
+            .is_some_and(|f| f == *stored)
+    };
+    let scope = req.input.scope;
+    let claim = ClaimRequest {
+        scope: scope.hash(),
+        key: req.key.as_str(),
+        quota_bucket: scope.quota_bucket(),
+        fingerprint: fp,
+        token: FencingToken::mint(),
+        lease: req.endpoint.lease,
+        retention: req.endpoint.retention,
+    };
+    let mut tx = match pg.enlisted_begin().await {
+        Ok(tx) => tx,
+        Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
+    };
+    let outcome = pg.enlisted_claim(&mut tx, &claim, same_request).await;
+    let audit = |decision| {
+        handle.audit_sink().record(&AuditEvent {
+            decision,
+            scope_hash: scope.hash(),
+            key_hash: observe::key_hash(req.key.as_str()),
+            route,
+        });
+    };
+    // Every answer but a run drops the transaction: sqlx rolls it back as the connection
+    // returns to the pool, after this request has been answered.
+    match outcome {
+        Ok(Claimed::Acquired { reclaimed }) => {
+            if reclaimed {
+                observe::count(Event::Reclaimed, route);
+                tracing::warn!(
+                    route,
+                    key_hash = %KeyDisplay(req.key.as_str()),
+                    "reclaimed an abandoned detached reservation; its handler may have run before"
+                );
+            }
+            observe::count(Event::Executed, route);
+            let reserved = Reserved {
+                scope: *scope.hash(),
+                key: req.key.clone(),
+                token: claim.token,
+            };
+            Begin::Run(Held {
+                tx: EnlistedTx { tx },
+                settle: settle_for(
+                    handle,
+                    store.clone(),
+                    Some(reserved),
+                    req.endpoint.retention,
+                    req.endpoint.max_response,
+                    route,
+                ),
+            })
+        }
+        Ok(Claimed::Replay(response)) => {
+            observe::count(Event::Replayed, route);
+            audit(AuditDecision::Replayed);
+            tracing::debug!(route, key_hash = %KeyDisplay(req.key.as_str()), "replayed");
+            Begin::Replay(response)
+        }
+        Ok(Claimed::InProgress { lease_left }) => {
+            observe::count(Event::InProgress, route);
+            audit(AuditDecision::InProgress);
+            let retry_after = record::in_progress_retry_after(
+                handle.config().in_progress_retry_after,
+                lease_left,
+            );
+            Begin::Refuse(
+                Problem::new(
+                    409,
+                    ProblemCode::InProgress,
+                    "a request with this Idempotency-Key is still being processed; retry later",
+                )
+                .with_retry_after(retry_after),
+            )
+        }
+        Ok(Claimed::KeyReused) => {
+            observe::count(Event::KeyReused, route);
+            audit(AuditDecision::KeyReused);
+            Begin::Refuse(Problem::new(
+                handle.config().reuse_status.code(),
+                ProblemCode::KeyReused,
+                "this Idempotency-Key was already used with a different request",
+            ))
+        }
+        Err(error) => Begin::Refuse(unavailable(handle, route, &error)),
+    }
+}
+
+impl Settle {
+    /// Whether the request holds a reservation (it had a key).
+    pub(crate) fn is_keyed(&self) -> bool {
+        self.reserved.is_some()
+    }
+
+    /// The matched route, for log lines.
+    pub(crate) fn route(&self) -> &str {
+        &self.route
+    }
+
+    /// The recorded-response cap in force.
+    pub(crate) fn max_response(&self) -> usize {
+        self.max_response
+    }
+
+    /// Records `response` in the transaction (`None` for a request without a key) and commits
+    /// it. `Err` is the 503 to answer instead of the response: the commit did not happen (or
+    /// its outcome is unknown; a retry then replays or runs).
+    pub(crate) async fn commit(
+        self,
+        mut tx: EnlistedTx,
+        response: Option<&RecordedResponse>,
+    ) -> Result<(), Problem> {
+        let route = Arc::clone(&self.route);
+        let failed = |what: &str, error: &dyn fmt::Display, key: Option<&str>| {
+            observe::count(Event::StoreError, &route);
+            observe::count(Event::NotRecorded, &route);
+            tracing::warn!(
+                route = %route,
+                key_hash = %KeyDisplay(key.unwrap_or("")),
+                %error,
+                "enlisted request not committed ({what}); the response is withheld and 503 sent"
+            );
+            Problem::new(
+                503,
+                ProblemCode::StoreUnavailable,
+                "the request's changes could not be committed; retry with the same Idempotency-Key",
+            )
+            .with_retry_after(record::ceil_secs(self.store_retry_after).max(1))
+        };
+        debug_assert!(
+            self.reserved.is_none() || response.is_some(),
+            "a reservation commits only with its response"
+        );
+        let key = self.reserved.as_ref().map(|r| r.key.as_str());
+        if let (Some(reserved), Some(response)) = (&self.reserved, response) {
+            let pg = postgres(&self.store).expect("a held transaction comes from PostgreSQL");
+            let completed = pg
+                .enlisted_complete(
+                    &mut tx.tx,
+                    &reserved.scope,
+                    reserved.key.as_str(),
+                    reserved.token,
+                    response,
+                    self.retention,
+                )
+                .await;
+            match completed {
+                Ok(true) => {}
+                Ok(false) => return Err(failed("the reservation was gone", &"fenced", key)),
+                Err(error) => return Err(failed("recording failed", &error, key)),
+            }
+        }
+        match tx.tx.commit().await {
+            Ok(()) => Ok(()),
+            Err(error) => Err(failed("the commit failed", &error, key)),
+        }
+    }
+
+    /// Rolls the transaction back: the handler's writes and the reservation are gone, and the
+    /// key is free for the retry.
+    pub(crate) async fn rollback(self, tx: EnlistedTx, why: &str) {
+        if self.reserved.is_some() {
+            observe::count(Event::NotRecorded, &self.route);
+        }
+        tracing::debug!(route = %self.route, why, "enlisted request rolled back");
+        if let Err(error) = tx.tx.rollback().await {
+            // The connection is gone or broken: PostgreSQL rolls the transaction back itself.
+            tracing::warn!(route = %self.route, %error, "enlisted rollback failed; the server discards the transaction");
+        }
+    }
+
+    /// After a panic: the transaction was dropped with the handler, which rolls it back.
+    pub(crate) fn panicked(self) {
+        if self.reserved.is_some() {
+            observe::count(Event::NotRecorded, &self.route);
+        }
+    }
+}
+
+/// The answer when an enlisted response cannot be recorded (too large, a `content-encoding`
+/// that is not allowlisted): its changes were rolled back, so its own status would mislead.
+pub(crate) fn not_recordable(route: &str) -> Problem {
+    tracing::error!(
+        route,
+        "enlisted response could not be recorded (over max_response, a stream past it, or a \
+         content-encoding that is not allowlisted): its changes were rolled back and 500 sent; \
+         raise max_response or allowlist the header"
+    );
+    Problem::new(
+        500,
+        ProblemCode::HandlerPanicked,
+        "the response could not be recorded, so the request's changes were rolled back; it may \
+         be retried with the same Idempotency-Key",
+    )
+}
