@@ -2,6 +2,8 @@
 //! scope, claim (DESIGN.md §2 order), then recording the handler's response.
 
 use std::net::SocketAddr;
+use std::panic::{self, AssertUnwindSafe};
+use std::task::Poll;
 
 use axum::body::Body;
 use axum::extract::{ConnectInfo, FromRequestParts, MatchedPath, RawPathParams, Request};
@@ -231,7 +233,8 @@ async fn buffer_body(
 }
 
 /// Runs a claimed handler to its end in its own task, so a client that disconnects never
-/// cancels it, and records or releases its response.
+/// cancels it, and records or releases its response. Work that is done at its first poll has
+/// nothing left to cancel, so it is answered without a task.
 pub(crate) async fn run_claimed<F>(
     handle: IdempotencyStore,
     mut reservation: Reservation,
@@ -242,14 +245,28 @@ pub(crate) async fn run_claimed<F>(
 where
     F: Future<Output = Response> + Send + 'static,
 {
-    let task = tokio::spawn(async move {
+    let mut work = Box::pin(async move {
         let _request_body = permit;
         match reservation.run(handler).await {
             Outcome::Returned(response) => settle(&handle, reservation, response).await,
             Outcome::Panicked => problem(&handle.panicked(&route)),
         }
     });
-    match task.await {
+    // A task costs more than a typical handler over the memory store (an over-aligned
+    // allocation, scheduling, a join handle). There is no await point between this poll and
+    // the spawn, so a disconnect can never drop started work: it finishes here or in its task.
+    let first = std::future::poll_fn(|cx| {
+        Poll::Ready(panic::catch_unwind(AssertUnwindSafe(|| {
+            work.as_mut().poll(cx)
+        })))
+    })
+    .await;
+    match first {
+        Ok(Poll::Ready(response)) => return response,
+        Ok(Poll::Pending) => {}
+        Err(_) => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+    match tokio::spawn(work).await {
         Ok(response) => response,
         Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     }
