@@ -128,14 +128,14 @@ pub async fn sqlite_store(path: &str) -> IdempotencyStore {
 }
 
 /// The peer `cratestack-axum` + `cratestack-sqlx` (=0.8.15): its `IdempotencyLayer` over its
-/// `SqlxIdempotencyStore` on the same PostgreSQL, around the bare router.
-pub async fn cratestack_router(url: &str, connections: u32) -> Router {
+/// `SqlxIdempotencyStore` on the same PostgreSQL, around the bare router. With `pings` off the
+/// pool is set like our store's (no ping before each checkout); on, it is sqlx's default pool,
+/// as the peer's documentation builds it, and every statement pays a ping round trip first.
+pub async fn cratestack_router(url: &str, connections: u32, pings: bool) -> Router {
     use cratestack_sqlx::sqlx::postgres::PgPoolOptions;
-    // The same pool settings as our store's: no ping before each checkout (sqlx's default
-    // would add a round trip to every statement of the peer).
     let pool = PgPoolOptions::new()
         .max_connections(connections)
-        .test_before_acquire(false)
+        .test_before_acquire(pings)
         .connect(url)
         .await
         .expect("connect to PostgreSQL");

@@ -5,7 +5,8 @@
 //! ```
 //!
 //! Variants: `axum-bare`, `axum-memory`, `axum-postgres`, `axum-sqlite`, `actix-bare`,
-//! `actix-memory` (ours), `peer-cratestack` (cratestack-axum + cratestack-sqlx on PostgreSQL),
+//! `actix-memory` (ours), `peer-cratestack` (cratestack-axum + cratestack-sqlx on PostgreSQL,
+//! its pool set like ours), `peer-cratestack-default-pool` (the same on sqlx's default pool),
 //! `peer-axum-idempotent` (axum-idempotent on a moka memory store). It prints
 //! `listening on ADDR` once bound and serves until killed (`bench_server print-body` prints the
 //! 1 KiB request body instead). Both frameworks run two workers,
@@ -58,7 +59,12 @@ fn main() {
                 bench::idempotent_router(bench::postgres_store(&database_url, PG_CONNECTIONS).await)
             }
             "axum-sqlite" => bench::idempotent_router(bench::sqlite_store(&sqlite).await),
-            "peer-cratestack" => bench::cratestack_router(&database_url, PG_CONNECTIONS).await,
+            "peer-cratestack" => {
+                bench::cratestack_router(&database_url, PG_CONNECTIONS, false).await
+            }
+            "peer-cratestack-default-pool" => {
+                bench::cratestack_router(&database_url, PG_CONNECTIONS, true).await
+            }
             "peer-axum-idempotent" => bench::axum_idempotent_router(),
             _ => usage("unknown variant"),
         };
@@ -96,7 +102,8 @@ fn actix(variant: &str, addr: SocketAddr) {
 fn usage(problem: &str) -> ! {
     eprintln!(
         "{problem}\nusage: bench_server <axum-bare|axum-memory|axum-postgres|axum-sqlite|\
-         actix-bare|actix-memory|peer-cratestack|peer-axum-idempotent> [--addr A] \
+         actix-bare|actix-memory|peer-cratestack|peer-cratestack-default-pool|\
+         peer-axum-idempotent> [--addr A] \
          [--database-url URL] [--sqlite PATH]"
     );
     std::process::exit(2)
