@@ -475,8 +475,8 @@ async fn sweeper_frees_expired_records_in_batches<S: Store + ?Sized>(
 }
 
 /// Model-based checking: random sequences of operations run against a store and against a
-/// simple reference model, comparing every answer. Generate [`Op`] sequences with any
-/// property-testing tool and call [`check_model`] for each.
+/// simple reference model, comparing every answer. Generate [`Op`](model::Op) sequences with any
+/// property-testing tool and call [`check_model`](model::check_model) for each.
 pub mod model {
     use std::collections::HashMap;
     use std::sync::Arc;
