@@ -495,16 +495,17 @@ async fn killed_connection_leaves_neither_order_nor_record() {
     assert_eq!(replay.body, retry.body);
 }
 
-/// While the first request's transaction is open, a duplicate is 409 at once, whatever its
-/// body (the reservation is invisible); once it committed, the same body replays and another
-/// body is 422.
+/// While the first request's transaction is open (it waits on a gate the test opens only
+/// afterwards), 15 duplicates are 409 at once, whatever their body (the reservation is
+/// invisible): a duplicate that waited on the first one's lock would never answer, and the
+/// test would time out. Once the first committed, the same body replays and another is 422.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_during_open_transaction_is_409_whatever_its_body() {
     let Some(schema) = Schema::new("inflight").await else {
         return;
     };
     let mut server = serve(
-        IdempotencyStore::new(postgres_store(&schema, 8).await),
+        IdempotencyStore::new(postgres_store(&schema, 20).await),
         Duration::ZERO,
     )
     .await;
@@ -519,14 +520,42 @@ async fn duplicate_during_open_transaction_is_409_whatever_its_body() {
         .await
         .expect("the first request is running")
         .expect("pid");
-    for other in [body.clone(), json!({ "item": "something else" })] {
-        let started = Instant::now();
-        let dup = server.order("k-open", &other).await;
-        assert_eq!(dup.status, 409, "{dup:?}");
-        assert_eq!(dup.code().as_deref(), Some("IDEMPOTENCY_IN_PROGRESS"));
+    let server = Arc::new(server);
+    // Two waves: the first also opens the HTTP and pool connections; the second shows what a
+    // 409 costs once they are open.
+    for wave in ["cold", "warm"] {
+        let duplicates: Vec<_> = (0..15)
+            .map(|i| {
+                let server = Arc::clone(&server);
+                let other = if i % 2 == 0 {
+                    body.clone()
+                } else {
+                    json!({ "item": format!("something else {i}") })
+                };
+                tokio::spawn(async move {
+                    let started = Instant::now();
+                    let answer = server.order("k-open", &other).await;
+                    (answer, started.elapsed())
+                })
+            })
+            .collect();
+        let mut latencies = Vec::new();
+        for duplicate in duplicates {
+            let (dup, took) = tokio::time::timeout(Duration::from_secs(10), duplicate)
+                .await
+                .expect("a duplicate waited for the open transaction instead of answering 409")
+                .expect("duplicate task");
+            assert_eq!(dup.status, 409, "{dup:?}");
+            assert_eq!(dup.code().as_deref(), Some("IDEMPOTENCY_IN_PROGRESS"));
+            latencies.push(took);
+        }
+        latencies.sort();
         eprintln!(
-            "409 while the first is open answered in {:?}",
-            started.elapsed()
+            "15 concurrent duplicates ({wave}) while the first transaction stays open: 409 in \
+             min {:?}, median {:?}, max {:?}",
+            latencies[0],
+            latencies[latencies.len() / 2],
+            latencies[latencies.len() - 1]
         );
     }
     server.gate.notify_one();

@@ -21,6 +21,8 @@ mod expand_axum;
 /// #[idempotent(require_key, lease = "30s", retention = "24h", max_body = "64KiB",
 ///              max_response = "1MiB")]          per-endpoint overrides, checked at compile time
 /// #[idempotent(crate = my_runtime)]              for a renamed idempotent-runtime dependency
+/// #[idempotent(require_key, enlisted)]           PostgreSQL: the response commits with the
+///                                                handler's writes (take `tx: &mut EnlistedTx`)
 /// ```
 ///
 /// Durations take `ms`, `s`, `m`, `h` or `d`; sizes take `B`, `KiB`, `MiB`, `GiB`, `KB`, `MB`,
@@ -30,6 +32,10 @@ mod expand_axum;
 /// FromRef<AppState>`), or from the request extensions when the handler takes an
 /// `Extension<IdempotencyStore>` parameter. Parameters of type `IdempotencyContext` (with
 /// `require_key`) or `Option<IdempotencyContext>` receive the claimed request's context.
+///
+/// With `enlisted` (the `postgres` feature), the key is claimed inside a transaction the
+/// handler writes through, and the response is recorded in it and committed before it is sent:
+/// see `idempotent_runtime::enlisted`.
 ///
 /// Put it above `#[axum::debug_handler]`, never below.
 #[proc_macro_attribute]
@@ -50,7 +56,13 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// #[idempotent(require_key, lease = "30s", retention = "24h", max_body = "64KiB",
 ///              max_response = "1MiB")]          per-endpoint overrides, checked at compile time
 /// #[idempotent(crate = my_runtime)]              for a renamed idempotent-runtime dependency
+/// #[idempotent(require_key, enlisted)]           PostgreSQL: the response commits with the
+///                                                handler's writes (take `tx: &mut EnlistedTx`)
 /// ```
+///
+/// With `enlisted` (the `postgres` feature), the key is claimed inside a transaction the
+/// handler writes through, and the response is recorded in it and committed before it is sent:
+/// see `idempotent_runtime::enlisted`.
 ///
 /// The handler is rewritten to take the request and its raw payload: the runtime buffers the
 /// body and runs the handler's own extractors on it, then claims the key and answers replays

@@ -63,6 +63,7 @@ use std::time::Duration;
 
 use sqlx::Transaction;
 use sqlx::postgres::{PgConnection, Postgres};
+use tokio::sync::oneshot;
 
 use crate::fingerprint::{self, Fingerprint};
 use crate::key::IdempotencyKey;
@@ -82,14 +83,49 @@ use crate::store::{ClaimRequest, FencingToken, RecordedResponse, Store, StoreErr
 /// `Connection::begin` opens a savepoint, never a second transaction. (Sending a literal
 /// `COMMIT` statement through it would end the transaction early and break the guarantee;
 /// do not.)
+///
+/// ```no_run
+/// use idempotent_runtime::enlisted::EnlistedTx;
+/// use sqlx::Connection as _;
+///
+/// /// Called from an enlisted handler with its `tx`.
+/// async fn reserve_stock(tx: &mut EnlistedTx, sku: &str) -> Result<u64, sqlx::Error> {
+///     // A savepoint inside the request's transaction: its rollback undoes this part only.
+///     let mut savepoint = tx.conn().begin().await?;
+///     let done = sqlx::query("UPDATE stock SET held = held + 1 WHERE sku = $1 AND held < total")
+///         .bind(sku)
+///         .execute(&mut *savepoint)
+///         .await?;
+///     savepoint.commit().await?; // releases the savepoint; the request commits later
+///     Ok(done.rows_affected())
+/// }
+/// ```
 pub struct EnlistedTx {
-    tx: Transaction<'static, Postgres>,
+    /// `None` only once the runtime took the transaction back, never while a handler has it.
+    tx: Option<Transaction<'static, Postgres>>,
+    /// Where a handler that panics (dropping this with its future) hands the transaction back,
+    /// so the runtime rolls it back before it answers: the key's try-lock must be gone by the
+    /// time the client can retry.
+    back: Option<oneshot::Sender<Transaction<'static, Postgres>>>,
 }
 
+const TAKEN: &str = "the enlisted transaction is held until the handler returns";
+
 impl EnlistedTx {
+    fn new(tx: Transaction<'static, Postgres>) -> Self {
+        Self {
+            tx: Some(tx),
+            back: None,
+        }
+    }
+
     /// The connection the transaction runs on, for sqlx's `execute`/`fetch_*`.
     pub fn conn(&mut self) -> &mut PgConnection {
-        &mut self.tx
+        self.tx.as_deref_mut().expect(TAKEN)
+    }
+
+    fn take(mut self) -> Transaction<'static, Postgres> {
+        self.tx.take().expect(TAKEN)
     }
 }
 
@@ -97,13 +133,22 @@ impl Deref for EnlistedTx {
     type Target = PgConnection;
 
     fn deref(&self) -> &PgConnection {
-        &self.tx
+        self.tx.as_deref().expect(TAKEN)
     }
 }
 
 impl DerefMut for EnlistedTx {
     fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.tx
+        self.conn()
+    }
+}
+
+impl Drop for EnlistedTx {
+    fn drop(&mut self) {
+        if let (Some(tx), Some(back)) = (self.tx.take(), self.back.take()) {
+            // Nobody waiting: the transaction drops here, and sqlx rolls it back.
+            let _ = back.send(tx);
+        }
     }
 }
 
@@ -142,8 +187,13 @@ pub(crate) struct Settle {
     max_response: usize,
     store_retry_after: Duration,
     route: Arc<str>,
+    back: Back,
     _running: RunningGuard,
 }
+
+/// The receiving end of [`EnlistedTx`]'s hand-back, set when the transaction goes to the
+/// handler.
+type Back = Option<oneshot::Receiver<Transaction<'static, Postgres>>>;
 
 struct Reserved {
     scope: ScopeHash,
@@ -206,6 +256,7 @@ fn settle_for(
         max_response,
         store_retry_after: handle.config().store_retry_after,
         route: route.into(),
+        back: None,
         _running: handle.enter_running(),
     }
 }
@@ -223,7 +274,7 @@ pub(crate) async fn begin_unkeyed(handle: &IdempotencyStore, route: &str) -> Res
         .map_err(|e| unavailable(handle, route, &e))?;
     let config = handle.config();
     Ok(Held {
-        tx: EnlistedTx { tx },
+        tx: EnlistedTx::new(tx),
         settle: settle_for(handle, store, None, config.retention, 0, route),
     })
 }
@@ -258,7 +309,34 @@ async fn begin(handle: &IdempotencyStore, req: &BeginRequest<'_>) -> Begin<Held>
         Ok(tx) => tx,
         Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
     };
-    let outcome = pg.enlisted_claim(&mut tx, &claim, same_request).await;
+    let outcome = match pg.enlisted_claim(&mut tx, &claim, same_request).await {
+        // The try-lock failed: this transaction holds nothing, and dropping it rolls it back
+        // as its connection returns to the pool, after the 409 is on its way.
+        Ok(None) => Ok(Claimed::InProgress {
+            lease_left: claim.lease,
+        }),
+        Ok(Some(Claimed::Acquired { reclaimed })) => Ok(Claimed::Acquired { reclaimed }),
+        // It holds the key's lock: end it before answering, or the client's next request
+        // could still meet the lock and get a 409 for a key that is free.
+        Ok(Some(decided)) => {
+            pg.enlisted_rollback(tx, route).await;
+            return decide(handle, req, Ok(decided), None);
+        }
+        Err(error) => Err(error),
+    };
+    decide(handle, req, outcome, Some((tx, store, claim.token)))
+}
+
+/// The answer to a claim; `held` is the transaction (with its store and token) when the key
+/// was acquired.
+fn decide(
+    handle: &IdempotencyStore,
+    req: &BeginRequest<'_>,
+    outcome: Result<Claimed, StoreError>,
+    held: Option<(Transaction<'static, Postgres>, Arc<dyn Store>, FencingToken)>,
+) -> Begin<Held> {
+    let route = req.input.route.unwrap_or("");
+    let scope = req.input.scope;
     let audit = |decision| {
         handle.audit_sink().record(&AuditEvent {
             decision,
@@ -267,10 +345,11 @@ async fn begin(handle: &IdempotencyStore, req: &BeginRequest<'_>) -> Begin<Held>
             route,
         });
     };
-    // Every answer but a run drops the transaction: sqlx rolls it back as the connection
-    // returns to the pool, after this request has been answered.
     match outcome {
         Ok(Claimed::Acquired { reclaimed }) => {
+            let Some((tx, store, token)) = held else {
+                unreachable!("an acquired key comes with its transaction");
+            };
             if reclaimed {
                 observe::count(Event::Reclaimed, route);
                 tracing::warn!(
@@ -283,13 +362,13 @@ async fn begin(handle: &IdempotencyStore, req: &BeginRequest<'_>) -> Begin<Held>
             let reserved = Reserved {
                 scope: *scope.hash(),
                 key: req.key.clone(),
-                token: claim.token,
+                token,
             };
             Begin::Run(Held {
-                tx: EnlistedTx { tx },
+                tx: EnlistedTx::new(tx),
                 settle: settle_for(
                     handle,
-                    store.clone(),
+                    store,
                     Some(reserved),
                     req.endpoint.retention,
                     req.endpoint.max_response,
@@ -353,9 +432,10 @@ impl Settle {
     /// its outcome is unknown; a retry then replays or runs).
     pub(crate) async fn commit(
         self,
-        mut tx: EnlistedTx,
+        tx: EnlistedTx,
         response: Option<&RecordedResponse>,
     ) -> Result<(), Problem> {
+        let mut tx = tx.take();
         let route = Arc::clone(&self.route);
         let failed = |what: &str, error: &dyn fmt::Display, key: Option<&str>| {
             observe::count(Event::StoreError, &route);
@@ -382,7 +462,7 @@ impl Settle {
             let pg = postgres(&self.store).expect("a held transaction comes from PostgreSQL");
             let completed = pg
                 .enlisted_complete(
-                    &mut tx.tx,
+                    &mut tx,
                     &reserved.scope,
                     reserved.key.as_str(),
                     reserved.token,
@@ -396,7 +476,7 @@ impl Settle {
                 Err(error) => return Err(failed("recording failed", &error, key)),
             }
         }
-        match tx.tx.commit().await {
+        match tx.commit().await {
             Ok(()) => Ok(()),
             Err(error) => Err(failed("the commit failed", &error, key)),
         }
@@ -409,16 +489,32 @@ impl Settle {
             observe::count(Event::NotRecorded, &self.route);
         }
         tracing::debug!(route = %self.route, why, "enlisted request rolled back");
-        if let Err(error) = tx.tx.rollback().await {
+        if let Err(error) = tx.take().rollback().await {
             // The connection is gone or broken: PostgreSQL rolls the transaction back itself.
             tracing::warn!(route = %self.route, %error, "enlisted rollback failed; the server discards the transaction");
         }
     }
 
-    /// After a panic: the transaction was dropped with the handler, which rolls it back.
-    pub(crate) fn panicked(self) {
+    /// Hands the transaction to the handler: if the handler drops it (a panic unwinding its
+    /// future), it comes back to [`panicked`](Self::panicked).
+    pub(crate) fn hand_out(&mut self, mut tx: EnlistedTx) -> EnlistedTx {
+        let (back, receive) = oneshot::channel();
+        tx.back = Some(back);
+        self.back = Some(receive);
+        tx
+    }
+
+    /// After a panic, once the handler's future (and the transaction in it) was dropped: rolls
+    /// the transaction back before the 500 is answered.
+    pub(crate) async fn panicked(mut self) {
         if self.reserved.is_some() {
             observe::count(Event::NotRecorded, &self.route);
+        }
+        if let Some(receive) = self.back.take()
+            && let Ok(tx) = receive.await
+            && let Err(error) = tx.rollback().await
+        {
+            tracing::warn!(route = %self.route, %error, "enlisted rollback after a panic failed; the server discards the transaction");
         }
     }
 }

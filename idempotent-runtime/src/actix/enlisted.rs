@@ -52,10 +52,11 @@ where
     req.extensions_mut().insert(Handled);
     let buffered = match pipeline::read(&req, payload, &store, endpoint, target).await {
         Read::Untouched(payload) => {
-            let Held { tx, settle } = match enlisted::begin_unkeyed(&store, &route).await {
+            let Held { tx, mut settle } = match enlisted::begin_unkeyed(&store, &route).await {
                 Ok(held) => held,
                 Err(problem) => return problem_response(&problem),
             };
+            let tx = settle.hand_out(tx);
             // A rejection drops the transaction, which rolls back: nothing ran.
             let args = match extract(req.clone(), payload).await {
                 Ok(args) => args,
@@ -78,7 +79,8 @@ where
         Claimed::Respond(response) => return response,
         Claimed::Run(run) => run,
     };
-    let Held { tx, settle } = run.reservation;
+    let Held { tx, mut settle } = run.reservation;
+    let tx = settle.hand_out(tx);
     let context = run.context;
     let fut = async move {
         match extracted {
@@ -104,11 +106,13 @@ where
 {
     let task = actix_web::rt::spawn(async move {
         let _request_body = permit;
-        match AssertUnwindSafe(handler).catch_unwind().await {
+        // A statement of its own, so a panicked future (and the transaction in it) is dropped
+        // before the rollback waits for the transaction to come back.
+        let outcome = AssertUnwindSafe(handler).catch_unwind().await;
+        match outcome {
             Ok((tx, response)) => settle_response(&store, settle, tx, response).await,
-            // The transaction was dropped with the handler's future: rolled back.
             Err(_) => {
-                settle.panicked();
+                settle.panicked().await;
                 problem_response(&store.panicked(&route))
             }
         }

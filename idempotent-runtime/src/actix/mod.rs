@@ -82,7 +82,8 @@ pub use middleware::{IdempotencyMiddleware, IdempotencyService};
 /// Makes an actix-web handler idempotent. See the [module documentation](self).
 ///
 /// Arguments: `require_key`; `lease = "30s"`, `retention = "24h"`, `max_body = "64KiB"`,
-/// `max_response = "1MiB"`; `crate = path` for a renamed dependency.
+/// `max_response = "1MiB"`; `crate = path` for a renamed dependency; `enlisted` (PostgreSQL:
+/// the handler takes `&mut EnlistedTx`, see [`crate::enlisted`]).
 pub use idempotent_macros::idempotent_actix as idempotent;
 
 /// Available in a handler behind `#[idempotent]` or [`IdempotencyMiddleware`] for requests

@@ -24,6 +24,25 @@ use crate::store::RecordedResponse;
 /// The wrapper `#[idempotent(enlisted)]` puts around a handler's last parameter. Extracting it
 /// opens the transaction and claims the key in it; [`run`](Self::run) hands the transaction to
 /// the handler, then records the response in it and commits before the response is returned.
+/// The attribute writes it for you; see [`crate::enlisted`] for the handler side:
+///
+/// ```no_run
+/// use axum::http::StatusCode;
+/// use idempotent_runtime::axum::idempotent;
+/// use idempotent_runtime::enlisted::EnlistedTx;
+///
+/// #[idempotent(require_key, enlisted)]
+/// async fn close_ticket(tx: &mut EnlistedTx, id: String) -> StatusCode {
+///     match sqlx::query("UPDATE tickets SET closed = true WHERE id = $1")
+///         .bind(id)
+///         .execute(tx.conn())
+///         .await
+///     {
+///         Ok(_) => StatusCode::NO_CONTENT,
+///         Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+///     }
+/// }
+/// ```
 #[must_use]
 pub struct EnlistedIdempotent<
     T,
@@ -62,18 +81,21 @@ impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR
     {
         let Session {
             handle,
-            held: Held { tx, settle },
+            held: Held { tx, mut settle },
             permit,
             route,
         } = self.session;
+        let tx = settle.hand_out(tx);
         let future = handler(tx, self.value, self.context);
         let task = tokio::spawn(async move {
             let _request_body = permit;
-            match AssertUnwindSafe(future).catch_unwind().await {
+            // A statement of its own, so a panicked future (and the transaction in it) is
+            // dropped before the rollback waits for the transaction to come back.
+            let outcome = AssertUnwindSafe(future).catch_unwind().await;
+            match outcome {
                 Ok((tx, response)) => settle_response(&handle, settle, tx, response).await,
-                // The transaction was dropped with the handler's future: rolled back.
                 Err(_) => {
-                    settle.panicked();
+                    settle.panicked().await;
                     pipeline::problem(&handle.panicked(&route))
                 }
             }
@@ -200,7 +222,7 @@ async fn settle_response(
             .iter()
             .map(|(name, value)| (name.as_str(), value.as_bytes())),
     );
-    let fits = !body.size_hint().exact().is_some_and(|n| n > cap as u64);
+    let fits = body.size_hint().exact().is_none_or(|n| n <= cap as u64);
     let (Some(headers), true) = (headers, fits) else {
         settle.rollback(tx, "response not recordable").await;
         return pipeline::problem(&enlisted::not_recordable(&route));

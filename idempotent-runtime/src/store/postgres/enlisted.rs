@@ -50,14 +50,16 @@ impl PostgresStore {
     }
 
     /// Claims `req` inside the open transaction on `conn`: the try-lock, then the same
-    /// conditional insert (and token-conditional takeover) as a detached claim. Anything but
-    /// [`Claimed::Acquired`] leaves the transaction to be rolled back.
+    /// conditional insert (and token-conditional takeover) as a detached claim. `None` when the
+    /// try-lock is held by another transaction (the key is in progress; this transaction holds
+    /// nothing). Anything but [`Claimed::Acquired`] leaves the transaction to be rolled back,
+    /// and it holds the key's lock until it is.
     pub(crate) async fn enlisted_claim(
         &self,
         conn: &mut PgConnection,
         req: &ClaimRequest<'_>,
         same_request: impl Fn(&Fingerprint) -> bool,
-    ) -> Result<Claimed, StoreError> {
+    ) -> Result<Option<Claimed>, StoreError> {
         self.count();
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
             .bind(self.enlisted_lock_key(req.scope, req.key))
@@ -70,17 +72,17 @@ impl PostgresStore {
         if !locked {
             // Another request's transaction holds this key: its reservation is not visible
             // yet, so the only honest answer is "in progress", whatever this request's body.
-            return Ok(running);
+            return Ok(None);
         }
         let mut outcome = self.enlisted_statement(conn, req, None).await?;
         let mut reclaimed = false;
         for _ in 0..=MAX_TAKEOVERS {
             let standing = match outcome {
-                Some(Claim::Acquired) => return Ok(Claimed::Acquired { reclaimed }),
+                Some(Claim::Acquired) => return Ok(Some(Claimed::Acquired { reclaimed })),
                 Some(Claim::Standing(standing)) => standing,
                 // A row locked by a detached request past `lock_timeout`: the transaction is
                 // aborted, and the key is busy.
-                None => return Ok(running),
+                None => return Ok(Some(running)),
             };
             match record::decide(&standing, &same_request) {
                 Decision::Reclaim { abandoned } => {
@@ -89,14 +91,14 @@ impl PostgresStore {
                         .enlisted_statement(conn, req, Some(standing.token))
                         .await?;
                 }
-                Decision::Replay(response) => return Ok(Claimed::Replay(response)),
+                Decision::Replay(response) => return Ok(Some(Claimed::Replay(response))),
                 Decision::InProgress { lease_left } => {
-                    return Ok(Claimed::InProgress { lease_left });
+                    return Ok(Some(Claimed::InProgress { lease_left }));
                 }
-                Decision::KeyReused => return Ok(Claimed::KeyReused),
+                Decision::KeyReused => return Ok(Some(Claimed::KeyReused)),
             }
         }
-        Ok(running)
+        Ok(Some(running))
     }
 
     /// One claim (or, with `stale`, takeover) statement on `conn`, re-run while its snapshot
@@ -138,6 +140,16 @@ impl PostgresStore {
             }
         }
         Ok(None)
+    }
+
+    /// Ends a transaction that decided not to run (a replay, a refusal) before the answer goes
+    /// out: it holds the key's try-lock until it ends.
+    pub(crate) async fn enlisted_rollback(&self, tx: Transaction<'static, Postgres>, route: &str) {
+        self.count();
+        if let Err(error) = tx.rollback().await {
+            // The connection is gone: the server ended the transaction with it.
+            tracing::debug!(route, %error, "enlisted rollback before answering failed");
+        }
     }
 
     /// Completes the reservation held by `token` in the open transaction on `conn`. `Ok(false)`
