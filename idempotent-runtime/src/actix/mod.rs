@@ -83,7 +83,7 @@ pub use middleware::{IdempotencyMiddleware, IdempotencyService};
 ///
 /// Arguments: `require_key`; `lease = "30s"`, `retention = "24h"`, `max_body = "64KiB"`,
 /// `max_response = "1MiB"`; `crate = path` for a renamed dependency; `enlisted` (PostgreSQL:
-/// the handler takes `&mut EnlistedTx`, see [`crate::enlisted`]).
+/// the handler takes `&mut EnlistedTx`, see `idempotent_runtime::enlisted`).
 pub use idempotent_macros::idempotent_actix as idempotent;
 
 /// Available in a handler behind `#[idempotent]` or [`IdempotencyMiddleware`] for requests
