@@ -216,7 +216,7 @@ impl std::error::Error for StoreError {
 /// A backend that keeps idempotency records.
 ///
 /// Every method is one conditional write (or read) decided by the backend atomically; the
-/// contract suite ([`contract`], feature `testing`) checks an implementation. (`Any` lets the
+/// contract suite (`store::contract`, feature `testing`) checks an implementation. (`Any` lets the
 /// enlisted mode find the PostgreSQL store behind an `Arc<dyn Store>`; every `'static` type is
 /// `Any`, so it asks nothing of an implementation.)
 #[async_trait]
