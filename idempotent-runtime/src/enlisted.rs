@@ -65,15 +65,14 @@ use sqlx::Transaction;
 use sqlx::postgres::{PgConnection, Postgres};
 use tokio::sync::oneshot;
 
-use crate::fingerprint::{self, Fingerprint};
 use crate::key::IdempotencyKey;
-use crate::observe::{self, AuditDecision, AuditEvent, Event, KeyDisplay};
+use crate::observe::{self, Event, KeyDisplay};
 use crate::problem::{Problem, ProblemCode};
 use crate::record::{self, Claimed};
-use crate::runtime::{Begin, BeginRequest, ClaimMode, IdempotencyStore, RunningGuard};
+use crate::runtime::{Begin, BeginRequest, ClaimMode, ClaimPlan, IdempotencyStore, RunningGuard};
 use crate::scope::ScopeHash;
 use crate::store::postgres::PostgresStore;
-use crate::store::{ClaimRequest, FencingToken, RecordedResponse, Store, StoreError};
+use crate::store::{FencingToken, RecordedResponse, Store, StoreError};
 
 /// The transaction an enlisted handler writes through: take it as `tx: &mut EnlistedTx`.
 ///
@@ -281,134 +280,51 @@ pub(crate) async fn begin_unkeyed(handle: &IdempotencyStore, route: &str) -> Res
 
 /// Opens the transaction, takes the key's try-lock and claims the key in it.
 async fn begin(handle: &IdempotencyStore, req: &BeginRequest<'_>) -> Begin<Held> {
-    let route = req.input.route.unwrap_or("");
+    let plan = ClaimPlan::new(req, handle.contributor());
+    let route = plan.route;
     let store = Arc::clone(handle.store());
     let Some(pg) = postgres(&store) else {
         return Begin::Refuse(not_postgres(route));
-    };
-    let contributor = handle.contributor();
-    let fp = fingerprint::compute(&req.input, contributor);
-    let same_request = |stored: &Fingerprint| {
-        if stored.version == fp.version {
-            return *stored == fp;
-        }
-        fingerprint::compute_version(stored.version, &req.input, contributor)
-            .is_some_and(|f| f == *stored)
-    };
-    let scope = req.input.scope;
-    let claim = ClaimRequest {
-        scope: scope.hash(),
-        key: req.key.as_str(),
-        quota_bucket: scope.quota_bucket(),
-        fingerprint: fp,
-        token: FencingToken::mint(),
-        lease: req.endpoint.lease,
-        retention: req.endpoint.retention,
     };
     let mut tx = match pg.enlisted_begin().await {
         Ok(tx) => tx,
         Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
     };
-    let outcome = match pg.enlisted_claim(&mut tx, &claim, same_request).await {
+    let claimed = match pg
+        .enlisted_claim(&mut tx, &plan.claim, |f| plan.same_request(f))
+        .await
+    {
+        Ok(Some(claimed @ Claimed::Acquired { .. })) => claimed,
         // The try-lock failed: this transaction holds nothing, and dropping it rolls it back
         // as its connection returns to the pool, after the 409 is on its way.
-        Ok(None) => Ok(Claimed::InProgress {
-            lease_left: claim.lease,
-        }),
-        Ok(Some(Claimed::Acquired { reclaimed })) => Ok(Claimed::Acquired { reclaimed }),
+        Ok(None) => Claimed::InProgress {
+            lease_left: plan.claim.lease,
+        },
         // It holds the key's lock: end it before answering, or the client's next request
         // could still meet the lock and get a 409 for a key that is free.
         Ok(Some(decided)) => {
             pg.enlisted_rollback(tx, route).await;
-            return decide(handle, req, Ok(decided), None);
+            return handle.answer(req, decided, || {
+                unreachable!("only an acquired key is held")
+            });
         }
-        Err(error) => Err(error),
+        Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
     };
-    decide(handle, req, outcome, Some((tx, store, claim.token)))
-}
-
-/// The answer to a claim; `held` is the transaction (with its store and token) when the key
-/// was acquired.
-fn decide(
-    handle: &IdempotencyStore,
-    req: &BeginRequest<'_>,
-    outcome: Result<Claimed, StoreError>,
-    held: Option<(Transaction<'static, Postgres>, Arc<dyn Store>, FencingToken)>,
-) -> Begin<Held> {
-    let route = req.input.route.unwrap_or("");
-    let scope = req.input.scope;
-    let audit = |decision| {
-        handle.audit_sink().record(&AuditEvent {
-            decision,
-            scope_hash: scope.hash(),
-            key_hash: observe::key_hash(req.key.as_str()),
-            route,
-        });
-    };
-    match outcome {
-        Ok(Claimed::Acquired { reclaimed }) => {
-            let Some((tx, store, token)) = held else {
-                unreachable!("an acquired key comes with its transaction");
-            };
-            if reclaimed {
-                observe::count(Event::Reclaimed, route);
-                tracing::warn!(
-                    route,
-                    key_hash = %KeyDisplay(req.key.as_str()),
-                    "reclaimed an abandoned detached reservation; its handler may have run before"
-                );
-            }
-            observe::count(Event::Executed, route);
-            let reserved = Reserved {
-                scope: *scope.hash(),
+    handle.answer(req, claimed, || Held {
+        tx: EnlistedTx::new(tx),
+        settle: settle_for(
+            handle,
+            store,
+            Some(Reserved {
+                scope: *req.input.scope.hash(),
                 key: req.key.clone(),
-                token,
-            };
-            Begin::Run(Held {
-                tx: EnlistedTx::new(tx),
-                settle: settle_for(
-                    handle,
-                    store,
-                    Some(reserved),
-                    req.endpoint.retention,
-                    req.endpoint.max_response,
-                    route,
-                ),
-            })
-        }
-        Ok(Claimed::Replay(response)) => {
-            observe::count(Event::Replayed, route);
-            audit(AuditDecision::Replayed);
-            tracing::debug!(route, key_hash = %KeyDisplay(req.key.as_str()), "replayed");
-            Begin::Replay(response)
-        }
-        Ok(Claimed::InProgress { lease_left }) => {
-            observe::count(Event::InProgress, route);
-            audit(AuditDecision::InProgress);
-            let retry_after = record::in_progress_retry_after(
-                handle.config().in_progress_retry_after,
-                lease_left,
-            );
-            Begin::Refuse(
-                Problem::new(
-                    409,
-                    ProblemCode::InProgress,
-                    "a request with this Idempotency-Key is still being processed; retry later",
-                )
-                .with_retry_after(retry_after),
-            )
-        }
-        Ok(Claimed::KeyReused) => {
-            observe::count(Event::KeyReused, route);
-            audit(AuditDecision::KeyReused);
-            Begin::Refuse(Problem::new(
-                handle.config().reuse_status.code(),
-                ProblemCode::KeyReused,
-                "this Idempotency-Key was already used with a different request",
-            ))
-        }
-        Err(error) => Begin::Refuse(unavailable(handle, route, &error)),
-    }
+                token: plan.claim.token,
+            }),
+            req.endpoint.retention,
+            req.endpoint.max_response,
+            route,
+        ),
+    })
 }
 
 impl Settle {

@@ -160,6 +160,49 @@ pub struct BeginRequest<'a> {
     pub endpoint: &'a Effective,
 }
 
+/// A request's claim, and how to recognise the same request in a stored record: what the
+/// detached and enlisted paths share before they claim.
+pub(crate) struct ClaimPlan<'a> {
+    pub(crate) claim: ClaimRequest<'a>,
+    pub(crate) route: &'a str,
+    input: &'a FingerprintInput<'a>,
+    contributor: Option<&'a dyn FingerprintContributor>,
+}
+
+impl<'a> ClaimPlan<'a> {
+    pub(crate) fn new(
+        req: &'a BeginRequest<'a>,
+        contributor: Option<&'a dyn FingerprintContributor>,
+    ) -> Self {
+        let scope = req.input.scope;
+        Self {
+            claim: ClaimRequest {
+                scope: scope.hash(),
+                key: req.key.as_str(),
+                quota_bucket: scope.quota_bucket(),
+                fingerprint: fingerprint::compute(&req.input, contributor),
+                token: FencingToken::mint(),
+                lease: req.endpoint.lease,
+                retention: req.endpoint.retention,
+            },
+            route: req.input.route.unwrap_or(""),
+            input: &req.input,
+            contributor,
+        }
+    }
+
+    /// Whether a stored fingerprint is this request's, compared with the encoder of the
+    /// stored fingerprint's own version (an upgrade never turns retries into 422s).
+    pub(crate) fn same_request(&self, stored: &Fingerprint) -> bool {
+        let fp = self.claim.fingerprint;
+        if stored.version == fp.version {
+            return *stored == fp;
+        }
+        fingerprint::compute_version(stored.version, self.input, self.contributor)
+            .is_some_and(|f| f == *stored)
+    }
+}
+
 /// How a framework pipeline claims a key: detached ([`IdempotencyStore::begin`]) or enlisted
 /// (in the transaction the handler then writes through). Monomorphised, so the detached path
 /// pays nothing for the choice.
@@ -197,15 +240,6 @@ impl IdempotencyStore {
     )]
     pub(crate) fn contributor(&self) -> Option<&dyn FingerprintContributor> {
         self.inner.contributor.as_deref()
-    }
-
-    /// The audit sink, for the enlisted pipeline.
-    #[cfg_attr(
-        not(all(feature = "postgres", any(feature = "axum", feature = "actix"))),
-        allow(dead_code)
-    )]
-    pub(crate) fn audit_sink(&self) -> &dyn AuditSink {
-        &*self.inner.audit
     }
 
     /// Counts a claimed handler until the guard drops, so [`Self::shutdown`] waits for it.
@@ -342,37 +376,46 @@ impl IdempotencyStore {
     /// Claims the key and decides: run, replay, or refuse.
     pub async fn begin(&self, req: &BeginRequest<'_>) -> Begin {
         let inner = &*self.inner;
+        let plan = ClaimPlan::new(req, inner.contributor.as_deref());
+        let route = plan.route;
+        match record::claim(&*inner.store, &plan.claim, |f| plan.same_request(f)).await {
+            Ok(claimed) => self.answer(req, claimed, || Reservation {
+                guard: Some(Guard {
+                    store: Arc::clone(&inner.store),
+                    scope: *req.input.scope.hash(),
+                    key: req.key.clone(),
+                    token: plan.claim.token,
+                    armed: true,
+                }),
+                lease: req.endpoint.lease,
+                retention: req.endpoint.retention,
+                max_response: req.endpoint.max_response,
+                route: route.into(),
+                _running: inner.running.enter(),
+            }),
+            Err(error) => self.claim_failed(error, &plan.claim, req.key, route).await,
+        }
+    }
+
+    /// Turns a claim's outcome into the answer, counting and auditing it the same way in
+    /// detached and enlisted mode; `held` builds what holds an acquired key.
+    pub(crate) fn answer<R>(
+        &self,
+        req: &BeginRequest<'_>,
+        claimed: Claimed,
+        held: impl FnOnce() -> R,
+    ) -> Begin<R> {
         let route = req.input.route.unwrap_or("");
-        let contributor = inner.contributor.as_deref();
-        let fp = fingerprint::compute(&req.input, contributor);
-        let same_request = |stored: &Fingerprint| {
-            if stored.version == fp.version {
-                return *stored == fp;
-            }
-            fingerprint::compute_version(stored.version, &req.input, contributor)
-                .is_some_and(|f| f == *stored)
-        };
-        let scope = req.input.scope;
-        let claim = ClaimRequest {
-            scope: scope.hash(),
-            key: req.key.as_str(),
-            quota_bucket: scope.quota_bucket(),
-            fingerprint: fp,
-            token: FencingToken::mint(),
-            lease: req.endpoint.lease,
-            retention: req.endpoint.retention,
-        };
-        let outcome = record::claim(&*inner.store, &claim, same_request).await;
         let audit = |decision| {
-            inner.audit.record(&AuditEvent {
+            self.inner.audit.record(&AuditEvent {
                 decision,
-                scope_hash: scope.hash(),
+                scope_hash: req.input.scope.hash(),
                 key_hash: observe::key_hash(req.key.as_str()),
                 route,
             })
         };
-        match outcome {
-            Ok(Claimed::Acquired { reclaimed }) => {
+        match claimed {
+            Claimed::Acquired { reclaimed } => {
                 if reclaimed {
                     observe::count(Event::Reclaimed, route);
                     tracing::warn!(
@@ -382,32 +425,19 @@ impl IdempotencyStore {
                     );
                 }
                 observe::count(Event::Executed, route);
-                Begin::Run(Reservation {
-                    guard: Some(Guard {
-                        store: Arc::clone(&inner.store),
-                        scope: *scope.hash(),
-                        key: req.key.clone(),
-                        token: claim.token,
-                        armed: true,
-                    }),
-                    lease: req.endpoint.lease,
-                    retention: req.endpoint.retention,
-                    max_response: req.endpoint.max_response,
-                    route: route.into(),
-                    _running: inner.running.enter(),
-                })
+                Begin::Run(held())
             }
-            Ok(Claimed::Replay(response)) => {
+            Claimed::Replay(response) => {
                 observe::count(Event::Replayed, route);
                 audit(AuditDecision::Replayed);
                 tracing::debug!(route, key_hash = %KeyDisplay(req.key.as_str()), "replayed");
                 Begin::Replay(response)
             }
-            Ok(Claimed::InProgress { lease_left }) => {
+            Claimed::InProgress { lease_left } => {
                 observe::count(Event::InProgress, route);
                 audit(AuditDecision::InProgress);
                 let retry_after = record::in_progress_retry_after(
-                    inner.config.in_progress_retry_after,
+                    self.inner.config.in_progress_retry_after,
                     lease_left,
                 );
                 Begin::Refuse(
@@ -419,16 +449,15 @@ impl IdempotencyStore {
                     .with_retry_after(retry_after),
                 )
             }
-            Ok(Claimed::KeyReused) => {
+            Claimed::KeyReused => {
                 observe::count(Event::KeyReused, route);
                 audit(AuditDecision::KeyReused);
                 Begin::Refuse(Problem::new(
-                    inner.config.reuse_status.code(),
+                    self.inner.config.reuse_status.code(),
                     ProblemCode::KeyReused,
                     "this Idempotency-Key was already used with a different request",
                 ))
             }
-            Err(error) => self.claim_failed(error, &claim, req.key, route).await,
         }
     }
 
