@@ -92,6 +92,10 @@ pub async fn claim(
     for _ in 0..=MAX_TAKEOVERS {
         let standing = match outcome {
             Claim::Acquired => return Ok(Claimed::Acquired { reclaimed }),
+            // Our own token: a retried statement whose first attempt was written after all.
+            Claim::Standing(standing) if standing.token == req.token => {
+                return Ok(Claimed::Acquired { reclaimed });
+            }
             Claim::Standing(standing) => standing,
         };
         match decide(&standing, &same_request) {
@@ -234,6 +238,77 @@ mod tests {
             in_progress_retry_after(Duration::from_millis(1500), s(60)),
             2
         );
+    }
+
+    /// A store whose claim was written on a connection that then died, and reads back the
+    /// request's own reservation when the statement is sent again.
+    struct WrittenBeforeTheConnectionDied;
+
+    #[async_trait::async_trait]
+    impl Store for WrittenBeforeTheConnectionDied {
+        async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            Ok(Claim::Standing(Standing {
+                token: req.token,
+                fingerprint: req.fingerprint,
+                state: StandingState::Running {
+                    lease_left: req.lease,
+                },
+            }))
+        }
+        async fn reclaim(
+            &self,
+            _: &ClaimRequest<'_>,
+            _: FencingToken,
+        ) -> Result<Claim, StoreError> {
+            unreachable!("our own reservation is not reclaimed")
+        }
+        async fn complete(
+            &self,
+            _: &crate::scope::ScopeHash,
+            _: &str,
+            _: FencingToken,
+            _: &RecordedResponse,
+            _: Duration,
+        ) -> Result<bool, StoreError> {
+            Ok(true)
+        }
+        async fn release(
+            &self,
+            _: &crate::scope::ScopeHash,
+            _: &str,
+            _: FencingToken,
+        ) -> Result<bool, StoreError> {
+            Ok(true)
+        }
+        async fn renew(
+            &self,
+            _: &crate::scope::ScopeHash,
+            _: &str,
+            _: FencingToken,
+            _: Duration,
+        ) -> Result<bool, StoreError> {
+            Ok(true)
+        }
+        async fn sweep(&self, _: usize) -> Result<usize, StoreError> {
+            Ok(0)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_standing_record_with_our_own_token_is_ours() {
+        let req = ClaimRequest {
+            scope: &[9; 32],
+            key: "k",
+            quota_bucket: 0,
+            fingerprint: fp(1),
+            token: FencingToken::mint(),
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(60),
+        };
+        let claimed = claim(&WrittenBeforeTheConnectionDied, &req, |f| *f == fp(1))
+            .await
+            .unwrap();
+        assert_eq!(claimed, Claimed::Acquired { reclaimed: false });
     }
 
     #[test]

@@ -485,8 +485,11 @@ async fn a_row_committed_after_the_claims_snapshot_is_read_back_by_a_rerun() {
     );
 }
 
+/// Backends terminated under load (a failover, `pg_terminate_backend`): claims on dead pooled
+/// connections are sent again on live ones, no key runs twice, and the pool recovers. A claim
+/// that still fails is `Unavailable` (503), never a wrong answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn terminated_connections_fail_claims_with_unavailable_and_the_pool_recovers() {
+async fn terminated_connections_never_run_a_key_twice_and_the_pool_recovers() {
     let Some(db) = TestDb::new().await else {
         return;
     };
@@ -597,10 +600,6 @@ async fn terminated_connections_fail_claims_with_unavailable_and_the_pool_recove
         errors.load(Ordering::Relaxed)
     );
     assert!(terminated > 0, "no store connection was found to terminate");
-    assert!(
-        errors.load(Ordering::Relaxed) > 0,
-        "terminating {terminated} connections under load failed no claim"
-    );
     let runs = std::mem::take(&mut *runs.lock().unwrap());
     assert_eq!(runs.len(), keys, "every key ran");
     let twice: Vec<_> = runs.iter().filter(|(_, n)| **n != 1).collect();
@@ -627,8 +626,9 @@ async fn terminated_connections_fail_claims_with_unavailable_and_the_pool_recove
         }
     }
     eprintln!("after the terminations, {failures} of 60 claims failed");
-    assert!(
-        failures <= 4,
+    // Dead idle connections are replaced as they are met, so no claim fails.
+    assert_eq!(
+        failures, 0,
         "{failures} claims failed after the terminations"
     );
     assert_eq!(tail_failures, 0, "the pool did not recover");

@@ -599,29 +599,42 @@ impl PostgresStore {
         req: &ClaimRequest<'_>,
         stale: Option<FencingToken>,
     ) -> Result<Outcome, StoreError> {
-        let mut query = sqlx::query(AssertSqlSafe(Arc::clone(sql)))
-            .bind(&req.scope[..])
-            .bind(req.key)
-            .bind(req.token.as_i64())
-            .bind(&req.fingerprint.digest[..])
-            .bind(req.fingerprint.version as i16)
-            .bind(millis_i64(req.lease))
-            .bind(millis_i64(req.retention))
-            .bind(self.offset());
-        if let Some(stale) = stale {
-            query = query.bind(stale.as_i64());
-        }
-        self.count();
-        match query.fetch_all(&self.pool).await {
-            Ok(rows) => decode(rows),
-            Err(e) if is_lock_timeout(&e) => Ok(Outcome::Standing(Standing {
-                token: FencingToken(0),
-                fingerprint: req.fingerprint,
-                state: StandingState::Running {
-                    lease_left: req.lease,
-                },
-            })),
-            Err(e) => Err(unavailable(e)),
+        let query = || {
+            let query = sqlx::query(AssertSqlSafe(Arc::clone(sql)))
+                .bind(&req.scope[..])
+                .bind(req.key)
+                .bind(req.token.as_i64())
+                .bind(&req.fingerprint.digest[..])
+                .bind(req.fingerprint.version as i16)
+                .bind(millis_i64(req.lease))
+                .bind(millis_i64(req.retention))
+                .bind(self.offset());
+            match stale {
+                Some(stale) => query.bind(stale.as_i64()),
+                None => query,
+            }
+        };
+        // Sent again, like the conditional writes, when its pooled connection was already
+        // dead: the database is there, only that connection is not. If the first attempt was
+        // written after all, the retry reads back the request's own token, which the engine
+        // takes as acquired.
+        let mut attempts_left = self.pool.options().get_max_connections();
+        loop {
+            self.count();
+            match query().fetch_all(&self.pool).await {
+                Ok(rows) => return decode(rows),
+                Err(e) if is_lock_timeout(&e) => {
+                    return Ok(Outcome::Standing(Standing {
+                        token: FencingToken(0),
+                        fingerprint: req.fingerprint,
+                        state: StandingState::Running {
+                            lease_left: req.lease,
+                        },
+                    }));
+                }
+                Err(e) if attempts_left > 0 && connection_dropped(&e) => attempts_left -= 1,
+                Err(e) => return Err(unavailable(e)),
+            }
         }
     }
 }
