@@ -22,85 +22,25 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
+use idempotent_examples::testkit::Schema;
 use idempotent_runtime::enlisted::EnlistedTx;
 use idempotent_runtime::store::postgres::PostgresStore;
 use idempotent_runtime::{IdempotencyContext, IdempotencyStore};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use sqlx::{Connection, PgPool};
+use sqlx::PgPool;
 use tokio::sync::{Notify, mpsc};
 
 // ---------------------------------------------------------------------------------------------
 // A schema of its own.
 
-struct Schema {
-    url: String,
-    name: String,
-}
-
-impl Schema {
-    async fn new(prefix: &str) -> Option<Self> {
-        let url = match std::env::var("DATABASE_URL") {
-            Ok(url) => url,
-            Err(_) if std::env::var("IDEMPOTENT_REQUIRE_DB").as_deref() == Ok("1") => {
-                panic!("IDEMPOTENT_REQUIRE_DB=1 but DATABASE_URL is unset")
-            }
-            Err(_) => {
-                eprintln!("DATABASE_URL is unset: skipping this PostgreSQL test");
-                return None;
-            }
-        };
-        let name = format!(
-            "idem_enl_{prefix}_{:016x}",
-            idempotent_runtime::store::FencingToken::mint().0
-        );
-        let mut conn = sqlx::PgConnection::connect(&url)
-            .await
-            .expect("connect to DATABASE_URL");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA \"{name}\"")))
-            .execute(&mut conn)
-            .await
-            .expect("create schema");
-        let _ = conn.close().await;
-        Some(Self { url, name })
-    }
-
-    /// The database URL with this schema first on the `search_path`.
-    fn url(&self) -> String {
-        let sep = if self.url.contains('?') { '&' } else { '?' };
-        format!("{}{sep}options=-c%20search_path%3D{}", self.url, self.name)
-    }
-
-    /// A pool for the test's own checks, outside the server.
-    async fn pool(&self) -> PgPool {
-        sqlx::postgres::PgPoolOptions::new()
-            .max_connections(4)
-            .connect(&self.url())
-            .await
-            .expect("connect the checking pool")
-    }
-}
-
-impl Drop for Schema {
-    fn drop(&mut self) {
-        let url = self.url.clone();
-        let sql = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                if let Ok(mut conn) = sqlx::PgConnection::connect(&url).await {
-                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-                        .execute(&mut conn)
-                        .await;
-                    let _ = conn.close().await;
-                }
-            });
-        })
-        .join();
-    }
+/// A pool on a test's own schema, for the test's own checks outside the server.
+async fn checking_pool(schema: &Schema) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&schema.url())
+        .await
+        .expect("connect the checking pool")
 }
 
 const TABLES: &str = "
@@ -370,7 +310,7 @@ async fn first_request_commits_order_and_record_together_then_replays() {
         Duration::ZERO,
     )
     .await;
-    let pool = schema.pool().await;
+    let pool = checking_pool(&schema).await;
     let body = json!({ "item": "book" });
 
     let first = server.order("k-happy", &body).await;
@@ -410,7 +350,7 @@ async fn failures_roll_back_the_order_and_the_reservation_and_the_retry_runs() {
         Duration::ZERO,
     )
     .await;
-    let pool = schema.pool().await;
+    let pool = checking_pool(&schema).await;
     // (how the first run ends, the status it is answered with)
     let cases = [
         ("status500", 500),
@@ -457,7 +397,7 @@ async fn killed_connection_leaves_neither_order_nor_record() {
         Duration::ZERO,
     )
     .await;
-    let pool = schema.pool().await;
+    let pool = checking_pool(&schema).await;
     let body = json!({ "item": "book", "first_run": "wait" });
 
     let client = server.client.clone();
@@ -590,7 +530,7 @@ async fn concurrent_duplicates_run_each_key_once_and_never_wait_on_a_lock() {
         )
         .await,
     );
-    let pool = schema.pool().await;
+    let pool = checking_pool(&schema).await;
 
     let mut in_progress: Vec<Duration> = Vec::new();
     let mut originals: Vec<Duration> = Vec::new();
@@ -691,7 +631,7 @@ async fn keyless_request_commits_or_rolls_back_by_its_status() {
         Duration::ZERO,
     )
     .await;
-    let pool = schema.pool().await;
+    let pool = checking_pool(&schema).await;
     let url = format!("{}/loose", server.url);
     let ok = post_json(&server.client, &url, None, &json!({ "item": "kept" })).await;
     assert_eq!(ok.status, 201);
@@ -799,7 +739,7 @@ async fn actix_enlisted_handler_rolls_back_then_commits_and_replays() {
     };
     let store = IdempotencyStore::new(postgres_store(&schema, 4).await);
     let (url, runs, handle) = actix_server::start(store);
-    let pool = schema.pool().await;
+    let pool = checking_pool(&schema).await;
     let client = reqwest::Client::new();
     let url = format!("{url}/orders");
     let body = json!({ "item": "book", "first_run": "status500" });
@@ -930,7 +870,7 @@ async fn sigkilled_process_leaves_nothing_and_the_retry_commits_once() {
     );
     drop(example);
 
-    let pool = schema.pool().await;
+    let pool = checking_pool(&schema).await;
     let count = |sql: &'static str| scalar(&pool, sql);
     assert_eq!(count("SELECT count(*) FROM orders").await, 0);
     assert_eq!(count("SELECT count(*) FROM outbox").await, 0);

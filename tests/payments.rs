@@ -9,19 +9,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
-fn database_url() -> Option<String> {
-    match std::env::var("DATABASE_URL") {
-        Ok(url) => Some(url),
-        Err(_) if std::env::var("IDEMPOTENT_REQUIRE_DB").as_deref() == Ok("1") => {
-            panic!("IDEMPOTENT_REQUIRE_DB=1 but DATABASE_URL is unset")
-        }
-        Err(_) => {
-            eprintln!("skipping: DATABASE_URL is unset");
-            None
-        }
-    }
-}
-
 async fn serve(state: payments::AppState) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -53,7 +40,9 @@ async fn post(
 
 #[tokio::test]
 async fn payments_are_idempotent_by_key_by_guard_and_by_natural_key() {
-    let Some(url) = database_url() else { return };
+    let Some(url) = idempotent_examples::testkit::database_url() else {
+        return;
+    };
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()

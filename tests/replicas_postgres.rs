@@ -18,77 +18,23 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use harness::{Resp, Server};
+use idempotent_examples::testkit::Schema;
 use serde_json::json;
-use sqlx::Connection;
 
 const SERVER: &str = "conformance_axum";
 
 /// A schema of its own in the test database, dropped at the end.
-struct Schema {
-    url: String,
-    name: String,
+/// Starting replicas on a test's own schema.
+trait Replicas {
+    fn start(&self, extra: &[&str]) -> Server;
 }
 
-impl Schema {
-    async fn new() -> Option<Self> {
-        let url = match std::env::var("DATABASE_URL") {
-            Ok(url) => url,
-            Err(_) if std::env::var("IDEMPOTENT_REQUIRE_DB").as_deref() == Ok("1") => {
-                panic!("IDEMPOTENT_REQUIRE_DB=1 but DATABASE_URL is unset")
-            }
-            Err(_) => {
-                eprintln!("DATABASE_URL is unset: skipping this PostgreSQL test");
-                return None;
-            }
-        };
-        let name = format!(
-            "idem_replicas_{:016x}",
-            idempotent_runtime::store::FencingToken::mint().0
-        );
-        let mut conn = sqlx::PgConnection::connect(&url)
-            .await
-            .expect("connect to DATABASE_URL");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA \"{name}\"")))
-            .execute(&mut conn)
-            .await
-            .expect("create schema");
-        let _ = conn.close().await;
-        Some(Self { url, name })
-    }
-
-    /// The database URL with this schema first on the `search_path`.
-    fn server_url(&self) -> String {
-        let sep = if self.url.contains('?') { '&' } else { '?' };
-        format!("{}{sep}options=-c%20search_path%3D{}", self.url, self.name)
-    }
-
+impl Replicas for Schema {
     fn start(&self, extra: &[&str]) -> Server {
-        let url = self.server_url();
+        let url = self.url();
         let mut options = vec!["--store", "postgres", "--database-url", &url];
         options.extend_from_slice(extra);
         Server::start(SERVER, &options)
-    }
-}
-
-impl Drop for Schema {
-    fn drop(&mut self) {
-        let url = self.url.clone();
-        let sql = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                if let Ok(mut conn) = sqlx::PgConnection::connect(&url).await {
-                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-                        .execute(&mut conn)
-                        .await;
-                    let _ = conn.close().await;
-                }
-            });
-        })
-        .join();
     }
 }
 
@@ -96,7 +42,7 @@ impl Drop for Schema {
 /// once per key, and every answer is the original, an identical replay, or 409 in progress.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_run_each_key_exactly_once() {
-    let Some(schema) = Schema::new().await else {
+    let Some(schema) = Schema::new("replicas").await else {
         return;
     };
     let replicas = Arc::new([schema.start(&[]), schema.start(&[])]);
@@ -191,7 +137,7 @@ async fn two_replicas_run_each_key_exactly_once() {
 /// the lease lapses, then another replica takes it over and runs it once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_mid_handler_blocks_its_key_until_the_lease_lapses() {
-    let Some(schema) = Schema::new().await else {
+    let Some(schema) = Schema::new("replicas").await else {
         return;
     };
     // A 2 s lease, renewed every 2/3 s while the handler lives; the handler takes 3 s.

@@ -2,9 +2,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -17,40 +15,6 @@ pub const SERVERS: &[&str] = &["conformance_axum"];
 #[cfg(feature = "actix")]
 pub const SERVERS: &[&str] = &["conformance_axum", "conformance_actix"];
 
-static BUILT: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
-
-/// Builds the example once per test binary, so the suite never runs a stale server (`cargo test
-/// --test conformance` alone does not build examples).
-fn binary(name: &'static str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>");
-    let path = profile_dir.join("examples").join(name);
-    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
-    if !built.contains(&name) {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut build = Command::new(cargo);
-        build.args([
-            "build",
-            "--quiet",
-            "--all-features",
-            "-p",
-            "idempotent-examples",
-            "--example",
-            name,
-        ]);
-        if profile_dir.file_name().is_some_and(|p| p == "release") {
-            build.arg("--release");
-        }
-        let status = build.status().expect("run cargo build");
-        assert!(status.success(), "building the {name} example failed");
-        built.push(name);
-    }
-    path
-}
-
 /// A running server, killed on drop.
 pub struct Server {
     pub name: &'static str,
@@ -62,7 +26,7 @@ pub struct Server {
 impl Server {
     /// Starts `name` on a free port with extra options and waits for its `listening on` line.
     pub fn start(name: &'static str, options: &[&str]) -> Self {
-        let mut child = Command::new(binary(name))
+        let mut child = Command::new(idempotent_examples::testkit::example_binary(name))
             .args(["--addr", "127.0.0.1:0"])
             .args(options)
             .stdin(Stdio::null())

@@ -8,7 +8,6 @@ use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -24,41 +23,6 @@ pub const SERVERS: &[&str] = &["conformance_axum", "conformance_actix"];
 
 /// How long any one answer may take before the test calls it a hang.
 pub const ANSWER_DEADLINE: Duration = Duration::from_secs(30);
-
-static BUILT: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
-
-/// Builds the example once per test binary (`cargo test --test hostile` alone builds no
-/// examples), with the features the rest of the workspace uses, so the target dir is shared.
-fn binary(name: &'static str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>");
-    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
-    if !built.contains(&name) {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut build = Command::new(cargo);
-        build.args([
-            "build",
-            "--quiet",
-            "--all-features",
-            "-p",
-            "idempotent-examples",
-            "--example",
-            name,
-        ]);
-        if profile_dir.file_name().is_some_and(|p| p == "release") {
-            build.arg("--release");
-        }
-        assert!(
-            build.status().expect("run cargo build").success(),
-            "building the {name} example failed"
-        );
-        built.push(name);
-    }
-    profile_dir.join("examples").join(name)
-}
 
 /// A running conformance server, killed on drop. Its stderr goes to a file, so a test can
 /// check that nothing panicked.
@@ -82,7 +46,7 @@ impl Server {
             std::process::id(),
             rand_u64()
         ));
-        let mut child = Command::new(binary(name))
+        let mut child = Command::new(idempotent_examples::testkit::example_binary(name))
             .args(["--addr", addr])
             .args(options)
             .stdin(Stdio::null())

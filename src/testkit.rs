@@ -1,0 +1,118 @@
+//! What the workspace's integration tests share: the database they may use, a schema of their
+//! own in it, and the example binaries they start as servers.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Mutex;
+
+use sqlx::Connection;
+
+/// `DATABASE_URL`, or `None` after saying the test skips. With `IDEMPOTENT_REQUIRE_DB=1` (CI) a
+/// missing URL fails the test instead, so database tests cannot silently skip there.
+pub fn database_url() -> Option<String> {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) => Some(url),
+        Err(_) if std::env::var("IDEMPOTENT_REQUIRE_DB").as_deref() == Ok("1") => {
+            panic!("IDEMPOTENT_REQUIRE_DB=1 but DATABASE_URL is unset")
+        }
+        Err(_) => {
+            eprintln!("DATABASE_URL is unset: skipping this PostgreSQL test");
+            None
+        }
+    }
+}
+
+/// A PostgreSQL schema of the test's own, dropped with it, so tests run in parallel and leave
+/// nothing behind.
+pub struct Schema {
+    base: String,
+    name: String,
+}
+
+impl Schema {
+    /// Creates `idem_<prefix>_<random>`; `None` when the test skips (see [`database_url`]).
+    pub async fn new(prefix: &str) -> Option<Self> {
+        let base = database_url()?;
+        let name = format!(
+            "idem_{prefix}_{:016x}",
+            idempotent_runtime::store::FencingToken::mint().0
+        );
+        let mut conn = sqlx::PgConnection::connect(&base)
+            .await
+            .expect("connect to DATABASE_URL");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA \"{name}\"")))
+            .execute(&mut conn)
+            .await
+            .expect("create schema");
+        let _ = conn.close().await;
+        Some(Self { base, name })
+    }
+
+    /// The schema's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The database URL with this schema first on the `search_path`.
+    pub fn url(&self) -> String {
+        let sep = if self.base.contains('?') { '&' } else { '?' };
+        format!("{}{sep}options=-c%20search_path%3D{}", self.base, self.name)
+    }
+}
+
+impl Drop for Schema {
+    fn drop(&mut self) {
+        let url = self.base.clone();
+        let sql = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
+        // Drop may run inside a runtime, which cannot block on another: use a thread.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                if let Ok(mut conn) = sqlx::PgConnection::connect(&url).await {
+                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                        .execute(&mut conn)
+                        .await;
+                    let _ = conn.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// The path of example `name`, built once per test binary with the features the rest of the
+/// workspace uses (so the target dir is shared), and in the test's own profile: `cargo test
+/// --test x` alone builds no examples, and a stale server would test old code.
+pub fn example_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>");
+    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    if !built.iter().any(|b| b == name) {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut build = Command::new(cargo);
+        build.args([
+            "build",
+            "--quiet",
+            "--all-features",
+            "-p",
+            "idempotent-examples",
+            "--example",
+            name,
+        ]);
+        if profile_dir.file_name().is_some_and(|p| p == "release") {
+            build.arg("--release");
+        }
+        let status = build.status().expect("run cargo build");
+        assert!(status.success(), "building the {name} example failed");
+        built.push(name.to_owned());
+    }
+    profile_dir.join("examples").join(name)
+}
