@@ -332,6 +332,62 @@ mod tests {
         assert_eq!(RecordedResponse::decode_headers(&[0, 0, 0, 9, b'x']), None);
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn sweeper_empties_full_batches_at_once_and_stops_with_its_store() {
+        use crate::clock::ManualClock;
+        use crate::fingerprint::Fingerprint;
+        use crate::store::memory::MemoryStore;
+
+        let clock = ManualClock::new();
+        let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+        let scope = [7u8; 32];
+        for i in 0..1_200 {
+            let key = format!("k{i}");
+            let req = ClaimRequest {
+                scope: &scope,
+                key: &key,
+                quota_bucket: 7,
+                fingerprint: Fingerprint {
+                    version: 1,
+                    digest: [0; 32],
+                },
+                token: FencingToken::mint(),
+                lease: Duration::from_secs(1),
+                retention: Duration::from_secs(1),
+            };
+            assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+        }
+        let live = ClaimRequest {
+            scope: &scope,
+            key: "live",
+            quota_bucket: 7,
+            fingerprint: Fingerprint {
+                version: 1,
+                digest: [0; 32],
+            },
+            token: FencingToken::mint(),
+            lease: Duration::from_secs(3600),
+            retention: Duration::from_secs(1),
+        };
+        assert_eq!(store.claim(&live).await.unwrap(), Claim::Acquired);
+        clock.advance(Duration::from_secs(3));
+
+        let dyn_store: Arc<dyn Store> = store.clone();
+        let sweeper = spawn_sweeper(Arc::downgrade(&dyn_store), Duration::from_secs(1), 500);
+        // One cadence: the first tick sweeps 500, 500, then 200 without waiting for more ticks.
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        assert_eq!(
+            store.len(),
+            1,
+            "the expired records are gone, the live one stays"
+        );
+
+        drop(dyn_store);
+        drop(store);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(sweeper.is_finished(), "the sweeper outlived its store");
+    }
+
     #[test]
     fn minted_tokens_do_not_repeat() {
         let tokens: std::collections::HashSet<_> =
