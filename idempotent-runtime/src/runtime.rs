@@ -780,3 +780,70 @@ impl Drop for BufferPermit {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EndpointConfig;
+    use crate::scope::{Identity, Scope};
+
+    fn input<'a>(scope: &'a Scope, body: &'a [u8]) -> FingerprintInput<'a> {
+        FingerprintInput {
+            method: "POST",
+            route: Some("/orders"),
+            path_params: &[],
+            query: None,
+            scope,
+            content_type: None,
+            body,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_waits_for_claimed_handlers_up_to_the_grace() {
+        let handle = IdempotencyStore::builder(MemoryStore::default())
+            .config(
+                Config::builder()
+                    .shutdown_grace(Duration::from_secs(5))
+                    .build(),
+            )
+            .build();
+        let scope = Scope::from_identity(&Identity::subject("t", "u"), None).unwrap();
+        let key = IdempotencyKey::new("k").unwrap();
+        let endpoint = EndpointConfig::REQUIRED.resolve(handle.config());
+        let req = BeginRequest {
+            key: &key,
+            input: input(&scope, b"{}"),
+            endpoint: &endpoint,
+        };
+        let Begin::Run(reservation) = handle.begin(&req).await else {
+            panic!("a new key runs");
+        };
+        assert_eq!(handle.running(), 1);
+        assert!(
+            !handle.shutdown().await,
+            "returned while a handler was running"
+        );
+
+        let finisher = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            reservation.release().await;
+        });
+        assert!(handle.shutdown().await, "did not see the handler finish");
+        assert_eq!(handle.running(), 0);
+        finisher.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_buffer_budget_is_returned_when_permits_drop() {
+        let handle = IdempotencyStore::builder(MemoryStore::default())
+            .max_buffered_bytes(100)
+            .build();
+        let mut a = handle.buffer_permit(60).expect("within the budget");
+        assert!(handle.buffer_permit(60).is_none(), "over the budget");
+        assert!(!a.grow(41), "growing past the budget");
+        assert!(a.grow(40));
+        drop(a);
+        assert!(handle.buffer_permit(100).is_some(), "the budget came back");
+    }
+}
