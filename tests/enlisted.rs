@@ -351,19 +351,22 @@ async fn failures_roll_back_the_order_and_the_reservation_and_the_retry_runs() {
     )
     .await;
     let pool = checking_pool(&schema).await;
-    // (how the first run ends, the status it is answered with)
+    // (how the first run ends, the status it is answered with, the problem code if ours)
     let cases = [
-        ("status500", 500),
-        ("error", 503),
-        ("panic", 500),
-        ("not_replayable", 429),
-        ("big", 500),
+        ("status500", 500, None),
+        ("error", 503, None),
+        ("panic", 500, Some("IDEMPOTENCY_HANDLER_PANICKED")),
+        ("not_replayable", 429, None),
+        ("big", 500, Some("IDEMPOTENCY_NOT_RECORDED")),
     ];
-    for (ending, status) in cases {
+    for (ending, status, code) in cases {
         let key = format!("k-{ending}");
         let body = json!({ "item": "book", "first_run": ending });
         let failed = server.order(&key, &body).await;
         assert_eq!(failed.status, status, "{ending}: {failed:?}");
+        if code.is_some() {
+            assert_eq!(failed.code().as_deref(), code, "{ending}: {failed:?}");
+        }
         assert!(!failed.replayed);
         assert_eq!(
             rows_for(&pool, &key).await,

@@ -224,7 +224,7 @@ pub(crate) fn not_postgres(route: &str) -> Problem {
     );
     Problem::new(
         500,
-        ProblemCode::StoreUnavailable,
+        ProblemCode::StoreNotEnlistable,
         "this endpoint needs a PostgreSQL idempotency store, and none is configured",
     )
 }
@@ -446,7 +446,7 @@ pub(crate) fn not_recordable(route: &str) -> Problem {
     );
     Problem::new(
         500,
-        ProblemCode::HandlerPanicked,
+        ProblemCode::NotRecorded,
         "the response could not be recorded, so the request's changes were rolled back; it may \
          be retried with the same Idempotency-Key",
     )

@@ -32,6 +32,11 @@ pub enum ProblemCode {
     StoreFull,
     /// The handler panicked; the key was released.
     HandlerPanicked,
+    /// Enlisted mode: the response could not be recorded, so the request's changes were
+    /// rolled back; the key is free.
+    NotRecorded,
+    /// Enlisted mode: the endpoint needs the PostgreSQL store and another one is configured.
+    StoreNotEnlistable,
 }
 
 impl ProblemCode {
@@ -48,6 +53,8 @@ impl ProblemCode {
             Self::StoreUnavailable => "IDEMPOTENCY_STORE_UNAVAILABLE",
             Self::StoreFull => "IDEMPOTENCY_STORE_FULL",
             Self::HandlerPanicked => "IDEMPOTENCY_HANDLER_PANICKED",
+            Self::NotRecorded => "IDEMPOTENCY_NOT_RECORDED",
+            Self::StoreNotEnlistable => "IDEMPOTENCY_STORE_NOT_ENLISTABLE",
         }
     }
 
@@ -63,6 +70,8 @@ impl ProblemCode {
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::StoreFull => "Idempotency store full",
             Self::HandlerPanicked => "The request failed",
+            Self::NotRecorded => "The response could not be recorded",
+            Self::StoreNotEnlistable => "Enlisted endpoint without a PostgreSQL store",
         }
     }
 
@@ -78,6 +87,8 @@ impl ProblemCode {
             Self::StoreUnavailable => "store-unavailable",
             Self::StoreFull => "store-full",
             Self::HandlerPanicked => "handler-panicked",
+            Self::NotRecorded => "not-recorded",
+            Self::StoreNotEnlistable => "store-not-enlistable",
         }
     }
 }
