@@ -574,6 +574,19 @@ pub mod model {
         fn live(&self, key: u8) -> Option<&Rec> {
             self.records.get(&key).filter(|r| self.now < r.expires_at)
         }
+
+        /// What a token-conditional write (complete, release, renew) by `token` must answer:
+        /// `Some(true)` when `token` holds a live reservation, `Some(false)` when it holds
+        /// nothing, and `None` when its reservation is past expiry: gone either way for the
+        /// next claim, so a store may accept or refuse the write.
+        fn holds(&self, key: u8, token: FencingToken) -> Option<bool> {
+            match self.records.get(&key) {
+                Some(r) if r.token == token && r.completed.is_none() => {
+                    (self.now < r.expires_at).then_some(true)
+                }
+                _ => Some(false),
+            }
+        }
     }
 
     const RETENTION_S: u64 = 2;
@@ -687,15 +700,7 @@ pub mod model {
                         )
                         .await
                         .expect("complete");
-                    let expect = m.records.get(&k).is_some_and(|r| {
-                        r.token == token && r.completed.is_none() && m.now < r.expires_at
-                    });
-                    // A reservation past its expiry may be completed or refused: it is gone
-                    // either way for the next claim, so the model only checks live ones.
-                    let past_expiry = m.records.get(&k).is_some_and(|r| {
-                        r.token == token && r.completed.is_none() && m.now >= r.expires_at
-                    });
-                    if !past_expiry {
+                    if let Some(expect) = m.holds(k, token) {
                         assert_eq!(ok, expect, "{ctx}");
                     }
                     if ok {
@@ -712,13 +717,7 @@ pub mod model {
                         .release(&scope, &keys[k as usize], token)
                         .await
                         .expect("release");
-                    let expect = m.records.get(&k).is_some_and(|r| {
-                        r.token == token && r.completed.is_none() && m.now < r.expires_at
-                    });
-                    let past_expiry = m.records.get(&k).is_some_and(|r| {
-                        r.token == token && r.completed.is_none() && m.now >= r.expires_at
-                    });
-                    if !past_expiry {
+                    if let Some(expect) = m.holds(k, token) {
                         assert_eq!(ok, expect, "{ctx}");
                     }
                     if ok {
@@ -738,13 +737,7 @@ pub mod model {
                         .renew(&scope, &keys[k as usize], token, Duration::from_secs(lease))
                         .await
                         .expect("renew");
-                    let expect = m.records.get(&k).is_some_and(|r| {
-                        r.token == token && r.completed.is_none() && m.now < r.expires_at
-                    });
-                    let past_expiry = m.records.get(&k).is_some_and(|r| {
-                        r.token == token && r.completed.is_none() && m.now >= r.expires_at
-                    });
-                    if !past_expiry {
+                    if let Some(expect) = m.holds(k, token) {
                         assert_eq!(ok, expect, "{ctx}");
                     }
                     if ok {
