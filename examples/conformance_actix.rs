@@ -5,7 +5,7 @@
 //! cargo run --release --example conformance_actix -- --addr 127.0.0.1:0
 //! ```
 //!
-//! Every route takes the store from the application data (`web::Data<IdempotencyStore>`).
+//! Every route takes the store from the application data (`web::Data<Idempotency>`).
 //! `/orders` (attribute above `#[post]`), `/slow` (attribute below `#[post]`), `/notes`,
 //! `/status` and `/panic` (attribute with `.route().to()`) use the attribute;
 //! `/shops/{shop}/orders` (a scope) and `/search` (a resource) sit behind

@@ -7,7 +7,7 @@
 //!
 //! `/orders` and `/status` take the store from the application state (`FromRef`); `/notes`,
 //! `/shops/{shop}/orders`, `/slow` and `/panic` from the request extensions
-//! (`Extension<IdempotencyStore>`); `/search` and `/big` sit behind `IdempotencyLayer` (and
+//! (`Extension<Idempotency>`); `/search` and `/big` sit behind `IdempotencyLayer` (and
 //! `/big` also carries the attribute, which steps aside).
 
 use std::collections::HashMap;
@@ -25,18 +25,18 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use idempotent_examples::conformance::{Executions, Options, identity, shutdown_signal};
 use idempotent_runtime::axum::{IdempotencyLayer, idempotent};
-use idempotent_runtime::{IdempotencyContext, IdempotencyStore};
+use idempotent_runtime::{Idempotency, IdempotencyContext};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 #[derive(Clone)]
 struct AppState {
-    idempotency: IdempotencyStore,
+    idempotency: Idempotency,
     executions: Arc<Executions>,
     orders: Arc<Mutex<HashMap<u64, Value>>>,
 }
 
-impl FromRef<AppState> for IdempotencyStore {
+impl FromRef<AppState> for Idempotency {
     fn from_ref(state: &AppState) -> Self {
         state.idempotency.clone()
     }
@@ -87,7 +87,7 @@ async fn get_order(State(state): State<AppState>, Path(id): Path<u64>) -> Respon
 
 #[idempotent]
 async fn create_note(
-    Extension(_store): Extension<IdempotencyStore>,
+    Extension(_store): Extension<Idempotency>,
     State(state): State<AppState>,
     Json(_note): Json<Value>,
 ) -> (StatusCode, Json<Value>) {
@@ -97,7 +97,7 @@ async fn create_note(
 
 #[idempotent(require_key)]
 async fn create_shop_order(
-    Extension(_store): Extension<IdempotencyStore>,
+    Extension(_store): Extension<Idempotency>,
     State(state): State<AppState>,
     Path(shop): Path<String>,
     Json(_order): Json<Value>,
@@ -117,7 +117,7 @@ struct Slow {
 
 #[idempotent(require_key)]
 async fn slow(
-    Extension(_store): Extension<IdempotencyStore>,
+    Extension(_store): Extension<Idempotency>,
     State(state): State<AppState>,
     Query(slow): Query<Slow>,
 ) -> (StatusCode, Json<Value>) {
@@ -165,7 +165,7 @@ async fn big(State(state): State<AppState>, Query(big): Query<Big>) -> Response 
 
 #[idempotent(require_key)]
 async fn panic(
-    Extension(_store): Extension<IdempotencyStore>,
+    Extension(_store): Extension<Idempotency>,
     State(state): State<AppState>,
 ) -> StatusCode {
     state.executions.next("/panic");

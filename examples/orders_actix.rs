@@ -18,7 +18,7 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::middleware::{self, Next};
 use actix_web::{App, HttpMessage, HttpResponse, HttpServer, Responder, get, post, web};
 use idempotent_runtime::actix::idempotent;
-use idempotent_runtime::{IdempotencyStore, Identity};
+use idempotent_runtime::{Idempotency, Identity};
 use serde::{Deserialize, Serialize};
 
 #[derive(Default)]
@@ -88,19 +88,19 @@ async fn authenticate(
     next.call(request).await
 }
 
-async fn idempotency_store() -> Result<IdempotencyStore, Box<dyn std::error::Error>> {
+async fn idempotency_store() -> Result<Idempotency, Box<dyn std::error::Error>> {
     match std::env::var("DATABASE_URL") {
         Ok(url) if url.starts_with("postgres") => {
             let store = idempotent_runtime::store::postgres::PostgresStore::connect(&url).await?;
             store.migrate().await?;
             eprintln!("idempotency store: PostgreSQL");
-            Ok(IdempotencyStore::new(store))
+            Ok(Idempotency::new(store))
         }
         _ => {
             eprintln!(
                 "idempotency store: in memory (set DATABASE_URL=postgres://… for PostgreSQL)"
             );
-            Ok(IdempotencyStore::memory())
+            Ok(Idempotency::memory())
         }
     }
 }

@@ -23,18 +23,18 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idempotent_runtime::axum::idempotent;
-use idempotent_runtime::{IdempotencyStore, Identity};
+use idempotent_runtime::{Idempotency, Identity};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone)]
 struct AppState {
-    idempotency: IdempotencyStore,
+    idempotency: Idempotency,
     orders: Arc<Mutex<Vec<Order>>>,
     next_id: Arc<AtomicU64>,
 }
 
 /// How `#[idempotent]` finds the store: checked at compile time.
-impl FromRef<AppState> for IdempotencyStore {
+impl FromRef<AppState> for Idempotency {
     fn from_ref(state: &AppState) -> Self {
         state.idempotency.clone()
     }
@@ -115,24 +115,24 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
     next.run(request).await
 }
 
-async fn idempotency_store() -> Result<IdempotencyStore, Box<dyn std::error::Error>> {
+async fn idempotency_store() -> Result<Idempotency, Box<dyn std::error::Error>> {
     match std::env::var("DATABASE_URL") {
         Ok(url) if url.starts_with("postgres") => {
             let store = idempotent_runtime::store::postgres::PostgresStore::connect(&url).await?;
             store.migrate().await?;
             eprintln!("idempotency store: PostgreSQL");
-            Ok(IdempotencyStore::new(store))
+            Ok(Idempotency::new(store))
         }
         _ => {
             eprintln!(
                 "idempotency store: in memory (set DATABASE_URL=postgres://… for PostgreSQL)"
             );
-            Ok(IdempotencyStore::memory())
+            Ok(Idempotency::memory())
         }
     }
 }
 
-fn app(idempotency: IdempotencyStore) -> Router {
+fn app(idempotency: Idempotency) -> Router {
     let state = AppState {
         idempotency,
         orders: Arc::default(),

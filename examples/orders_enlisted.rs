@@ -25,7 +25,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::Idempotency;
 use idempotent_runtime::axum::idempotent;
 use idempotent_runtime::enlisted::EnlistedTx;
 use idempotent_runtime::store::postgres::PostgresStore;
@@ -34,12 +34,12 @@ use sqlx::PgPool;
 
 #[derive(Clone)]
 struct AppState {
-    idempotency: IdempotencyStore,
+    idempotency: Idempotency,
     db: PgPool,
     hold: Duration,
 }
 
-impl FromRef<AppState> for IdempotencyStore {
+impl FromRef<AppState> for Idempotency {
     fn from_ref(state: &AppState) -> Self {
         state.idempotency.clone()
     }
@@ -169,7 +169,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     store.migrate().await?;
     let db = store.pool().clone();
     sqlx::raw_sql(SCHEMA).execute(&db).await?;
-    let idempotency = IdempotencyStore::new(store);
+    let idempotency = Idempotency::new(store);
 
     let listener = tokio::net::TcpListener::bind(&addr)
         .await

@@ -30,7 +30,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use idempotent_runtime::axum::idempotent;
 use idempotent_runtime::store::postgres::PostgresStore;
-use idempotent_runtime::{IdempotencyContext, IdempotencyStore};
+use idempotent_runtime::{Idempotency, IdempotencyContext};
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::postgres::PgConnectOptions;
@@ -74,12 +74,12 @@ impl FakeProvider {
 
 #[derive(Clone)]
 pub struct AppState {
-    pub idempotency: IdempotencyStore,
+    pub idempotency: Idempotency,
     pub db: PgPool,
     pub provider: Arc<FakeProvider>,
 }
 
-impl FromRef<AppState> for IdempotencyStore {
+impl FromRef<AppState> for Idempotency {
     fn from_ref(state: &AppState) -> Self {
         state.idempotency.clone()
     }
@@ -244,7 +244,7 @@ pub async fn state(url: &str, schema: &str) -> Result<AppState, Box<dyn std::err
     let store = PostgresStore::builder().schema(schema).connect(url).await?;
     store.migrate().await?;
     Ok(AppState {
-        idempotency: IdempotencyStore::new(store),
+        idempotency: Idempotency::new(store),
         db,
         provider: Arc::default(),
     })

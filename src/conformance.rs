@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::Idempotency;
 use idempotent_runtime::config::{Config, MissingKeyStatus, ReuseStatus};
 use idempotent_runtime::scope::{ClientId, Identity};
 
@@ -129,9 +129,9 @@ impl Options {
     }
 
     /// The idempotency handle over the selected store (migrating SQL stores first).
-    pub async fn idempotency(&self) -> Result<IdempotencyStore, Box<dyn std::error::Error>> {
+    pub async fn idempotency(&self) -> Result<Idempotency, Box<dyn std::error::Error>> {
         match self.store {
-            StoreKind::Memory => Ok(IdempotencyStore::builder(
+            StoreKind::Memory => Ok(Idempotency::builder(
                 idempotent_runtime::store::memory::MemoryStore::default(),
             )
             .config(self.config())
@@ -146,7 +146,7 @@ impl Options {
                     .ok_or("--store postgres needs --database-url or DATABASE_URL")?;
                 let store = idempotent_runtime::store::postgres::PostgresStore::connect(url).await?;
                 store.migrate().await?;
-                Ok(IdempotencyStore::builder(store)
+                Ok(Idempotency::builder(store)
                     .config(self.config())
                     .build())
             }
@@ -162,7 +162,7 @@ impl Options {
                     .unwrap_or(url);
                 let store = idempotent_runtime::store::sqlite::SqliteStore::open(path).await?;
                 store.migrate().await?;
-                Ok(IdempotencyStore::builder(store)
+                Ok(Idempotency::builder(store)
                     .config(self.config())
                     .build())
             }

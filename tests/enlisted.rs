@@ -25,7 +25,7 @@ use axum::{Json, Router};
 use idempotent_examples::testkit::Schema;
 use idempotent_runtime::enlisted::EnlistedTx;
 use idempotent_runtime::store::postgres::PostgresStore;
-use idempotent_runtime::{IdempotencyContext, IdempotencyStore};
+use idempotent_runtime::{Idempotency, IdempotencyContext};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -74,7 +74,7 @@ async fn rows_for(pool: &PgPool, key: &str) -> (i64, i64) {
 
 #[derive(Clone)]
 struct AppState {
-    idempotency: IdempotencyStore,
+    idempotency: Idempotency,
     /// How long the handler holds its transaction after writing.
     hold: Duration,
     /// Handler runs per key.
@@ -85,7 +85,7 @@ struct AppState {
     gate: Arc<Notify>,
 }
 
-impl FromRef<AppState> for IdempotencyStore {
+impl FromRef<AppState> for Idempotency {
     fn from_ref(state: &AppState) -> Self {
         state.idempotency.clone()
     }
@@ -202,7 +202,7 @@ async fn postgres_store(schema: &Schema, connections: u32) -> PostgresStore {
     store
 }
 
-async fn serve(idempotency: IdempotencyStore, hold: Duration) -> TestServer {
+async fn serve(idempotency: Idempotency, hold: Duration) -> TestServer {
     let (pids_tx, pids) = mpsc::unbounded_channel();
     let runs = Arc::new(Mutex::new(HashMap::new()));
     let gate = Arc::new(Notify::new());
@@ -306,7 +306,7 @@ async fn first_request_commits_order_and_record_together_then_replays() {
         return;
     };
     let server = serve(
-        IdempotencyStore::new(postgres_store(&schema, 8).await),
+        Idempotency::new(postgres_store(&schema, 8).await),
         Duration::ZERO,
     )
     .await;
@@ -346,7 +346,7 @@ async fn failures_roll_back_the_order_and_the_reservation_and_the_retry_runs() {
         return;
     };
     let server = serve(
-        IdempotencyStore::new(postgres_store(&schema, 8).await),
+        Idempotency::new(postgres_store(&schema, 8).await),
         Duration::ZERO,
     )
     .await;
@@ -396,7 +396,7 @@ async fn killed_connection_leaves_neither_order_nor_record() {
         return;
     };
     let mut server = serve(
-        IdempotencyStore::new(postgres_store(&schema, 8).await),
+        Idempotency::new(postgres_store(&schema, 8).await),
         Duration::ZERO,
     )
     .await;
@@ -448,7 +448,7 @@ async fn duplicate_during_open_transaction_is_409_whatever_its_body() {
         return;
     };
     let mut server = serve(
-        IdempotencyStore::new(postgres_store(&schema, 20).await),
+        Idempotency::new(postgres_store(&schema, 20).await),
         Duration::ZERO,
     )
     .await;
@@ -526,13 +526,7 @@ async fn concurrent_duplicates_run_each_key_once_and_never_wait_on_a_lock() {
     const SENDS: usize = 16;
     const KEYS_AT_ONCE: usize = 8;
     let hold = Duration::from_millis(200);
-    let server = Arc::new(
-        serve(
-            IdempotencyStore::new(postgres_store(&schema, 40).await),
-            hold,
-        )
-        .await,
-    );
+    let server = Arc::new(serve(Idempotency::new(postgres_store(&schema, 40).await), hold).await);
     let pool = checking_pool(&schema).await;
 
     let mut in_progress: Vec<Duration> = Vec::new();
@@ -630,7 +624,7 @@ async fn keyless_request_commits_or_rolls_back_by_its_status() {
         return;
     };
     let server = serve(
-        IdempotencyStore::new(postgres_store(&schema, 4).await),
+        Idempotency::new(postgres_store(&schema, 4).await),
         Duration::ZERO,
     )
     .await;
@@ -660,7 +654,7 @@ async fn keyless_request_commits_or_rolls_back_by_its_status() {
 /// An enlisted handler over a store that is not PostgreSQL answers 500 without running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enlisted_handler_over_another_store_answers_500_without_running() {
-    let server = serve(IdempotencyStore::memory(), Duration::ZERO).await;
+    let server = serve(Idempotency::memory(), Duration::ZERO).await;
     let answer = server.order("k-memory", &json!({ "item": "book" })).await;
     assert_eq!(answer.status, 500, "{answer:?}");
     assert!(answer.body.contains("PostgreSQL"), "{answer:?}");
@@ -703,7 +697,7 @@ mod actix_server {
 
     /// Starts the server on its own thread; returns its base URL and the run counter.
     pub(super) fn start(
-        store: IdempotencyStore,
+        store: Idempotency,
     ) -> (String, web::Data<Runs>, actix_web::dev::ServerHandle) {
         let runs = web::Data::new(Runs(Mutex::new(HashMap::new())));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -740,7 +734,7 @@ async fn actix_enlisted_handler_rolls_back_then_commits_and_replays() {
     let Some(schema) = Schema::new("actix").await else {
         return;
     };
-    let store = IdempotencyStore::new(postgres_store(&schema, 4).await);
+    let store = Idempotency::new(postgres_store(&schema, 4).await);
     let (url, runs, handle) = actix_server::start(store);
     let pool = checking_pool(&schema).await;
     let client = reqwest::Client::new();

@@ -14,7 +14,7 @@ use axum::Router;
 use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::routing::post;
-use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::Idempotency;
 use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
 use serde::{Deserialize, Serialize};
 
@@ -86,7 +86,7 @@ pub fn bare_router() -> Router {
 }
 
 /// The axum router with `#[idempotent]` over `store`.
-pub fn idempotent_router(store: IdempotencyStore) -> Router {
+pub fn idempotent_router(store: Idempotency) -> Router {
     Router::new()
         .route(ROUTE, post(create_order_idempotent))
         .with_state(store)
@@ -94,7 +94,7 @@ pub fn idempotent_router(store: IdempotencyStore) -> Router {
 
 /// A memory store that never refuses for room: a load test from one address is one scope, and
 /// it must measure the claim path, not the per-scope quota's refusal.
-pub fn unbounded_memory_store() -> IdempotencyStore {
+pub fn unbounded_memory_store() -> Idempotency {
     let store = MemoryStore::builder()
         .limits(MemoryLimits {
             max_records: usize::MAX,
@@ -102,29 +102,29 @@ pub fn unbounded_memory_store() -> IdempotencyStore {
             max_records_per_scope: usize::MAX,
         })
         .build();
-    IdempotencyStore::builder(store)
+    Idempotency::builder(store)
         .max_buffered_bytes(usize::MAX / 2)
         .build()
 }
 
 /// Our PostgreSQL store at `url`, migrated, with a pool of `connections`.
-pub async fn postgres_store(url: &str, connections: u32) -> IdempotencyStore {
+pub async fn postgres_store(url: &str, connections: u32) -> Idempotency {
     let store = idempotent_runtime::store::postgres::PostgresStore::builder()
         .max_connections(connections)
         .connect(url)
         .await
         .expect("connect to PostgreSQL");
     store.migrate().await.expect("migrate");
-    IdempotencyStore::new(store)
+    Idempotency::new(store)
 }
 
 /// Our SQLite store in the file at `path`, migrated.
-pub async fn sqlite_store(path: &str) -> IdempotencyStore {
+pub async fn sqlite_store(path: &str) -> Idempotency {
     let store = idempotent_runtime::store::sqlite::SqliteStore::open(path)
         .await
         .expect("open SQLite");
     store.migrate().await.expect("migrate");
-    IdempotencyStore::new(store)
+    Idempotency::new(store)
 }
 
 /// The peer `cratestack-axum` + `cratestack-sqlx` (=0.8.15): its `IdempotencyLayer` over its

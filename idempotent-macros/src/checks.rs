@@ -115,7 +115,7 @@ pub(crate) fn buffered_body_probe(rt: &TokenStream, ty: &Type) -> TokenStream {
 }
 
 /// The early store assertion: the first error then names the missing
-/// `IdempotencyStore: FromRef<AppState>` instead of a vague `Handler` error at `.route()`.
+/// `Idempotency: FromRef<AppState>` instead of a vague `Handler` error at `.route()`.
 pub(crate) fn state_provides_store(rt: &TokenStream, state: &Type) -> TokenStream {
     let (first, last) = first_last_span(state);
     let path = quote_spanned!(first=> #rt::__private::axum::assert_state_provides_store::<#state>);

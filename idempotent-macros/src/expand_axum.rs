@@ -118,7 +118,7 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
 
     let from_extension = params.iter().any(|p| match p {
         Param::Plain(ty) => checks::single_generic(ty, "Extension")
-            .is_some_and(|t| checks::is_named(t, "IdempotencyStore")),
+            .is_some_and(|t| checks::is_named(t, "Idempotency")),
         _ => false,
     });
     let source = if from_extension {

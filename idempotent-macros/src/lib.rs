@@ -28,9 +28,9 @@ mod expand_axum;
 /// Durations take `ms`, `s`, `m`, `h` or `d`; sizes take `B`, `KiB`, `MiB`, `GiB`, `KB`, `MB`,
 /// `GB` (or none, for bytes). The handler's last parameter is wrapped in the runtime's
 /// extractor, which buffers the body, claims the key and answers replays and refusals before
-/// the handler runs; the store comes from the application state (`IdempotencyStore:
+/// the handler runs; the store comes from the application state (`Idempotency:
 /// FromRef<AppState>`), or from the request extensions when the handler takes an
-/// `Extension<IdempotencyStore>` parameter. Parameters of type `IdempotencyContext` (with
+/// `Extension<Idempotency>` parameter. Parameters of type `IdempotencyContext` (with
 /// `require_key`) or `Option<IdempotencyContext>` receive the claimed request's context.
 ///
 /// With `enlisted` (the `postgres` feature), the key is claimed inside a transaction the
@@ -67,7 +67,7 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// The handler is rewritten to take the request and its raw payload: the runtime buffers the
 /// body and runs the handler's own extractors on it, then claims the key and answers replays
 /// and refusals, or runs the handler in a task of its own. The store comes from the
-/// application data (`web::Data<IdempotencyStore>`). Works above or below `#[post("/…")]` and
+/// application data (`web::Data<Idempotency>`). Works above or below `#[post("/…")]` and
 /// with `.route("/…", web::post().to(handler))`. `web::Payload` and `Multipart` parameters are
 /// compile errors: a streamed body cannot be fingerprinted.
 #[proc_macro_attribute]

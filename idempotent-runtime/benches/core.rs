@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::Idempotency;
 use idempotent_runtime::config::{Effective, EndpointConfig};
 use idempotent_runtime::fingerprint::{self, FingerprintInput};
 use idempotent_runtime::key::IdempotencyKey;
@@ -55,7 +55,7 @@ fn memory_store(c: &mut Criterion) {
             max_records_per_scope: usize::MAX,
         })
         .build();
-    let handle = rt.block_on(async { IdempotencyStore::new(store) });
+    let handle = rt.block_on(async { Idempotency::new(store) });
     let scope = Scope::from_identity(&Identity::subject("acme", "alice"), None).unwrap();
     let body = vec![b'x'; 1024];
     let endpoint: Effective = EndpointConfig::REQUIRED.resolve(handle.config());

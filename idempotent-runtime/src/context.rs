@@ -47,7 +47,7 @@ impl IdempotencyContext {
     pub fn derived_key(&self, purpose: &str) -> String {
         let mut h = Sha256::new();
         h.update(b"idempotent-derived/v1\n");
-        let mut enc = crate::fingerprint::Encoder(&mut h);
+        let mut enc = crate::digest::Encoder(&mut h);
         enc.bytes(&self.scope);
         enc.bytes(self.key.as_str().as_bytes());
         enc.bytes(purpose.as_bytes());

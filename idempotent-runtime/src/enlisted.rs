@@ -24,7 +24,7 @@
 //! (and a different body is 422).
 //!
 //! Enlisted handlers need the PostgreSQL store ([`PostgresStore`]) behind the
-//! [`IdempotencyStore`]: with another store they answer 500 and log how to fix it. The
+//! [`Idempotency`]: with another store they answer 500 and log how to fix it. The
 //! handler's statements run on one of the store's connections, under its `lock_timeout` and
 //! `statement_timeout` (use `SET LOCAL` through the transaction to change them). A request
 //! without a key (where the key is optional) runs in a transaction too, committed or rolled
@@ -69,7 +69,7 @@ use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
 use crate::problem::{Problem, ProblemCode};
 use crate::record::{self, Claimed};
-use crate::runtime::{Begin, BeginRequest, ClaimMode, ClaimPlan, IdempotencyStore, RunningGuard};
+use crate::runtime::{Begin, BeginRequest, ClaimMode, ClaimPlan, Idempotency, RunningGuard};
 use crate::scope::ScopeHash;
 use crate::store::postgres::PostgresStore;
 use crate::store::{FencingToken, RecordedResponse, Store, StoreError};
@@ -164,7 +164,7 @@ impl ClaimMode for Enlisted {
     type Held = Held;
 
     fn begin<'a>(
-        handle: &'a IdempotencyStore,
+        handle: &'a Idempotency,
         req: &'a BeginRequest<'a>,
     ) -> impl Future<Output = Begin<Held>> + Send + 'a {
         begin(handle, req)
@@ -218,7 +218,7 @@ pub(crate) fn postgres(store: &Arc<dyn Store>) -> Option<&PostgresStore> {
 pub(crate) fn not_postgres(route: &str) -> Problem {
     tracing::error!(
         route,
-        "#[idempotent(enlisted)] needs the PostgreSQL store: build the IdempotencyStore over \
+        "#[idempotent(enlisted)] needs the PostgreSQL store: build the Idempotency over \
          idempotent_runtime::store::postgres::PostgresStore, or remove `enlisted` to run this \
          handler in detached mode"
     );
@@ -229,7 +229,7 @@ pub(crate) fn not_postgres(route: &str) -> Problem {
     )
 }
 
-fn unavailable(handle: &IdempotencyStore, route: &str, error: &StoreError) -> Problem {
+fn unavailable(handle: &Idempotency, route: &str, error: &StoreError) -> Problem {
     observe::count(Event::StoreError, route);
     tracing::warn!(route, %error, "enlisted transaction could not start or claim");
     Problem::new(
@@ -241,7 +241,7 @@ fn unavailable(handle: &IdempotencyStore, route: &str, error: &StoreError) -> Pr
 }
 
 fn settle_for(
-    handle: &IdempotencyStore,
+    handle: &Idempotency,
     store: Arc<dyn Store>,
     reserved: Option<Reserved>,
     retention: Duration,
@@ -262,7 +262,7 @@ fn settle_for(
 
 /// A transaction without a reservation, for a keyless request on an endpoint whose key is
 /// optional.
-pub(crate) async fn begin_unkeyed(handle: &IdempotencyStore, route: &str) -> Result<Held, Problem> {
+pub(crate) async fn begin_unkeyed(handle: &Idempotency, route: &str) -> Result<Held, Problem> {
     let store = Arc::clone(handle.store());
     let Some(pg) = postgres(&store) else {
         return Err(not_postgres(route));
@@ -279,7 +279,7 @@ pub(crate) async fn begin_unkeyed(handle: &IdempotencyStore, route: &str) -> Res
 }
 
 /// Opens the transaction, takes the key's try-lock and claims the key in it.
-async fn begin(handle: &IdempotencyStore, req: &BeginRequest<'_>) -> Begin<Held> {
+async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
     let plan = ClaimPlan::new(req, handle.contributor());
     let route = plan.route;
     let store = Arc::clone(handle.store());

@@ -14,6 +14,7 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::digest::Encoder;
 use crate::scope::Scope;
 
 /// The encoding version new fingerprints are computed with.
@@ -173,7 +174,7 @@ pub fn compute_version(
     }
     match replaced(Segment::Query) {
         Some(v) => enc.opt_bytes(v.as_deref()),
-        None => enc.query(input.query),
+        None => encode_query(&mut enc, input.query),
     }
     input.scope.encode_segments(&mut enc);
     match replaced(Segment::ContentType) {
@@ -195,61 +196,34 @@ pub fn compute_version(
     })
 }
 
-/// Writes framed segments into a running SHA-256.
-pub(crate) struct Encoder<'h>(pub(crate) &'h mut Sha256);
-
-impl Encoder<'_> {
-    pub(crate) fn absent(&mut self) {
-        self.0.update([0x00]);
-    }
-
-    pub(crate) fn bytes(&mut self, value: &[u8]) {
-        self.0.update([0x01]);
-        self.0.update((value.len() as u64).to_be_bytes());
-        self.0.update(value);
-    }
-
-    pub(crate) fn opt_bytes(&mut self, value: Option<&[u8]>) {
+/// Query pairs, raw, sorted stably by name and framed by their count.
+fn encode_query(enc: &mut Encoder<'_>, query: Option<&str>) {
+    let Some(query) = query else {
+        return enc.absent();
+    };
+    let mut pairs: Vec<(&str, Option<&str>)> = if query.is_empty() {
+        Vec::new()
+    } else {
+        query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((name, value)) => (name, Some(value)),
+                None => (pair, None),
+            })
+            .collect()
+    };
+    pairs.sort_by(|a, b| a.0.cmp(b.0));
+    enc.list(pairs.len());
+    for (name, value) in pairs {
         match value {
-            Some(v) => self.bytes(v),
-            None => self.absent(),
-        }
-    }
-
-    fn list(&mut self, count: usize) {
-        self.0.update([0x02]);
-        self.0.update((count as u64).to_be_bytes());
-    }
-
-    /// Query pairs, raw, sorted stably by name and framed by their count.
-    fn query(&mut self, query: Option<&str>) {
-        let Some(query) = query else {
-            return self.absent();
-        };
-        let mut pairs: Vec<(&str, Option<&str>)> = if query.is_empty() {
-            Vec::new()
-        } else {
-            query
-                .split('&')
-                .map(|pair| match pair.split_once('=') {
-                    Some((name, value)) => (name, Some(value)),
-                    None => (pair, None),
-                })
-                .collect()
-        };
-        pairs.sort_by(|a, b| a.0.cmp(b.0));
-        self.list(pairs.len());
-        for (name, value) in pairs {
-            match value {
-                Some(value) => {
-                    self.list(2);
-                    self.bytes(name.as_bytes());
-                    self.bytes(value.as_bytes());
-                }
-                None => {
-                    self.list(1);
-                    self.bytes(name.as_bytes());
-                }
+            Some(value) => {
+                enc.list(2);
+                enc.bytes(name.as_bytes());
+                enc.bytes(value.as_bytes());
+            }
+            None => {
+                enc.list(1);
+                enc.bytes(name.as_bytes());
             }
         }
     }

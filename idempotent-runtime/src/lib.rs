@@ -18,6 +18,7 @@ pub mod axum;
 pub mod clock;
 pub mod config;
 pub mod context;
+mod digest;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod enlisted;
@@ -33,7 +34,7 @@ pub mod store;
 
 pub use config::{Config, EndpointConfig};
 pub use context::IdempotencyContext;
-pub use runtime::IdempotencyStore;
+pub use runtime::Idempotency;
 pub use scope::{ClientId, Identity};
 
 #[doc(hidden)]

@@ -5,6 +5,7 @@ use std::fmt;
 
 use sha2::{Digest, Sha256};
 
+pub use crate::digest::ShortHash;
 use crate::scope::ScopeHash;
 
 /// Each decision the runtime counts. The `metrics` counter is `idempotent_<name>_total`.
@@ -134,18 +135,6 @@ impl AuditSink for DiscardAudit {
 /// SHA-256 of a key, the only form in which a key leaves the runtime.
 pub fn key_hash(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
-}
-
-/// The first eight bytes of a hash in hex, for log lines.
-pub struct ShortHash<'a>(pub &'a [u8; 32]);
-
-impl fmt::Display for ShortHash<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for b in &self.0[..8] {
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
-    }
 }
 
 /// A key's short hash for log lines, computed only if the line is actually written.

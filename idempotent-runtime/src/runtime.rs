@@ -1,4 +1,4 @@
-//! The handle applications share ([`IdempotencyStore`]) and the framework-free request pipeline
+//! The handle applications share ([`Idempotency`]) and the framework-free request pipeline
 //! the axum and actix integrations drive: begin (claim and decide), run the claimed handler under
 //! a renewed lease, then record or release.
 
@@ -29,15 +29,15 @@ pub const SWEEP_BATCH: usize = 500;
 /// `FromRef<AppState>`; actix: `web::Data`).
 ///
 /// ```
-/// use idempotent_runtime::IdempotencyStore;
+/// use idempotent_runtime::Idempotency;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// let idempotency = IdempotencyStore::memory();
+/// let idempotency = Idempotency::memory();
 /// assert_eq!(idempotency.config().lease().as_secs(), 60);
 /// # }
 /// ```
 #[derive(Clone)]
-pub struct IdempotencyStore {
+pub struct Idempotency {
     inner: Arc<Inner>,
 }
 
@@ -60,16 +60,16 @@ impl Drop for Inner {
     }
 }
 
-impl std::fmt::Debug for IdempotencyStore {
+impl std::fmt::Debug for Idempotency {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IdempotencyStore")
+        f.debug_struct("Idempotency")
             .field("config", &self.inner.config)
             .field("running", &self.running())
             .finish_non_exhaustive()
     }
 }
 
-/// Builds an [`IdempotencyStore`].
+/// Builds an [`Idempotency`].
 #[must_use]
 pub struct Builder {
     store: Arc<dyn Store>,
@@ -114,7 +114,7 @@ impl Builder {
     }
 
     /// The handle.
-    pub fn build(self) -> IdempotencyStore {
+    pub fn build(self) -> Idempotency {
         let sweeper = (self.sweeper && tokio::runtime::Handle::try_current().is_ok()).then(|| {
             crate::store::spawn_sweeper(
                 Arc::downgrade(&self.store),
@@ -122,7 +122,7 @@ impl Builder {
                 SWEEP_BATCH,
             )
         });
-        IdempotencyStore {
+        Idempotency {
             inner: Arc::new(Inner {
                 store: self.store,
                 config: self.config,
@@ -203,7 +203,7 @@ impl<'a> ClaimPlan<'a> {
     }
 }
 
-/// How a framework pipeline claims a key: detached ([`IdempotencyStore::begin`]) or enlisted
+/// How a framework pipeline claims a key: detached ([`Idempotency::begin`]) or enlisted
 /// (in the transaction the handler then writes through). Monomorphised, so the detached path
 /// pays nothing for the choice.
 #[cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
@@ -212,7 +212,7 @@ pub(crate) trait ClaimMode {
     type Held: Send + 'static;
 
     fn begin<'a>(
-        handle: &'a IdempotencyStore,
+        handle: &'a Idempotency,
         req: &'a BeginRequest<'a>,
     ) -> impl Future<Output = Begin<Self::Held>> + Send + 'a;
 }
@@ -225,14 +225,14 @@ impl ClaimMode for Detached {
     type Held = Reservation;
 
     fn begin<'a>(
-        handle: &'a IdempotencyStore,
+        handle: &'a Idempotency,
         req: &'a BeginRequest<'a>,
     ) -> impl Future<Output = Begin> + Send + 'a {
         handle.begin(req)
     }
 }
 
-impl IdempotencyStore {
+impl Idempotency {
     /// The fingerprint hook, for the enlisted pipeline (which claims outside [`Self::begin`]).
     #[cfg_attr(
         not(all(feature = "postgres", any(feature = "axum", feature = "actix"))),
@@ -801,7 +801,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn shutdown_waits_for_claimed_handlers_up_to_the_grace() {
-        let handle = IdempotencyStore::builder(MemoryStore::default())
+        let handle = Idempotency::builder(MemoryStore::default())
             .config(
                 Config::builder()
                     .shutdown_grace(Duration::from_secs(5))
@@ -836,7 +836,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_buffer_budget_is_returned_when_permits_drop() {
-        let handle = IdempotencyStore::builder(MemoryStore::default())
+        let handle = Idempotency::builder(MemoryStore::default())
             .max_buffered_bytes(100)
             .build();
         let mut a = handle.buffer_permit(60).expect("within the budget");

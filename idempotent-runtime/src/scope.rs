@@ -11,7 +11,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 
-use crate::fingerprint::Encoder;
+use crate::digest::Encoder;
 
 /// SHA-256 of the scope segments.
 pub type ScopeHash = [u8; 32];
@@ -133,7 +133,7 @@ pub struct Scope {
 
 impl fmt::Debug for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Scope({})", crate::observe::ShortHash(&self.hash))
+        write!(f, "Scope({})", crate::digest::ShortHash(&self.hash))
     }
 }
 

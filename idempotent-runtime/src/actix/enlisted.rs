@@ -13,7 +13,7 @@ use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
 use crate::enlisted::{self, Enlisted, EnlistedTx, Held, Settle};
 use crate::record;
-use crate::runtime::{BufferPermit, IdempotencyStore};
+use crate::runtime::{BufferPermit, Idempotency};
 use crate::store::RecordedResponse;
 
 /// The rewritten enlisted handler's body: as [`super::__private::handle`], with the
@@ -95,7 +95,7 @@ where
 /// Runs the handler in a task of its own (a client that disconnects never cancels it), then
 /// commits or rolls back.
 async fn execute<F>(
-    store: IdempotencyStore,
+    store: Idempotency,
     settle: Settle,
     permit: Option<BufferPermit>,
     route: String,
@@ -127,7 +127,7 @@ where
 /// (503 if the commit failed); anything else → roll back and answer. A recordable status whose
 /// response cannot be recorded rolls back and answers 500.
 async fn settle_response(
-    store: &IdempotencyStore,
+    store: &Idempotency,
     settle: Settle,
     tx: EnlistedTx,
     response: HttpResponse,

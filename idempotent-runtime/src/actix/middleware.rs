@@ -21,7 +21,7 @@ use crate::config::EndpointConfig;
 /// Requests with other methods (HEAD, OPTIONS, GET, …) and requests that match no route
 /// (default services) pass through untouched. Where this middleware and the attribute both
 /// apply, the outer one decides and the attribute steps aside. The store is the
-/// `web::Data<IdempotencyStore>` of the application data.
+/// `web::Data<Idempotency>` of the application data.
 ///
 /// Claimed handlers run in their own task, so a client that disconnects does not cancel them:
 /// the response is still recorded and the client's retry gets the replay. A service inside this
@@ -29,11 +29,11 @@ use crate::config::EndpointConfig;
 ///
 /// ```
 /// use actix_web::{App, HttpResponse, web};
-/// use idempotent_runtime::IdempotencyStore;
+/// use idempotent_runtime::Idempotency;
 /// use idempotent_runtime::actix::IdempotencyMiddleware;
 ///
 /// # #[actix_web::main] async fn main() {
-/// let store = web::Data::new(IdempotencyStore::memory());
+/// let store = web::Data::new(Idempotency::memory());
 /// let app = App::new().app_data(store).service(
 ///     web::scope("/payments")
 ///         .wrap(IdempotencyMiddleware::new().require_key())

@@ -5,7 +5,7 @@
 //!
 //! ```
 //! use actix_web::{App, HttpResponse, Responder, post, web};
-//! use idempotent_runtime::IdempotencyStore;
+//! use idempotent_runtime::Idempotency;
 //! use idempotent_runtime::actix::idempotent;
 //!
 //! #[idempotent(require_key)]
@@ -15,7 +15,7 @@
 //! }
 //!
 //! # #[actix_web::main] async fn main() {
-//! let store = web::Data::new(IdempotencyStore::memory());
+//! let store = web::Data::new(Idempotency::memory());
 //! let app = App::new().app_data(store.clone()).service(create_order);
 //! # let _ = actix_web::test::init_service(app).await;
 //! // after the server stopped: let claimed handlers finish
@@ -37,7 +37,7 @@
 //!
 //! # Shutdown
 //!
-//! Call [`IdempotencyStore::shutdown`](crate::IdempotencyStore::shutdown) after the server
+//! Call [`Idempotency::shutdown`](crate::Idempotency::shutdown) after the server
 //! stopped. actix-web's graceful shutdown waits for requests whose client is still connected
 //! (`HttpServer::shutdown_timeout`, which should match `shutdown_grace`), then stops its workers;
 //! a claimed handler whose client had already gone is cancelled with its worker, like a crash:
@@ -74,6 +74,7 @@ use crate::context::IdempotencyContext;
 mod enlisted;
 mod middleware;
 mod pipeline;
+mod probe;
 #[cfg(test)]
 mod tests;
 
@@ -231,49 +232,5 @@ pub mod __private {
         value.respond_to(req).map_into_boxed_body()
     }
 
-    /// Compile-time check that a handler parameter does not stream the request body.
-    pub struct Probe<T>(core::marker::PhantomData<T>);
-
-    impl<T> Probe<T> {
-        /// A probe for `T`.
-        pub const fn new() -> Self {
-            Self(core::marker::PhantomData)
-        }
-    }
-
-    impl<T> Default for Probe<T> {
-        fn default() -> Self {
-            Self::new()
-        }
-    }
-
-    /// Implemented by the extractors that stream the request body.
-    pub trait Streaming {}
-    impl Streaming for web::Payload {}
-    impl Streaming for dev::Payload {}
-
-    /// A request body `#[idempotent]` can buffer.
-    #[diagnostic::on_unimplemented(
-        message = "`{Self}` streams the request body, which an #[idempotent] handler cannot take",
-        label = "streaming request body",
-        note = "#[idempotent] buffers the body to fingerprint it and hands it to the handler's \
-                extractors: take `web::Bytes`, `String`, `web::Json<T>` or `web::Form<T>` instead"
-    )]
-    pub trait BufferedBody {}
-
-    impl<T: Streaming> Probe<T> {
-        /// Chosen over [`NotStreaming::check`] for streaming types, and fails to compile.
-        pub fn check(&self)
-        where
-            T: BufferedBody,
-        {
-        }
-    }
-
-    /// The fallback [`Probe::check`] for every other type.
-    pub trait NotStreaming {
-        /// Accepts the type.
-        fn check(&self) {}
-    }
-    impl<T> NotStreaming for Probe<T> {}
+    pub use super::probe::{BufferedBody, NotStreaming, Probe, Streaming};
 }

@@ -22,7 +22,7 @@ use crate::key::{self, IdempotencyKey};
 use crate::problem::{self, Problem};
 use crate::record;
 use crate::runtime::{
-    Begin, BeginRequest, BufferPermit, ClaimMode, Detached, IdempotencyStore, Outcome, Reservation,
+    Begin, BeginRequest, BufferPermit, ClaimMode, Detached, Idempotency, Outcome, Reservation,
 };
 use crate::scope::{self, Identity};
 use crate::store::RecordedResponse;
@@ -85,7 +85,7 @@ pub(crate) enum Claimed<R = Reservation> {
 
 /// A claimed request, ready to run.
 pub(crate) struct Run<R = Reservation> {
-    pub(crate) store: IdempotencyStore,
+    pub(crate) store: Idempotency,
     pub(crate) reservation: R,
     pub(crate) body: Bytes,
     pub(crate) context: IdempotencyContext,
@@ -93,20 +93,20 @@ pub(crate) struct Run<R = Reservation> {
     pub(crate) route: String,
 }
 
-/// The store handle from the application data: `web::Data<IdempotencyStore>`, or a plain
-/// `IdempotencyStore` registered with `app_data`.
-pub(crate) fn store_of(req: &HttpRequest) -> Option<IdempotencyStore> {
-    req.app_data::<web::Data<IdempotencyStore>>()
-        .map(|data| IdempotencyStore::clone(data))
-        .or_else(|| req.app_data::<IdempotencyStore>().cloned())
+/// The store handle from the application data: `web::Data<Idempotency>`, or a plain
+/// `Idempotency` registered with `app_data`.
+pub(crate) fn store_of(req: &HttpRequest) -> Option<Idempotency> {
+    req.app_data::<web::Data<Idempotency>>()
+        .map(|data| Idempotency::clone(data))
+        .or_else(|| req.app_data::<Idempotency>().cloned())
 }
 
 /// The answer when the application registered no store: a setup mistake, said loudly.
 pub(crate) fn store_missing(route: &str) -> HttpResponse {
     tracing::error!(
         route,
-        "no IdempotencyStore in the application data: register one with \
-         App::new().app_data(web::Data::new(IdempotencyStore::memory()))"
+        "no Idempotency in the application data: register one with \
+         App::new().app_data(web::Data::new(Idempotency::memory()))"
     );
     HttpResponse::InternalServerError()
         .content_type("text/plain; charset=utf-8")
@@ -117,7 +117,7 @@ pub(crate) fn store_missing(route: &str) -> HttpResponse {
 pub(crate) async fn read(
     req: &HttpRequest,
     mut payload: dev::Payload,
-    store: &IdempotencyStore,
+    store: &Idempotency,
     endpoint: &EndpointConfig,
     target: Target,
 ) -> Read {
@@ -145,18 +145,14 @@ pub(crate) async fn read(
 }
 
 /// Steps 3–4 of the pipeline: scope and claim.
-pub(crate) async fn claim(
-    req: &HttpRequest,
-    store: &IdempotencyStore,
-    buffered: Buffered,
-) -> Claimed {
+pub(crate) async fn claim(req: &HttpRequest, store: &Idempotency, buffered: Buffered) -> Claimed {
     claim_with::<Detached>(req, store, buffered).await
 }
 
 /// [`claim`], claiming the key the way `M` does.
 pub(crate) async fn claim_with<M: ClaimMode>(
     req: &HttpRequest,
-    store: &IdempotencyStore,
+    store: &Idempotency,
     buffered: Buffered,
 ) -> Claimed<M::Held> {
     let Buffered {
@@ -229,7 +225,7 @@ pub(crate) async fn claim_with<M: ClaimMode>(
 async fn buffer(
     req: &HttpRequest,
     payload: &mut dev::Payload,
-    store: &IdempotencyStore,
+    store: &Idempotency,
     max_body: usize,
     route: &str,
 ) -> Result<(Bytes, Option<BufferPermit>), HttpResponse> {
@@ -342,7 +338,7 @@ fn run_panicked(route: &str) -> HttpResponse {
 
 /// Records a recordable response before it is sent; releases the key otherwise.
 async fn settle(
-    store: &IdempotencyStore,
+    store: &Idempotency,
     reservation: Reservation,
     response: HttpResponse,
 ) -> HttpResponse {
@@ -410,7 +406,7 @@ pub(crate) enum Collected {
 
 /// Reads a response body up to `cap` bytes. Reading consumes the stream, so what was read is
 /// handed back to be sent when the body does not end within the cap.
-pub(crate) async fn collect(body: &mut BoxBody, cap: usize, store: &IdempotencyStore) -> Collected {
+pub(crate) async fn collect(body: &mut BoxBody, cap: usize, store: &Idempotency) -> Collected {
     let mut permit = store.buffer_permit(0);
     let mut read = BytesMut::new();
     loop {

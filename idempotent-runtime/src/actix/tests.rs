@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use super::{IdempotencyMiddleware, idempotent};
 use crate::scope::Identity;
-use crate::{IdempotencyContext, IdempotencyStore};
+use crate::{Idempotency, IdempotencyContext};
 
 #[derive(Default)]
 struct Runs(AtomicUsize);
@@ -68,7 +68,7 @@ async fn middleware_passes_other_methods_and_unmatched_routes_through() {
     let runs = web::Data::new(Runs::default());
     let app = test::init_service(
         App::new()
-            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(web::Data::new(Idempotency::memory()))
             .app_data(runs.clone())
             .service(
                 web::scope("/api")
@@ -105,7 +105,7 @@ async fn middleware_applies_to_the_methods_it_is_given() {
     let runs = web::Data::new(Runs::default());
     let app = test::init_service(
         App::new()
-            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(web::Data::new(Idempotency::memory()))
             .app_data(runs.clone())
             .service(
                 web::resource("/x")
@@ -127,7 +127,7 @@ async fn attribute_steps_aside_under_the_middleware() {
     let runs = web::Data::new(Runs::default());
     let app = test::init_service(
         App::new()
-            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(web::Data::new(Idempotency::memory()))
             .app_data(runs.clone())
             .service(
                 web::resource("/x")
@@ -153,7 +153,7 @@ async fn nested_middlewares_let_the_outer_one_decide() {
     let runs = web::Data::new(Runs::default());
     let app = test::init_service(
         App::new()
-            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(web::Data::new(Idempotency::memory()))
             .app_data(runs.clone())
             .wrap(IdempotencyMiddleware::new())
             .service(
@@ -194,7 +194,7 @@ async fn anonymous_request_without_peer_address_is_scope_unresolved() {
     let runs = web::Data::new(Runs::default());
     let app = test::init_service(
         App::new()
-            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(web::Data::new(Idempotency::memory()))
             .app_data(runs.clone())
             .route("/x", web::post().to(attributed)),
     )
@@ -239,7 +239,7 @@ async fn context_carries_a_derived_key_scoped_to_the_caller() {
     let runs = web::Data::new(Runs::default());
     let app = test::init_service(
         App::new()
-            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(web::Data::new(Idempotency::memory()))
             .app_data(runs.clone())
             .wrap_fn(|req, srv| {
                 let subject = req
@@ -289,7 +289,7 @@ async fn endpoint_caps_apply_to_request_and_response() {
     let runs = web::Data::new(Runs::default());
     let app = test::init_service(
         App::new()
-            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(web::Data::new(Idempotency::memory()))
             .app_data(runs.clone())
             .route("/small", web::post().to(small)),
     )
@@ -320,7 +320,7 @@ async fn endpoint_caps_apply_to_request_and_response() {
 
 #[actix_web::test]
 async fn running_handlers_are_tracked_for_shutdown() {
-    let store = IdempotencyStore::memory();
+    let store = Idempotency::memory();
     let started = Arc::new(tokio::sync::Notify::new());
     let release = Arc::new(tokio::sync::Notify::new());
     let app = {
@@ -388,7 +388,7 @@ async fn extractors_run_before_the_claim_and_on_replays() {
     let runs = web::Data::new(Runs::default());
     let app = test::init_service(
         App::new()
-            .app_data(web::Data::new(IdempotencyStore::memory()))
+            .app_data(web::Data::new(Idempotency::memory()))
             .app_data(runs.clone())
             .route("/pay", web::post().to(as_user)),
     )

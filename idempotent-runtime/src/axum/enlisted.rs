@@ -18,7 +18,7 @@ use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
 use crate::enlisted::{self, Enlisted, EnlistedTx, Held, Settle};
 use crate::record;
-use crate::runtime::{BufferPermit, IdempotencyStore};
+use crate::runtime::{BufferPermit, Idempotency};
 use crate::store::RecordedResponse;
 
 /// The wrapper `#[idempotent(enlisted)]` puts around a handler's last parameter. Extracting it
@@ -60,7 +60,7 @@ pub struct EnlistedIdempotent<
 }
 
 struct Session {
-    handle: IdempotencyStore,
+    handle: Idempotency,
     held: Held,
     permit: Option<BufferPermit>,
     route: String,
@@ -133,7 +133,7 @@ where
         }
         let Some(handle) = Src::store(request.extensions(), state) else {
             tracing::error!(
-                "#[idempotent] handler found no IdempotencyStore in the request extensions: add \
+                "#[idempotent] handler found no Idempotency in the request extensions: add \
                  `.layer(Extension(store))` to the router"
             );
             return Err(StatusCode::INTERNAL_SERVER_ERROR.into_response());
@@ -195,7 +195,7 @@ where
 /// (503 if the commit failed); anything else → roll back and answer. A recordable status whose
 /// response cannot be recorded rolls back and answers 500.
 async fn settle_response(
-    handle: &IdempotencyStore,
+    handle: &Idempotency,
     settle: Settle,
     tx: EnlistedTx,
     response: Response,

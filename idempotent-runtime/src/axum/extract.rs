@@ -12,36 +12,36 @@ use http::request::Parts;
 use super::pipeline::{self, LayerApplied, Prepared};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
-use crate::runtime::{BufferPermit, IdempotencyStore, Reservation};
+use crate::runtime::{BufferPermit, Idempotency, Reservation};
 
-/// Where the extractor finds the [`IdempotencyStore`].
+/// Where the extractor finds the [`Idempotency`].
 pub trait StoreSource<S>: Send + Sync + 'static {
     /// The handle, or `None` when the application did not provide one.
-    fn store(parts: &http::Extensions, state: &S) -> Option<IdempotencyStore>;
+    fn store(parts: &http::Extensions, state: &S) -> Option<Idempotency>;
 }
 
-/// From the application state: `IdempotencyStore: FromRef<S>`, checked at compile time (the
+/// From the application state: `Idempotency: FromRef<S>`, checked at compile time (the
 /// default).
 #[derive(Debug)]
 pub enum FromState {}
 
 impl<S> StoreSource<S> for FromState
 where
-    IdempotencyStore: FromRef<S>,
+    Idempotency: FromRef<S>,
 {
-    fn store(_: &http::Extensions, state: &S) -> Option<IdempotencyStore> {
-        Some(IdempotencyStore::from_ref(state))
+    fn store(_: &http::Extensions, state: &S) -> Option<Idempotency> {
+        Some(Idempotency::from_ref(state))
     }
 }
 
 /// From the request extensions (`.layer(Extension(store))`), checked only at run time: a
-/// missing store answers 500. Chosen when the handler takes an `Extension<IdempotencyStore>`.
+/// missing store answers 500. Chosen when the handler takes an `Extension<Idempotency>`.
 #[derive(Debug)]
 pub enum FromExtension {}
 
 impl<S> StoreSource<S> for FromExtension {
-    fn store(extensions: &http::Extensions, _: &S) -> Option<IdempotencyStore> {
-        extensions.get::<IdempotencyStore>().cloned()
+    fn store(extensions: &http::Extensions, _: &S) -> Option<Idempotency> {
+        extensions.get::<Idempotency>().cloned()
     }
 }
 
@@ -76,7 +76,7 @@ pub struct Idempotent<
 }
 
 struct Session {
-    handle: IdempotencyStore,
+    handle: Idempotency,
     reservation: Reservation,
     permit: Option<BufferPermit>,
     route: String,
@@ -159,7 +159,7 @@ where
         }
         let Some(handle) = Src::store(request.extensions(), state) else {
             tracing::error!(
-                "#[idempotent] handler found no IdempotencyStore in the request extensions: add \
+                "#[idempotent] handler found no Idempotency in the request extensions: add \
                  `.layer(Extension(store))` to the router"
             );
             return Err(StatusCode::INTERNAL_SERVER_ERROR.into_response());

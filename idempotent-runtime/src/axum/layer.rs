@@ -13,7 +13,7 @@ use tower_service::Service;
 
 use super::pipeline::{self, LayerApplied, Prepared};
 use crate::config::EndpointConfig;
-use crate::runtime::IdempotencyStore;
+use crate::runtime::Idempotency;
 
 /// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
 /// checks only). It applies to POST and PATCH by default and passes other methods, HEAD,
@@ -25,11 +25,11 @@ use crate::runtime::IdempotencyStore;
 ///
 /// ```
 /// use axum::{Router, routing::post};
-/// use idempotent_runtime::IdempotencyStore;
+/// use idempotent_runtime::Idempotency;
 /// use idempotent_runtime::axum::IdempotencyLayer;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// let store = IdempotencyStore::memory();
+/// let store = Idempotency::memory();
 /// let app: Router = Router::new()
 ///     .route("/payments", post(|| async { "paid" }))
 ///     .layer(IdempotencyLayer::new(store).require_key());
@@ -42,14 +42,14 @@ pub struct IdempotencyLayer {
 
 #[derive(Debug, Clone)]
 struct Shared {
-    store: IdempotencyStore,
+    store: Idempotency,
     endpoint: EndpointConfig,
     methods: Vec<Method>,
 }
 
 impl IdempotencyLayer {
     /// A layer over `store`: key optional, POST and PATCH.
-    pub fn new(store: IdempotencyStore) -> Self {
+    pub fn new(store: Idempotency) -> Self {
         Self {
             shared: Arc::new(Shared {
                 store,

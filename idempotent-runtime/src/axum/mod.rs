@@ -1,24 +1,24 @@
 //! axum 0.8 integration: the `#[idempotent]` attribute, the [`Idempotent`] extractor it wraps a
 //! handler's last parameter in, and [`IdempotencyLayer`] for whole routers.
 //!
-//! The store comes from the application state (`IdempotencyStore: FromRef<AppState>`, checked
+//! The store comes from the application state (`Idempotency: FromRef<AppState>`, checked
 //! at compile time), or from the request extensions when the handler takes an
-//! `Extension<IdempotencyStore>` parameter. The caller's identity is an
+//! `Extension<Idempotency>` parameter. The caller's identity is an
 //! [`Identity`](crate::Identity) the application's auth middleware (or an earlier extractor)
 //! inserts into the request extensions; anonymous callers are scoped by their peer address, so
 //! serve with `into_make_service_with_connect_info::<SocketAddr>()`.
 //!
 //! ```
 //! use axum::{Json, Router, extract::State, http::StatusCode, routing::post};
-//! use idempotent_runtime::IdempotencyStore;
+//! use idempotent_runtime::Idempotency;
 //! use idempotent_runtime::axum::idempotent;
 //!
 //! #[derive(Clone)]
 //! struct AppState {
-//!     idempotency: IdempotencyStore,
+//!     idempotency: Idempotency,
 //! }
 //!
-//! impl axum::extract::FromRef<AppState> for IdempotencyStore {
+//! impl axum::extract::FromRef<AppState> for Idempotency {
 //!     fn from_ref(state: &AppState) -> Self {
 //!         state.idempotency.clone()
 //!     }
@@ -35,7 +35,7 @@
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
 //! let app: Router = Router::new()
 //!     .route("/orders", post(create_order))
-//!     .with_state(AppState { idempotency: IdempotencyStore::memory() });
+//!     .with_state(AppState { idempotency: Idempotency::memory() });
 //! # }
 //! ```
 

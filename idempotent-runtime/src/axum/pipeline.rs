@@ -21,7 +21,7 @@ use crate::fingerprint::FingerprintInput;
 use crate::key::{self, HEADER_NAME};
 use crate::problem::{self, Problem};
 use crate::runtime::{
-    Begin, BeginRequest, BufferPermit, ClaimMode, Detached, IdempotencyStore, Outcome, Reservation,
+    Begin, BeginRequest, BufferPermit, ClaimMode, Detached, Idempotency, Outcome, Reservation,
 };
 use crate::scope::{self, Identity};
 use crate::store::RecordedResponse;
@@ -54,7 +54,7 @@ pub(crate) struct Claimed<R = Reservation> {
 
 /// Key syntax → key presence → body → scope → claim.
 pub(crate) async fn prepare(
-    handle: &IdempotencyStore,
+    handle: &Idempotency,
     endpoint: &EndpointConfig,
     request: Request,
 ) -> Prepared {
@@ -63,7 +63,7 @@ pub(crate) async fn prepare(
 
 /// [`prepare`], claiming the key the way `M` does.
 pub(crate) async fn prepare_with<M: ClaimMode>(
-    handle: &IdempotencyStore,
+    handle: &Idempotency,
     endpoint: &EndpointConfig,
     request: Request,
 ) -> Prepared<M::Held> {
@@ -167,7 +167,7 @@ pub(crate) async fn prepare_with<M: ClaimMode>(
 
 /// Reads the whole request body under the cap, the read timeout and the global buffer budget.
 async fn buffer_body(
-    handle: &IdempotencyStore,
+    handle: &Idempotency,
     headers: &http::HeaderMap,
     body: Body,
     max_body: usize,
@@ -236,7 +236,7 @@ async fn buffer_body(
 /// cancels it, and records or releases its response. Work that is done at its first poll has
 /// nothing left to cancel, so it is answered without a task.
 pub(crate) async fn run_claimed<F>(
-    handle: IdempotencyStore,
+    handle: Idempotency,
     mut reservation: Reservation,
     permit: Option<BufferPermit>,
     route: String,
@@ -275,7 +275,7 @@ where
 /// Records a recordable response before it is returned; releases the key otherwise. The first
 /// response is never marked replayed.
 pub(crate) async fn settle(
-    handle: &IdempotencyStore,
+    handle: &Idempotency,
     reservation: Reservation,
     response: Response,
 ) -> Response {
@@ -325,7 +325,7 @@ pub(crate) enum Read {
     Unrecordable(Body),
 }
 
-pub(crate) async fn read_capped(handle: &IdempotencyStore, mut body: Body, cap: usize) -> Read {
+pub(crate) async fn read_capped(handle: &Idempotency, mut body: Body, cap: usize) -> Read {
     let hint = body.size_hint().lower() as usize;
     let mut permit = handle.buffer_permit(hint.min(cap));
     let mut reserved = hint.min(cap);

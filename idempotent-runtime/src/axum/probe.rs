@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 
 use axum::extract::FromRef;
 
-use crate::runtime::IdempotencyStore;
+use crate::runtime::Idempotency;
 
 /// A request body `#[idempotent]` can buffer, fingerprint and replay. Only streaming bodies are
 /// asked for it, and none of them has it.
@@ -67,9 +67,9 @@ impl<T: ?Sized> CheckOther for BodyProbe<T> {}
 pub fn require_buffered_body<K: Accepted>(_: K) {}
 
 /// The early store assertion on the `State<S>` a handler names: fails with
-/// "`IdempotencyStore: FromRef<S>` is not satisfied" when the state cannot provide the store.
+/// "`Idempotency: FromRef<S>` is not satisfied" when the state cannot provide the store.
 pub fn assert_state_provides_store<S>()
 where
-    IdempotencyStore: FromRef<S>,
+    Idempotency: FromRef<S>,
 {
 }

@@ -17,15 +17,15 @@ use http_body_util::BodyExt;
 use tower_service::Service;
 
 use super::{IdempotencyLayer, idempotent};
-use crate::{IdempotencyContext, IdempotencyStore};
+use crate::{Idempotency, IdempotencyContext};
 
 #[derive(Clone)]
 struct App {
-    store: IdempotencyStore,
+    store: Idempotency,
     runs: Arc<AtomicUsize>,
 }
 
-impl axum::extract::FromRef<App> for IdempotencyStore {
+impl axum::extract::FromRef<App> for Idempotency {
     fn from_ref(app: &App) -> Self {
         app.store.clone()
     }
@@ -42,7 +42,7 @@ async fn plain(State(app): State<App>) -> &'static str {
     "plain"
 }
 
-fn app(store: IdempotencyStore) -> (Router, Arc<AtomicUsize>) {
+fn app(store: Idempotency) -> (Router, Arc<AtomicUsize>) {
     let runs = Arc::new(AtomicUsize::new(0));
     let router = Router::new()
         .route("/create", post(create))
@@ -82,7 +82,7 @@ fn code(body: &str) -> String {
 
 #[tokio::test]
 async fn anonymous_request_without_a_peer_address_is_500_scope_unresolved() {
-    let (router, runs) = app(IdempotencyStore::memory());
+    let (router, runs) = app(Idempotency::memory());
     let (status, headers, body) = call(&router, post_with_key("/create", "k", "x")).await;
     assert_eq!(status, 500);
     assert_eq!(headers["content-type"], "application/problem+json");
@@ -92,7 +92,7 @@ async fn anonymous_request_without_a_peer_address_is_500_scope_unresolved() {
 
 #[tokio::test]
 async fn credentials_without_a_published_identity_are_500_not_the_peer_scope() {
-    let (router, runs) = app(IdempotencyStore::memory());
+    let (router, runs) = app(Idempotency::memory());
     let router = router.layer(peer());
     let mut request = post_with_key("/create", "k", "x");
     request
@@ -106,7 +106,7 @@ async fn credentials_without_a_published_identity_are_500_not_the_peer_scope() {
 
 #[tokio::test]
 async fn exhausted_buffer_budget_is_503_with_retry_after() {
-    let store = IdempotencyStore::builder(crate::store::memory::MemoryStore::default())
+    let store = Idempotency::builder(crate::store::memory::MemoryStore::default())
         .max_buffered_bytes(4)
         .build();
     let (router, runs) = app(store);
@@ -124,7 +124,7 @@ async fn exhausted_buffer_budget_is_503_with_retry_after() {
 
 #[tokio::test]
 async fn the_context_is_stable_across_the_replay() {
-    let (router, runs) = app(IdempotencyStore::memory());
+    let (router, runs) = app(Idempotency::memory());
     let router = router.layer(peer());
     let (s1, h1, first) = call(&router, post_with_key("/create", "k", "x")).await;
     let (s2, h2, again) = call(&router, post_with_key("/create", "k", "x")).await;
@@ -138,7 +138,7 @@ async fn the_context_is_stable_across_the_replay() {
 
 #[tokio::test]
 async fn the_layer_applies_to_post_and_passes_other_requests_through() {
-    let store = IdempotencyStore::memory();
+    let store = Idempotency::memory();
     let runs = Arc::new(AtomicUsize::new(0));
     let router = Router::new()
         .route("/plain", get(plain).post(plain).put(plain))
@@ -252,7 +252,7 @@ impl crate::store::Store for Flaky {
 async fn unreachable_store_when_claiming_is_503_and_nothing_runs() {
     let flaky = Arc::new(Flaky::default());
     flaky.fail_claim.store(true, Ordering::SeqCst);
-    let store = IdempotencyStore::builder_arc(flaky).build();
+    let store = Idempotency::builder_arc(flaky).build();
     let (router, runs) = app(store);
     let router = router.layer(peer());
     let (status, headers, body) = call(&router, post_with_key("/create", "k", "x")).await;
@@ -266,7 +266,7 @@ async fn unreachable_store_when_claiming_is_503_and_nothing_runs() {
 async fn unreachable_store_when_recording_still_sends_the_response() {
     let flaky = Arc::new(Flaky::default());
     flaky.fail_complete.store(true, Ordering::SeqCst);
-    let store = IdempotencyStore::builder_arc(flaky).build();
+    let store = Idempotency::builder_arc(flaky).build();
     let (router, runs) = app(store);
     let router = router.layer(peer());
     let (status, headers, body) = call(&router, post_with_key("/create", "k", "x")).await;

@@ -13,7 +13,7 @@
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), sqlx::Error> {
-//! use idempotent_runtime::IdempotencyStore;
+//! use idempotent_runtime::Idempotency;
 //! use idempotent_runtime::store::postgres::PostgresStore;
 //!
 //! let store = PostgresStore::builder()
@@ -22,7 +22,7 @@
 //!     .connect("postgres://app@db/app")
 //!     .await?;
 //! store.migrate().await?;
-//! let idempotency = IdempotencyStore::builder(store).build();
+//! let idempotency = Idempotency::builder(store).build();
 //! # Ok(()) }
 //! ```
 

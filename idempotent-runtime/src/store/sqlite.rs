@@ -9,7 +9,7 @@
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), sqlx::Error> {
-//! use idempotent_runtime::IdempotencyStore;
+//! use idempotent_runtime::Idempotency;
 //! use idempotent_runtime::store::sqlite::SqliteStore;
 //!
 //! let store = SqliteStore::builder()
@@ -17,7 +17,7 @@
 //!     .open("idempotency.db")
 //!     .await?;
 //! store.migrate().await?;
-//! let idempotency = IdempotencyStore::builder(store).build();
+//! let idempotency = Idempotency::builder(store).build();
 //! # Ok(()) }
 //! ```
 

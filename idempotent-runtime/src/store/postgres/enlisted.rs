@@ -41,7 +41,7 @@ impl PostgresStore {
     pub(crate) fn enlisted_lock_key(&self, scope: &ScopeHash, key: &str) -> i64 {
         let mut h = Sha256::new();
         h.update(b"idempotent-enlisted/v1\n");
-        let mut enc = crate::fingerprint::Encoder(&mut h);
+        let mut enc = crate::digest::Encoder(&mut h);
         enc.bytes(self.table.qualified.as_bytes());
         enc.bytes(scope);
         enc.bytes(key.as_bytes());

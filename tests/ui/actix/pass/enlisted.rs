@@ -1,7 +1,7 @@
 use actix_web::{App, HttpResponse, post, web};
 use idempotent_runtime::actix::idempotent;
 use idempotent_runtime::enlisted::EnlistedTx;
-use idempotent_runtime::{IdempotencyContext, IdempotencyStore};
+use idempotent_runtime::{IdempotencyContext, Idempotency};
 
 #[idempotent(require_key, enlisted)]
 #[post("/orders")]
@@ -29,7 +29,7 @@ async fn optional(body: String, tx: &mut EnlistedTx) -> HttpResponse {
 
 fn main() {
     let _app = App::new()
-        .app_data(web::Data::new(IdempotencyStore::memory()))
+        .app_data(web::Data::new(Idempotency::memory()))
         .service(create_order)
         .route("/optional", web::post().to(optional));
 }

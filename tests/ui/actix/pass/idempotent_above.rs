@@ -2,7 +2,7 @@
 
 use actix_web::{App, HttpResponse, Responder, post, web};
 use idempotent_runtime::actix::idempotent;
-use idempotent_runtime::{IdempotencyContext, IdempotencyStore};
+use idempotent_runtime::{IdempotencyContext, Idempotency};
 
 #[derive(serde::Deserialize)]
 struct NewOrder {
@@ -23,6 +23,6 @@ async fn create(
 
 fn main() {
     let _ = App::new()
-        .app_data(web::Data::new(IdempotencyStore::memory()))
+        .app_data(web::Data::new(Idempotency::memory()))
         .service(create);
 }

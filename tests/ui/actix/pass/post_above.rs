@@ -1,7 +1,7 @@
 //! `#[post]` above `#[idempotent]`: the route macro re-emits the function inside its factory.
 
 use actix_web::{App, HttpResponse, post, web};
-use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::Idempotency;
 use idempotent_runtime::actix::idempotent;
 
 #[post("/orders")]
@@ -12,6 +12,6 @@ async fn create(body: web::Json<serde_json::Value>) -> HttpResponse {
 
 fn main() {
     let _ = App::new()
-        .app_data(web::Data::new(IdempotencyStore::memory()))
+        .app_data(web::Data::new(Idempotency::memory()))
         .service(create);
 }

@@ -3,7 +3,7 @@
 
 use actix_web::{App, HttpResponse, error, web};
 use idempotent_runtime::actix::idempotent;
-use idempotent_runtime::{IdempotencyContext, IdempotencyStore};
+use idempotent_runtime::{IdempotencyContext, Idempotency};
 
 #[idempotent]
 async fn ping() -> &'static str {
@@ -29,7 +29,7 @@ async fn bytes(body: web::Bytes) -> HttpResponse {
 
 fn main() {
     let _ = App::new()
-        .app_data(web::Data::new(IdempotencyStore::memory()))
+        .app_data(web::Data::new(Idempotency::memory()))
         .route("/ping", web::post().to(ping))
         .route("/notes", web::post().to(note))
         .route("/bytes", web::post().to(bytes));

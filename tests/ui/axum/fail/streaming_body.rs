@@ -1,5 +1,5 @@
 use axum::body::Body;
-use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::Idempotency;
 use idempotent_runtime::axum::idempotent;
 
 #[idempotent(require_key)]
@@ -12,5 +12,5 @@ fn main() {
     let _ = Body::empty();
     let _app: axum::Router = axum::Router::new()
         .route("/upload", axum::routing::post(upload))
-        .with_state(IdempotencyStore::memory());
+        .with_state(Idempotency::memory());
 }

@@ -1,12 +1,12 @@
 use axum::routing::post;
 use axum::{Extension, Json, Router};
 use idempotent_runtime::axum::idempotent;
-use idempotent_runtime::{IdempotencyContext, IdempotencyStore};
+use idempotent_runtime::{IdempotencyContext, Idempotency};
 
 // The store comes from the request extensions, so the router needs no state.
 #[idempotent(require_key)]
 async fn charge(
-    Extension(_store): Extension<IdempotencyStore>,
+    Extension(_store): Extension<Idempotency>,
     context: IdempotencyContext,
     Json(amount): Json<u64>,
 ) -> String {
@@ -16,7 +16,7 @@ async fn charge(
 #[idempotent]
 async fn maybe(
     context: Option<IdempotencyContext>,
-    Extension(_store): Extension<IdempotencyStore>,
+    Extension(_store): Extension<Idempotency>,
 ) -> String {
     context.map(|c| c.derived_key("note")).unwrap_or_default()
 }
@@ -25,5 +25,5 @@ fn main() {
     let _app: Router = Router::new()
         .route("/charge", post(charge))
         .route("/maybe", post(maybe))
-        .layer(Extension(IdempotencyStore::memory()));
+        .layer(Extension(Idempotency::memory()));
 }

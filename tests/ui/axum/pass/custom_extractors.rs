@@ -4,7 +4,7 @@ use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::routing::post;
 use idempotent_runtime::axum::idempotent;
-use idempotent_runtime::{IdempotencyStore, Identity};
+use idempotent_runtime::{Idempotency, Identity};
 
 /// An auth extractor that runs before the last parameter and publishes the caller's identity.
 struct User(String);
@@ -41,12 +41,12 @@ impl<S: Send + Sync> FromRequest<S> for Upper {
 }
 
 #[idempotent(require_key)]
-async fn shout(State(_s): State<IdempotencyStore>, User(user): User, Upper(text): Upper) -> String {
+async fn shout(State(_s): State<Idempotency>, User(user): User, Upper(text): Upper) -> String {
     format!("{user}: {text}")
 }
 
 #[idempotent(require_key)]
-async fn whoami(State(_s): State<IdempotencyStore>, User(user): User) -> String {
+async fn whoami(State(_s): State<Idempotency>, User(user): User) -> String {
     user
 }
 
@@ -54,5 +54,5 @@ fn main() {
     let _app: Router = Router::new()
         .route("/shout", post(shout))
         .route("/whoami", post(whoami))
-        .with_state(IdempotencyStore::memory());
+        .with_state(Idempotency::memory());
 }

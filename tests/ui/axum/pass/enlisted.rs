@@ -4,14 +4,14 @@ use axum::routing::post;
 use axum::{Json, Router};
 use idempotent_runtime::axum::idempotent;
 use idempotent_runtime::enlisted::EnlistedTx;
-use idempotent_runtime::{IdempotencyContext, IdempotencyStore};
+use idempotent_runtime::{IdempotencyContext, Idempotency};
 
 #[derive(Clone)]
 struct AppState {
-    idempotency: IdempotencyStore,
+    idempotency: Idempotency,
 }
 
-impl FromRef<AppState> for IdempotencyStore {
+impl FromRef<AppState> for Idempotency {
     fn from_ref(state: &AppState) -> Self {
         state.idempotency.clone()
     }
@@ -58,6 +58,6 @@ fn main() {
         .route("/optional", post(optional))
         .route("/bare", post(bare))
         .with_state(AppState {
-            idempotency: IdempotencyStore::memory(),
+            idempotency: Idempotency::memory(),
         });
 }

@@ -3,7 +3,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::{Json, Router};
-use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::Idempotency;
 use idempotent_runtime::axum::idempotent;
 
 struct ApiError;
@@ -20,7 +20,7 @@ fn parse(v: &serde_json::Value) -> Result<u64, ApiError> {
 
 #[idempotent(require_key)]
 async fn create(
-    State(_s): State<IdempotencyStore>,
+    State(_s): State<Idempotency>,
     Json(v): Json<serde_json::Value>,
 ) -> Result<impl IntoResponse, ApiError> {
     let n = parse(&v)?;
@@ -40,5 +40,5 @@ fn main() {
     let _app: Router = Router::new()
         .route("/create", post(create))
         .route("/opaque", post(opaque))
-        .with_state(IdempotencyStore::memory());
+        .with_state(Idempotency::memory());
 }

@@ -2,7 +2,7 @@ use axum::Router;
 use axum::http::Method;
 use axum::routing::post;
 use idempotent_runtime::axum::{IdempotencyLayer, idempotent};
-use idempotent_runtime::{EndpointConfig, IdempotencyContext, IdempotencyStore};
+use idempotent_runtime::{EndpointConfig, IdempotencyContext, Idempotency};
 
 async fn plain(context: IdempotencyContext) -> String {
     context.derived_key("plain")
@@ -15,7 +15,7 @@ async fn both(body: String) -> String {
 }
 
 fn main() {
-    let store = IdempotencyStore::memory();
+    let store = Idempotency::memory();
     let _app: Router = Router::new()
         .route("/plain", post(plain))
         .route("/both", post(both))

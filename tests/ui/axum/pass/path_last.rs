@@ -1,7 +1,7 @@
 use axum::Router;
 use axum::extract::{Path, Query, State};
 use axum::routing::post;
-use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::Idempotency;
 use idempotent_runtime::axum::idempotent;
 use serde::Deserialize;
 
@@ -11,7 +11,7 @@ struct Page {
 }
 
 #[idempotent(require_key)]
-async fn by_path(State(_store): State<IdempotencyStore>, Path(id): Path<u32>) -> String {
+async fn by_path(State(_store): State<Idempotency>, Path(id): Path<u32>) -> String {
     id.to_string()
 }
 
@@ -24,5 +24,5 @@ fn main() {
     let _app: Router = Router::new()
         .route("/items/{id}", post(by_path))
         .route("/pages", post(by_query))
-        .with_state(IdempotencyStore::memory());
+        .with_state(Idempotency::memory());
 }

@@ -10,5 +10,5 @@ async fn create(body: String) -> String {
 fn main() {
     let _app: Router = Router::new()
         .route("/create", post(create))
-        .with_state(rt::IdempotencyStore::memory());
+        .with_state(rt::Idempotency::memory());
 }

@@ -1,7 +1,7 @@
 // With both the `axum` and `actix` features on, the short path needs `framework = axum`.
 use axum::Router;
 use axum::routing::post;
-use idempotent_runtime::{IdempotencyStore, idempotent};
+use idempotent_runtime::{Idempotency, idempotent};
 
 #[idempotent(framework = axum, require_key)]
 async fn create(body: String) -> String {
@@ -11,5 +11,5 @@ async fn create(body: String) -> String {
 fn main() {
     let _app: Router = Router::new()
         .route("/create", post(create))
-        .with_state(IdempotencyStore::memory());
+        .with_state(Idempotency::memory());
 }

@@ -2,16 +2,16 @@ use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
-use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::Idempotency;
 use idempotent_runtime::axum::idempotent;
 use serde::Deserialize;
 
 #[derive(Clone)]
 struct AppState {
-    idempotency: IdempotencyStore,
+    idempotency: Idempotency,
 }
 
-impl FromRef<AppState> for IdempotencyStore {
+impl FromRef<AppState> for Idempotency {
     fn from_ref(state: &AppState) -> Self {
         state.idempotency.clone()
     }
@@ -47,6 +47,6 @@ fn main() {
         .route("/orders", post(create_order))
         .route("/optional", post(optional))
         .with_state(AppState {
-            idempotency: IdempotencyStore::memory(),
+            idempotency: Idempotency::memory(),
         });
 }

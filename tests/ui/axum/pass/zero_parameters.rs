@@ -1,6 +1,6 @@
 use axum::Router;
 use axum::routing::post;
-use idempotent_runtime::IdempotencyStore;
+use idempotent_runtime::Idempotency;
 use idempotent_runtime::axum::idempotent;
 
 #[idempotent(require_key)]
@@ -11,5 +11,5 @@ async fn ping() -> &'static str {
 fn main() {
     let _app: Router = Router::new()
         .route("/ping", post(ping))
-        .with_state(IdempotencyStore::memory());
+        .with_state(Idempotency::memory());
 }

@@ -1,0 +1,53 @@
+//! The framing every hash of the crate shares (fingerprint, scope, derived keys, lock keys) and
+//! the short form in which a hash appears in log lines.
+//!
+//! Each value is framed so that an absent value differs from an empty one:
+//!
+//! | frame | bytes |
+//! |---|---|
+//! | absent | `0x00` |
+//! | bytes | `0x01`, length as u64 big-endian, the bytes |
+//! | list | `0x02`, count as u64 big-endian, each element framed |
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// Writes framed values into a running SHA-256.
+pub(crate) struct Encoder<'h>(pub(crate) &'h mut Sha256);
+
+impl Encoder<'_> {
+    pub(crate) fn absent(&mut self) {
+        self.0.update([0x00]);
+    }
+
+    pub(crate) fn bytes(&mut self, value: &[u8]) {
+        self.0.update([0x01]);
+        self.0.update((value.len() as u64).to_be_bytes());
+        self.0.update(value);
+    }
+
+    pub(crate) fn opt_bytes(&mut self, value: Option<&[u8]>) {
+        match value {
+            Some(v) => self.bytes(v),
+            None => self.absent(),
+        }
+    }
+
+    pub(crate) fn list(&mut self, count: usize) {
+        self.0.update([0x02]);
+        self.0.update((count as u64).to_be_bytes());
+    }
+}
+
+/// The first eight bytes of a hash in hex, for log lines.
+pub struct ShortHash<'a>(pub &'a [u8; 32]);
+
+impl fmt::Display for ShortHash<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
