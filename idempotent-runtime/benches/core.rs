@@ -12,7 +12,7 @@ use idempotent_runtime::Idempotency;
 use idempotent_runtime::config::{Effective, EndpointConfig};
 use idempotent_runtime::fingerprint::{self, FingerprintInput};
 use idempotent_runtime::key::IdempotencyKey;
-use idempotent_runtime::runtime::{Begin, BeginRequest};
+use idempotent_runtime::pipeline::{Begin, BeginRequest};
 use idempotent_runtime::scope::{Identity, Scope};
 use idempotent_runtime::store::RecordedResponse;
 use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};

@@ -57,6 +57,7 @@
 #![cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
 
 use std::fmt;
+use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::Duration;
@@ -65,11 +66,13 @@ use sqlx::Transaction;
 use sqlx::postgres::{PgConnection, Postgres};
 use tokio::sync::oneshot;
 
+use crate::handle::Idempotency;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
+use crate::pipeline::{Begin, BeginRequest, ClaimMode, ClaimPlan};
 use crate::problem::{Problem, ProblemCode};
 use crate::record::{self, Claimed};
-use crate::runtime::{Begin, BeginRequest, ClaimMode, ClaimPlan, Idempotency, RunningGuard};
+use crate::reservation::RunningGuard;
 use crate::scope::ScopeHash;
 use crate::store::postgres::PostgresStore;
 use crate::store::{FencingToken, RecordedResponse, Store, StoreError};
@@ -163,11 +166,22 @@ pub(crate) enum Enlisted {}
 impl ClaimMode for Enlisted {
     type Held = Held;
 
+    /// The body of a request without a key is read before its transaction begins too, so a
+    /// slow client never holds a database connection.
+    const BUFFERS_UNKEYED: bool = true;
+
     fn begin<'a>(
         handle: &'a Idempotency,
         req: &'a BeginRequest<'a>,
     ) -> impl Future<Output = Begin<Held>> + Send + 'a {
         begin(handle, req)
+    }
+
+    fn unkeyed<'a>(
+        handle: &'a Idempotency,
+        route: &'a str,
+    ) -> impl Future<Output = Result<Held, Problem>> + Send + 'a {
+        begin_unkeyed(handle, route)
     }
 }
 

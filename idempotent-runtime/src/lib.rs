@@ -15,6 +15,7 @@ pub mod actix;
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub mod axum;
+mod budget;
 pub mod clock;
 pub mod config;
 pub mod context;
@@ -23,18 +24,21 @@ mod digest;
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod enlisted;
 pub mod fingerprint;
+pub mod handle;
 pub mod inbox;
 pub mod key;
 pub mod observe;
+pub mod pipeline;
 pub mod problem;
 pub mod record;
-pub mod runtime;
+pub mod reservation;
 pub mod scope;
 pub mod store;
 
 pub use config::{Config, EndpointConfig};
 pub use context::IdempotencyContext;
-pub use runtime::Idempotency;
+pub use handle::Idempotency;
+pub use pipeline::REPLAYED_HEADER;
 pub use scope::{ClientId, Identity};
 
 #[doc(hidden)]

@@ -40,6 +40,8 @@ pub enum Event {
     Reclaimed,
     /// A running handler's lease could not be kept: a duplicate may run concurrently.
     LeaseLost,
+    /// A claimed handler panicked (or its task failed); its key was released.
+    HandlerPanicked,
 }
 
 impl Event {
@@ -60,6 +62,7 @@ impl Event {
             Self::NotRecorded => "not_recorded",
             Self::Reclaimed => "reclaimed",
             Self::LeaseLost => "lease_lost",
+            Self::HandlerPanicked => "handler_panicked",
         }
     }
 
@@ -80,6 +83,7 @@ impl Event {
             Self::NotRecorded => "idempotent_not_recorded_total",
             Self::Reclaimed => "idempotent_reclaimed_total",
             Self::LeaseLost => "idempotent_lease_lost_total",
+            Self::HandlerPanicked => "idempotent_handler_panicked_total",
         }
     }
 }

@@ -24,6 +24,8 @@ pub enum ProblemCode {
     PayloadTooLarge,
     /// The request body arrived slower than `body_timeout`.
     BodyTimeout,
+    /// The request body broke off mid-read (a connection error, bad chunking).
+    BodyInvalid,
     /// No identity could be established for the caller.
     ScopeUnresolved,
     /// The store could not be reached.
@@ -49,6 +51,7 @@ impl ProblemCode {
             Self::KeyInvalid => "IDEMPOTENCY_KEY_INVALID",
             Self::PayloadTooLarge => "IDEMPOTENCY_PAYLOAD_TOO_LARGE",
             Self::BodyTimeout => "IDEMPOTENCY_BODY_TIMEOUT",
+            Self::BodyInvalid => "IDEMPOTENCY_BODY_INVALID",
             Self::ScopeUnresolved => "IDEMPOTENCY_SCOPE_UNRESOLVED",
             Self::StoreUnavailable => "IDEMPOTENCY_STORE_UNAVAILABLE",
             Self::StoreFull => "IDEMPOTENCY_STORE_FULL",
@@ -66,6 +69,7 @@ impl ProblemCode {
             Self::KeyInvalid => "Invalid Idempotency-Key",
             Self::PayloadTooLarge => "Request body too large",
             Self::BodyTimeout => "Request body timed out",
+            Self::BodyInvalid => "Request body could not be read",
             Self::ScopeUnresolved => "Caller identity could not be established",
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::StoreFull => "Idempotency store full",
@@ -83,6 +87,7 @@ impl ProblemCode {
             Self::KeyInvalid => "key-invalid",
             Self::PayloadTooLarge => "payload-too-large",
             Self::BodyTimeout => "body-timeout",
+            Self::BodyInvalid => "body-invalid",
             Self::ScopeUnresolved => "scope-unresolved",
             Self::StoreUnavailable => "store-unavailable",
             Self::StoreFull => "store-full",

@@ -9,11 +9,12 @@ use std::sync::Arc;
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{self, ResourceDef, Service, ServiceRequest, ServiceResponse, Transform};
 use actix_web::http::Method;
-use actix_web::{Error, HttpMessage};
+use actix_web::{Error, HttpMessage, HttpResponse};
 use futures_util::future::LocalBoxFuture;
 
-use super::pipeline::{self, Claimed, Handled, Read, Target};
+use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
 use crate::config::EndpointConfig;
+use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, Reply};
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
 /// with the same semantics as `#[idempotent]` on each handler (runtime checks only).
@@ -127,24 +128,21 @@ impl<S> std::fmt::Debug for IdempotencyService<S> {
 }
 
 impl<S> IdempotencyService<S> {
-    fn target(&self, req: &ServiceRequest, pattern: String) -> Target {
+    /// The decoded path parameters of `pattern` in this request's path.
+    fn params(&self, req: &ServiceRequest, pattern: &str) -> Vec<String> {
         let mut patterns = self.patterns.borrow_mut();
         let def = patterns
-            .entry(pattern.clone())
-            .or_insert_with(|| ResourceDef::new(pattern.as_str()));
+            .entry(pattern.to_owned())
+            .or_insert_with(|| ResourceDef::new(pattern));
         let mut path = req.match_info().clone();
         path.reset();
-        let params = if def.capture_match_info(&mut path) {
-            path.iter()
-                .map(|(_, value)| pipeline::percent_decode(value).into_owned())
-                .collect()
-        } else {
-            Vec::new()
-        };
-        Target {
-            route: Some(pattern),
-            params,
+        if !def.capture_match_info(&mut path) {
+            return Vec::new();
         }
+        let values = path
+            .iter()
+            .map(|(_, v)| adapter::percent_decode(v).into_owned());
+        values.collect()
     }
 }
 
@@ -167,38 +165,59 @@ where
         let Some(pattern) = pattern else {
             return Box::pin(async move { Ok(service.call(req).await?.map_into_boxed_body()) });
         };
-        let Some(store) = pipeline::store_of(req.request()) else {
-            let response = pipeline::store_missing(&pattern);
+        let Some(handle) = adapter::handle_of(req.request()) else {
+            let response: HttpResponse = pipeline::store_missing(&pattern, STORE_MISSING_FIX);
             return Box::pin(async move { Ok(req.into_response(response)) });
         };
-        let target = self.target(&req, pattern);
+        let params = self.params(&req, &pattern);
         let endpoint = self.endpoint;
         req.extensions_mut().insert(Handled);
         Box::pin(async move {
             let payload = req.take_payload();
+            let head = ActixHead {
+                req: req.request(),
+                route: Some(pattern),
+                params,
+            };
             let buffered =
-                match pipeline::read(req.request(), payload, &store, &endpoint, target).await {
-                    Read::Untouched(payload) => {
+                match pipeline::front::<Detached, _, _>(&handle, &endpoint, &head, payload).await {
+                    Front::Pass(payload) => {
                         req.set_payload(payload);
                         return Ok(service.call(req).await?.map_into_boxed_body());
                     }
-                    Read::Respond(response) => return Ok(req.into_response(response)),
-                    Read::Buffered(buffered) => buffered,
+                    Front::Refuse(problem) => {
+                        return Ok(req.into_response(HttpResponse::problem(&problem)));
+                    }
+                    Front::Buffered(buffered) => buffered,
                 };
-            match pipeline::claim(req.request(), &store, buffered).await {
-                Claimed::Respond(response) => Ok(req.into_response(response)),
-                Claimed::Run(run) => {
-                    req.set_payload(dev::Payload::from(run.body.clone()));
-                    // The inner router matches inside `call`, and needs the only reference to
-                    // the request: nothing here may keep a clone of it.
-                    let inner = service.call(req);
-                    let handler = async move {
-                        let (req, response) = inner.await?.into_parts();
-                        Ok((response.map_into_boxed_body(), req))
-                    };
-                    let (response, req) = pipeline::execute(run, handler).await?;
-                    Ok(ServiceResponse::new(req, response))
-                }
+            let claimed =
+                pipeline::claim::<Detached, _, HttpResponse>(&handle, &head, buffered).await;
+            let Claimed {
+                held,
+                body,
+                permit,
+                context,
+                route,
+            } = match claimed {
+                Ok(claimed) => claimed,
+                Err(answer) => return Ok(req.into_response(answer)),
+            };
+            req.set_payload(dev::Payload::from(body));
+            if let Some(context) = context {
+                req.extensions_mut().insert(context);
+            }
+            // The inner router matches inside `call`, and needs the only reference to the
+            // request: nothing here may keep a clone of it.
+            let inner = service.call(req);
+            let handler = async move {
+                let (req, response) = inner.await?.into_parts();
+                Ok((response.map_into_boxed_body(), req))
+            };
+            let work = pipeline::work(handle.clone(), held, permit, route.clone(), handler);
+            match adapter::drive(&handle, &route, work).await {
+                Ended::Answered(response, req) => Ok(ServiceResponse::new(req, response)),
+                Ended::Failed(error) => Err(error),
+                Ended::Panicked(response) => Err(adapter::panicked_error(response)),
             }
         })
     }

@@ -70,10 +70,9 @@ use actix_web::{FromRequest, HttpMessage, HttpRequest, dev};
 
 use crate::context::IdempotencyContext;
 
-#[cfg(feature = "postgres")]
-mod enlisted;
+mod adapter;
+mod handler;
 mod middleware;
-mod pipeline;
 mod probe;
 #[cfg(test)]
 mod tests;
@@ -115,17 +114,13 @@ impl FromRequest for IdempotencyContext {
 /// What `#[idempotent]` expansions call. Not a stable API.
 #[doc(hidden)]
 pub mod __private {
-    use std::future::Future;
-
     use actix_web::body::MessageBody;
-    use actix_web::{HttpMessage, HttpRequest, HttpResponse, Responder, dev, web};
+    use actix_web::{HttpRequest, HttpResponse, Responder};
 
-    use super::pipeline::{self, Claimed, Handled, Read, Target};
-    use crate::config::EndpointConfig;
-    use crate::context::IdempotencyContext;
-
+    pub use super::handler::handle;
     #[cfg(feature = "postgres")]
-    pub use super::enlisted::handle as handle_enlisted;
+    pub use super::handler::handle_enlisted;
+    pub use super::probe::{BufferedBody, NotStreaming, Probe, Streaming};
     pub use crate::config::EndpointConfig as Endpoint;
     pub use crate::context::IdempotencyContext as Context;
     #[cfg(feature = "postgres")]
@@ -135,87 +130,10 @@ pub mod __private {
     pub use actix_web::{FromRequest, HttpRequest as Request, HttpResponse as Response};
     pub use core::time::Duration;
 
-    /// The rewritten handler's body. `extract` runs the original extractors, in order, on the
-    /// payload it is given (the buffered body once there is a key), before the claim, as they
-    /// would run without the attribute; `handler` runs the original function on their values and
-    /// the claimed request's context, in a task of its own.
-    pub async fn handle<A, X, XF, H, HF>(
-        req: HttpRequest,
-        payload: web::Payload,
-        endpoint: &'static EndpointConfig,
-        extract: X,
-        handler: H,
-    ) -> HttpResponse
-    where
-        X: FnOnce(HttpRequest, dev::Payload) -> XF,
-        XF: Future<Output = Result<A, HttpResponse>>,
-        H: FnOnce(A, Option<IdempotencyContext>, HttpRequest) -> HF + 'static,
-        HF: Future<Output = HttpResponse> + 'static,
-        A: 'static,
-    {
-        let payload = payload.into_inner();
-        if req.extensions().contains::<Handled>() {
-            // An outer middleware decided; the context, if any, is its.
-            let context = req.extensions().get::<IdempotencyContext>().cloned();
-            return match extract(req.clone(), payload).await {
-                Ok(args) => handler(args, context, req).await,
-                Err(rejection) => rejection,
-            };
-        }
-        let target = Target::matched(&req);
-        let Some(store) = pipeline::store_of(&req) else {
-            return pipeline::store_missing(target.route.as_deref().unwrap_or(""));
-        };
-        req.extensions_mut().insert(Handled);
-        let buffered = match pipeline::read(&req, payload, &store, endpoint, target).await {
-            Read::Untouched(payload) => {
-                return match extract(req.clone(), payload).await {
-                    Ok(args) => handler(args, None, req).await,
-                    Err(rejection) => rejection,
-                };
-            }
-            Read::Respond(response) => return response,
-            Read::Buffered(buffered) => buffered,
-        };
-        // Extractors run before the claim, on replays too, so an authentication extractor
-        // still rejects (and may publish the caller's Identity for the scope).
-        let config = store.config();
-        let extracted = match extract(req.clone(), dev::Payload::from(buffered.body.clone())).await
-        {
-            Err(rejection) if !config.is_recordable_status(rejection.status().as_u16()) => {
-                return rejection;
-            }
-            extracted => extracted,
-        };
-        let run = match pipeline::claim(&req, &store, buffered).await {
-            Claimed::Respond(response) => return response,
-            Claimed::Run(run) => run,
-        };
-        let context = run.context.clone();
-        let fut = async move {
-            let response = match extracted {
-                Ok(args) => handler(args, Some(context), req).await,
-                // A recordable rejection (malformed JSON, say) is this request's answer.
-                Err(rejection) => rejection,
-            };
-            Ok((response, ()))
-        };
-        match pipeline::execute(run, fut).await {
-            Ok((response, ())) => response,
-            Err(error) => HttpResponse::from_error(error),
-        }
-    }
-
     /// The answer when a handler takes `IdempotencyContext` and the request has none (a
     /// keyless request let through by an outer middleware whose key is optional).
     pub fn context_missing() -> HttpResponse {
-        tracing::error!(
-            "the handler takes IdempotencyContext but this request has no key: take \
-             Option<IdempotencyContext>, or require the key in the middleware around it"
-        );
-        HttpResponse::InternalServerError()
-            .content_type("text/plain; charset=utf-8")
-            .body("this request has no idempotency context")
+        crate::pipeline::context_missing()
     }
 
     /// An extractor's rejection as the handler's response.
@@ -231,6 +149,4 @@ pub mod __private {
     {
         value.respond_to(req).map_into_boxed_body()
     }
-
-    pub use super::probe::{BufferedBody, NotStreaming, Probe, Streaming};
 }

@@ -3,23 +3,17 @@
 //! handler then writes through (see [`crate::enlisted`]).
 
 use std::marker::PhantomData;
-use std::panic::AssertUnwindSafe;
 
-use axum::body::Body;
 use axum::extract::{FromRequest, MatchedPath, Request};
 use axum::response::{IntoResponse, Response};
-use futures_util::FutureExt as _;
-use http::StatusCode;
-use http_body::Body as _;
 
+use super::adapter::{self, Prepared, STORE_MISSING_FIX};
 use super::extract::{FromState, StoreSource, Via};
-use super::pipeline::{self, LayerApplied, Prepared, Read};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
-use crate::enlisted::{self, Enlisted, EnlistedTx, Held, Settle};
-use crate::record;
-use crate::runtime::{BufferPermit, Idempotency};
-use crate::store::RecordedResponse;
+use crate::enlisted::{Enlisted, EnlistedTx, Held};
+use crate::handle::Idempotency;
+use crate::pipeline::{self, Claimed, Handled};
 
 /// The wrapper `#[idempotent(enlisted)]` puts around a handler's last parameter. Extracting it
 /// opens the transaction and claims the key in it; [`run`](Self::run) hands the transaction to
@@ -61,9 +55,7 @@ pub struct EnlistedIdempotent<
 
 struct Session {
     handle: Idempotency,
-    held: Held,
-    permit: Option<BufferPermit>,
-    route: String,
+    claimed: Claimed<Held>,
 }
 
 impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64>
@@ -76,34 +68,21 @@ impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR
     /// transaction, which it hands back with its response; then commits or rolls back.
     pub async fn run<F, Fut>(self, handler: F) -> Response
     where
-        F: FnOnce(EnlistedTx, T, Option<IdempotencyContext>) -> Fut,
+        F: FnOnce(EnlistedTx, T, Option<IdempotencyContext>) -> Fut + Send + 'static,
         Fut: Future<Output = (EnlistedTx, Response)> + Send + 'static,
+        T: Send + 'static,
     {
-        let Session {
-            handle,
-            held: Held { tx, mut settle },
+        let Session { handle, claimed } = self.session;
+        let Claimed {
+            held,
             permit,
             route,
-        } = self.session;
-        let tx = settle.hand_out(tx);
-        let future = handler(tx, self.value, self.context);
-        let task = tokio::spawn(async move {
-            let _request_body = permit;
-            // A statement of its own, so a panicked future (and the transaction in it) is
-            // dropped before the rollback waits for the transaction to come back.
-            let outcome = AssertUnwindSafe(future).catch_unwind().await;
-            match outcome {
-                Ok((tx, response)) => settle_response(&handle, settle, tx, response).await,
-                Err(_) => {
-                    settle.panicked().await;
-                    pipeline::problem(&handle.panicked(&route))
-                }
-            }
-        });
-        match task.await {
-            Ok(response) => response,
-            Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
-        }
+            ..
+        } = claimed;
+        let (value, context) = (self.value, self.context);
+        let handler = move |tx| handler(tx, value, context);
+        let work = pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), handler);
+        adapter::drive(&handle, &route, work).await
     }
 }
 
@@ -117,131 +96,37 @@ where
     type Rejection = Response;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let route = request
-            .extensions()
-            .get::<MatchedPath>()
-            .map(|m| m.as_str().to_owned())
-            .unwrap_or_default();
-        if request.extensions().get::<LayerApplied>().is_some() {
-            tracing::error!(
-                route,
-                "#[idempotent(enlisted)] handler behind IdempotencyLayer: the layer already \
-                 claimed the key outside any transaction; remove the layer from this route or \
-                 `enlisted` from the handler"
-            );
-            return Err(StatusCode::INTERNAL_SERVER_ERROR.into_response());
+        let route = request.extensions().get::<MatchedPath>();
+        let route = route.map_or("", MatchedPath::as_str);
+        if request.extensions().get::<Handled>().is_some() {
+            return Err(pipeline::enlisted_behind_layer(route));
         }
         let Some(handle) = Src::store(request.extensions(), state) else {
-            tracing::error!(
-                "#[idempotent] handler found no Idempotency in the request extensions: add \
-                 `.layer(Extension(store))` to the router"
-            );
-            return Err(StatusCode::INTERNAL_SERVER_ERROR.into_response());
+            return Err(pipeline::store_missing(route, STORE_MISSING_FIX));
         };
-        let session = |held, permit, route| Session {
-            handle: handle.clone(),
-            held,
-            permit,
-            route,
-        };
-        match pipeline::prepare_with::<Enlisted>(&handle, &Self::ENDPOINT, request).await {
-            Prepared::Answer(response) => Err(response),
-            Prepared::Pass(request) => {
-                let held = enlisted::begin_unkeyed(&handle, &route)
-                    .await
-                    .map_err(|p| pipeline::problem(&p))?;
-                // A rejection drops the transaction, which rolls back: nothing ran.
-                let value = T::from_request(request, state)
-                    .await
-                    .map_err(IntoResponse::into_response)?;
-                Ok(Self {
-                    value,
-                    context: None,
-                    session: session(held, None, route),
-                    _source: PhantomData,
-                })
-            }
-            Prepared::Claimed(claimed) => {
-                let pipeline::Claimed {
-                    request,
-                    reservation: held,
-                    context,
-                    permit,
-                    route,
-                } = *claimed;
-                let extracted = T::from_request(request, state)
-                    .await
-                    .map_err(IntoResponse::into_response);
-                match extracted {
-                    Ok(value) => Ok(Self {
-                        value,
-                        context: Some(context),
-                        session: session(held, permit, route),
-                        _source: PhantomData,
-                    }),
-                    // The extractor's rejection (malformed JSON, say) is the request's answer,
-                    // recorded like any 4xx so the retry gets the same rejection.
-                    Err(rejection) => {
-                        let Held { tx, settle } = held;
-                        Err(settle_response(&handle, settle, tx, rejection).await)
-                    }
+        let (request, claimed) =
+            match adapter::prepare::<Enlisted>(&handle, &Self::ENDPOINT, request).await? {
+                Prepared::Claimed(request, claimed) => (request, claimed),
+                Prepared::Pass(_) => {
+                    unreachable!("enlisted mode reads every body before it begins")
                 }
-            }
-        }
-    }
-}
-
-/// The final status decides: recordable → record in the transaction and commit, then answer
-/// (503 if the commit failed); anything else → roll back and answer. A recordable status whose
-/// response cannot be recorded rolls back and answers 500.
-async fn settle_response(
-    handle: &Idempotency,
-    settle: Settle,
-    tx: EnlistedTx,
-    response: Response,
-) -> Response {
-    let config = handle.config();
-    let status = response.status().as_u16();
-    if !config.is_recordable_status(status) {
-        settle.rollback(tx, "final status not recordable").await;
-        return response;
-    }
-    if !settle.is_keyed() {
-        return match settle.commit(tx, None).await {
-            Ok(()) => response,
-            Err(problem) => pipeline::problem(&problem),
-        };
-    }
-    let route = settle.route().to_owned();
-    let cap = settle.max_response();
-    let (parts, body) = response.into_parts();
-    let headers = record::recorded_headers(
-        config,
-        parts
-            .headers
-            .iter()
-            .map(|(name, value)| (name.as_str(), value.as_bytes())),
-    );
-    let fits = body.size_hint().exact().is_none_or(|n| n <= cap as u64);
-    let (Some(headers), true) = (headers, fits) else {
-        settle.rollback(tx, "response not recordable").await;
-        return pipeline::problem(&enlisted::not_recordable(&route));
-    };
-    match pipeline::read_capped(handle, body, cap).await {
-        Read::Complete(bytes) => {
-            let recorded = RecordedResponse {
-                status,
-                headers,
-                body: bytes.clone(),
             };
-            match settle.commit(tx, Some(&recorded)).await {
-                Ok(()) => Response::from_parts(parts, Body::from(bytes)),
-                Err(problem) => pipeline::problem(&problem),
+        match T::from_request(request, state)
+            .await
+            .map_err(IntoResponse::into_response)
+        {
+            Ok(value) => Ok(Self {
+                value,
+                context: claimed.context.clone(),
+                session: Session { handle, claimed },
+                _source: PhantomData,
+            }),
+            // The extractor's rejection (malformed JSON, say) is the request's answer, recorded
+            // like any 4xx so the retry gets the same rejection.
+            Err(rejection) => {
+                let Held { tx, settle } = claimed.held;
+                Err(pipeline::settle_enlisted(&handle, settle, tx, rejection).await)
             }
-        }
-        Read::Unrecordable(_) => {
-            settle.rollback(tx, "response over max_response").await;
-            pipeline::problem(&enlisted::not_recordable(&route))
         }
     }
 }

@@ -4,15 +4,18 @@ use std::convert::Infallible;
 use std::marker::PhantomData;
 use std::time::Duration;
 
-use axum::extract::{FromRef, FromRequest, FromRequestParts, OptionalFromRequestParts, Request};
+use axum::extract::{
+    FromRef, FromRequest, FromRequestParts, MatchedPath, OptionalFromRequestParts, Request,
+};
 use axum::response::{IntoResponse, Response};
-use http::StatusCode;
 use http::request::Parts;
 
-use super::pipeline::{self, LayerApplied, Prepared};
+use super::adapter::{self, Prepared, STORE_MISSING_FIX};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
-use crate::runtime::{BufferPermit, Idempotency, Reservation};
+use crate::handle::Idempotency;
+use crate::pipeline::{self, Claimed, Detached, Handled};
+use crate::reservation::Reservation;
 
 /// Where the extractor finds the [`Idempotency`].
 pub trait StoreSource<S>: Send + Sync + 'static {
@@ -77,9 +80,7 @@ pub struct Idempotent<
 
 struct Session {
     handle: Idempotency,
-    reservation: Reservation,
-    permit: Option<BufferPermit>,
-    route: String,
+    claimed: Claimed<Reservation>,
 }
 
 impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64>
@@ -114,8 +115,8 @@ impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR
         let future = handler(self.value, self.context);
         match self.session {
             None => future.await,
-            Some(s) => {
-                pipeline::run_claimed(s.handle, s.reservation, s.permit, s.route, future).await
+            Some(Session { handle, claimed }) => {
+                adapter::run_claimed(handle, claimed, future).await
             }
         }
     }
@@ -150,7 +151,7 @@ where
             _source: PhantomData,
         };
         // Where the layer already applies, it decides (the outer one): the attribute steps aside.
-        if request.extensions().get::<LayerApplied>().is_some() {
+        if request.extensions().get::<Handled>().is_some() {
             let context = request.extensions().get::<IdempotencyContext>().cloned();
             return T::from_request(request, state)
                 .await
@@ -158,39 +159,27 @@ where
                 .map_err(IntoResponse::into_response);
         }
         let Some(handle) = Src::store(request.extensions(), state) else {
-            tracing::error!(
-                "#[idempotent] handler found no Idempotency in the request extensions: add \
-                 `.layer(Extension(store))` to the router"
-            );
-            return Err(StatusCode::INTERNAL_SERVER_ERROR.into_response());
+            let route = request.extensions().get::<MatchedPath>();
+            let route = route.map_or("", MatchedPath::as_str);
+            return Err(pipeline::store_missing(route, STORE_MISSING_FIX));
         };
-        match pipeline::prepare(&handle, &Self::ENDPOINT, request).await {
+        match adapter::prepare::<Detached>(&handle, &Self::ENDPOINT, request).await? {
             Prepared::Pass(request) => T::from_request(request, state)
                 .await
                 .map(|value| plain(value, None))
                 .map_err(IntoResponse::into_response),
-            Prepared::Answer(response) => Err(response),
-            Prepared::Claimed(claimed) => {
-                let extracted = T::from_request(claimed.request, state)
-                    .await
-                    .map_err(IntoResponse::into_response);
-                match extracted {
+            Prepared::Claimed(request, claimed) => {
+                let extracted = T::from_request(request, state).await;
+                match extracted.map_err(IntoResponse::into_response) {
                     Ok(value) => Ok(Self {
                         value,
-                        context: Some(claimed.context),
-                        session: Some(Session {
-                            handle,
-                            reservation: claimed.reservation,
-                            permit: claimed.permit,
-                            route: claimed.route,
-                        }),
+                        context: claimed.context.clone(),
+                        session: Some(Session { handle, claimed }),
                         _source: PhantomData,
                     }),
                     // The extractor's rejection of a claimed request (malformed JSON, say) is
                     // its answer: recorded like any 4xx, so the retry gets the same rejection.
-                    Err(rejection) => {
-                        Err(pipeline::settle(&handle, claimed.reservation, rejection).await)
-                    }
+                    Err(rejection) => Err(pipeline::settle(&handle, claimed.held, rejection).await),
                 }
             }
         }
@@ -223,9 +212,5 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
 /// The answer when a handler needs an [`IdempotencyContext`] and the request has none: a setup
 /// mistake (no key on an endpoint that does not require one, or no idempotency layer).
 pub fn context_missing() -> Response {
-    tracing::error!(
-        "a handler takes IdempotencyContext but the request has no idempotency key: require the \
-         key on this endpoint, or take Option<IdempotencyContext>"
-    );
-    StatusCode::INTERNAL_SERVER_ERROR.into_response()
+    pipeline::context_missing()
 }

@@ -11,9 +11,10 @@ use http::Method;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::pipeline::{self, LayerApplied, Prepared};
+use super::adapter::{self, Prepared};
 use crate::config::EndpointConfig;
-use crate::runtime::Idempotency;
+use crate::handle::Idempotency;
+use crate::pipeline::{Detached, Handled};
 
 /// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
 /// checks only). It applies to POST and PATCH by default and passes other methods, HEAD,
@@ -124,27 +125,21 @@ where
                 && method != Method::OPTIONS
                 && shared.methods.contains(method)
                 && request.extensions().get::<MatchedPath>().is_some()
-                && request.extensions().get::<LayerApplied>().is_none();
+                && request.extensions().get::<Handled>().is_none();
             if !applies {
                 return Ok(inner.call(request).await.into_response());
             }
-            request.extensions_mut().insert(LayerApplied);
-            let response = match pipeline::prepare(&shared.store, &shared.endpoint, request).await {
-                Prepared::Pass(request) => inner.call(request).await.into_response(),
-                Prepared::Answer(response) => response,
-                Prepared::Claimed(claimed) => {
-                    let claimed = *claimed;
-                    let handler = async move { inner.call(claimed.request).await.into_response() };
-                    pipeline::run_claimed(
-                        shared.store.clone(),
-                        claimed.reservation,
-                        claimed.permit,
-                        claimed.route,
-                        handler,
-                    )
-                    .await
-                }
-            };
+            request.extensions_mut().insert(Handled);
+            let handle = &shared.store;
+            let response =
+                match adapter::prepare::<Detached>(handle, &shared.endpoint, request).await {
+                    Err(answer) => answer,
+                    Ok(Prepared::Pass(request)) => inner.call(request).await.into_response(),
+                    Ok(Prepared::Claimed(request, claimed)) => {
+                        let handler = async move { inner.call(request).await.into_response() };
+                        adapter::run_claimed(handle.clone(), claimed, handler).await
+                    }
+                };
             Ok(response)
         })
     }

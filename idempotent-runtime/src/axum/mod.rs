@@ -39,19 +39,19 @@
 //! # }
 //! ```
 
+mod adapter;
 #[cfg(feature = "postgres")]
 mod enlisted;
 mod extract;
 mod layer;
-mod pipeline;
 mod probe;
 
+pub use crate::pipeline::REPLAYED_HEADER;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use enlisted::EnlistedIdempotent;
 pub use extract::{FromExtension, FromState, Idempotent, StoreSource, Via, context_missing};
 pub use layer::{IdempotencyLayer, IdempotencyService};
-pub use pipeline::REPLAYED_HEADER;
 
 /// Makes an axum handler idempotent. See the [crate-level docs](crate) and
 /// [`idempotent_macros::idempotent_axum`].

@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 
 use axum::extract::FromRef;
 
-use crate::runtime::Idempotency;
+use crate::handle::Idempotency;
 
 /// A request body `#[idempotent]` can buffer, fingerprint and replay. Only streaming bodies are
 /// asked for it, and none of them has it.

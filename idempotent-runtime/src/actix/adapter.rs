@@ -1,0 +1,278 @@
+//! actix-web's half of the pipeline: its request head, bodies and responses in the pipeline's
+//! terms ([`Head`], [`Chunks`], [`Reply`]), and the glue the attribute and the middleware share.
+
+use std::borrow::Cow;
+use std::error::Error as StdError;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use actix_web::body::{BodySize, BoxBody, MessageBody};
+use actix_web::error::{InternalError, PayloadError};
+use actix_web::http::StatusCode;
+use actix_web::http::header::{self, HeaderName, HeaderValue};
+use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
+use bytes::Bytes;
+use futures_util::Stream;
+
+use crate::handle::Idempotency;
+use crate::pipeline::{self, Chunks, Ended, Head, REPLAYED_HEADER, Reply};
+use crate::problem::{self, Problem};
+use crate::scope::Identity;
+use crate::store::RecordedResponse;
+
+/// A request head as the pipeline reads it: the request, with its matched route and decoded
+/// path parameters (which the middleware, running before the router, finds itself).
+pub(crate) struct ActixHead<'a> {
+    pub(crate) req: &'a HttpRequest,
+    pub(crate) route: Option<String>,
+    pub(crate) params: Vec<String>,
+}
+
+impl<'a> ActixHead<'a> {
+    /// For a request whose resource has been matched (inside a handler).
+    pub(crate) fn matched(req: &'a HttpRequest) -> Self {
+        let params = req.match_info().iter();
+        Self {
+            req,
+            route: req.match_pattern(),
+            params: params
+                .map(|(_, v)| percent_decode(v).into_owned())
+                .collect(),
+        }
+    }
+}
+
+impl Head for ActixHead<'_> {
+    fn method(&self) -> &str {
+        self.req.method().as_str()
+    }
+
+    fn route(&self) -> Option<&str> {
+        self.route.as_deref()
+    }
+
+    fn path_params(&self) -> Vec<&str> {
+        self.params.iter().map(String::as_str).collect()
+    }
+
+    fn query(&self) -> Option<&str> {
+        self.req.uri().query()
+    }
+
+    fn header_values<'a>(&'a self, name: &'static str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.req.headers().get_all(name).map(HeaderValue::as_bytes)
+    }
+
+    fn peer(&self) -> Option<IpAddr> {
+        self.req.peer_addr().map(|addr| addr.ip())
+    }
+
+    fn with_identity<T>(&self, f: impl FnOnce(Option<&Identity>) -> T) -> T {
+        f(self.req.extensions().get::<Identity>())
+    }
+}
+
+impl Chunks for dev::Payload {
+    type Error = PayloadError;
+
+    fn exact_len(&self) -> Option<u64> {
+        None
+    }
+
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, PayloadError>>> {
+        Pin::new(self).poll_next(cx)
+    }
+}
+
+impl Chunks for BoxBody {
+    type Error = Box<dyn StdError>;
+
+    fn exact_len(&self) -> Option<u64> {
+        match self.size() {
+            BodySize::None => Some(0),
+            BodySize::Sized(len) => Some(len),
+            BodySize::Stream => None,
+        }
+    }
+
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, Self::Error>>> {
+        Pin::new(self).poll_next(cx)
+    }
+}
+
+impl Reply for HttpResponse {
+    type Head = HttpResponse<()>;
+    type Body = BoxBody;
+
+    fn status(&self) -> u16 {
+        HttpResponse::status(self).as_u16()
+    }
+
+    fn headers(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        HttpResponse::headers(self)
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.as_bytes()))
+    }
+
+    fn into_parts(self) -> (Self::Head, BoxBody) {
+        HttpResponse::into_parts(self)
+    }
+
+    fn from_parts(head: Self::Head, body: BoxBody) -> Self {
+        head.set_body(body)
+    }
+
+    fn recorded(head: Self::Head, bytes: Bytes, drained: BoxBody) -> Self {
+        // "No body" (a 204, say) stays without one, rather than becoming an empty body.
+        if matches!(drained.size(), BodySize::None) {
+            head.set_body(drained)
+        } else {
+            head.set_body(BoxBody::new(bytes))
+        }
+    }
+
+    fn resumed(
+        head: Self::Head,
+        read: Bytes,
+        error: Option<Box<dyn StdError>>,
+        rest: BoxBody,
+    ) -> Self {
+        head.set_body(BoxBody::new(Resume {
+            read: Some(read),
+            error,
+            rest,
+        }))
+    }
+
+    fn problem(problem: &Problem) -> Self {
+        let status =
+            StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut builder = HttpResponse::build(status);
+        builder.insert_header((header::CONTENT_TYPE, problem::CONTENT_TYPE));
+        if let Some(seconds) = problem.retry_after() {
+            builder.insert_header((header::RETRY_AFTER, seconds));
+        }
+        builder.body(problem.body())
+    }
+
+    fn replay(recorded: &RecordedResponse) -> Self {
+        let status = StatusCode::from_u16(recorded.status).unwrap_or(StatusCode::OK);
+        let mut builder = HttpResponse::build(status);
+        for (name, value) in &recorded.headers {
+            let name = HeaderName::from_bytes(name.as_bytes());
+            let value = HeaderValue::from_maybe_shared(value.clone());
+            if let (Ok(name), Ok(value)) = (name, value) {
+                builder.append_header((name, value));
+            }
+        }
+        builder.insert_header((REPLAYED_HEADER, "true"));
+        builder.body(recorded.body.clone())
+    }
+
+    fn internal(message: &'static str) -> Self {
+        HttpResponse::InternalServerError()
+            .content_type("text/plain; charset=utf-8")
+            .body(message)
+    }
+}
+
+/// What was read of a response body, then its error (if reading failed), then the rest.
+struct Resume {
+    read: Option<Bytes>,
+    error: Option<Box<dyn StdError>>,
+    rest: BoxBody,
+}
+
+impl MessageBody for Resume {
+    type Error = Box<dyn StdError>;
+
+    fn size(&self) -> BodySize {
+        BodySize::Stream
+    }
+
+    fn poll_next(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Bytes, Self::Error>>> {
+        let this = self.get_mut();
+        if let Some(read) = this.read.take().filter(|r| !r.is_empty()) {
+            return Poll::Ready(Some(Ok(read)));
+        }
+        if let Some(error) = this.error.take() {
+            return Poll::Ready(Some(Err(error)));
+        }
+        Pin::new(&mut this.rest).poll_next(cx)
+    }
+}
+
+/// The handle registered as application data (`web::Data<Idempotency>`, or a plain
+/// `Idempotency` through `app_data`).
+pub(crate) fn handle_of(req: &HttpRequest) -> Option<Idempotency> {
+    req.app_data::<web::Data<Idempotency>>()
+        .map(|data| Idempotency::clone(data))
+        .or_else(|| req.app_data::<Idempotency>().cloned())
+}
+
+/// The fix to log when no [`Idempotency`] handle is registered.
+pub(crate) const STORE_MISSING_FIX: &str = "register it once, outside the HttpServer factory: \
+    `let idempotency = web::Data::new(Idempotency::memory());` then \
+    `App::new().app_data(idempotency.clone())`";
+
+/// Runs claimed work to its end on actix's runtime (its futures are `!Send`), in a task of its
+/// own when it is not done at its first poll.
+pub(crate) async fn drive<W, T, E>(
+    handle: &Idempotency,
+    route: &str,
+    work: W,
+) -> Ended<HttpResponse, T, E>
+where
+    W: Future<Output = Ended<HttpResponse, T, E>> + 'static,
+    T: 'static,
+    E: 'static,
+{
+    pipeline::drive(handle, route, work, actix_web::rt::spawn).await
+}
+
+/// A panicked handler's 500 as the error actix's service chain expects from a middleware.
+pub(crate) fn panicked_error(response: HttpResponse) -> actix_web::Error {
+    InternalError::from_response("the idempotent handler panicked", response).into()
+}
+
+/// Percent-decodes a path segment as `web::Path` does, lossily.
+pub(crate) fn percent_decode(segment: &str) -> Cow<'_, str> {
+    if !segment.contains('%') {
+        return Cow::Borrowed(segment);
+    }
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match bytes.get(i..i + 3) {
+            Some([b'%', hi, lo]) if hex(*hi).is_some() && hex(*lo).is_some() => {
+                let (hi, lo) = (hex(*hi).unwrap_or(0), hex(*lo).unwrap_or(0));
+                out.push((hi * 16 + lo) as u8);
+                i += 3;
+            }
+            _ => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_segments_are_fully_decoded() {
+        assert_eq!(percent_decode("a%2Fb%20c"), "a/b c");
+        assert_eq!(percent_decode("plain"), "plain");
+        assert_eq!(percent_decode("bad%zz%4"), "bad%zz%4");
+        assert_eq!(percent_decode("%C3%A9"), "é");
+    }
+}

@@ -1,0 +1,165 @@
+//! The glue `#[idempotent]` expansions call: the rewritten handler takes the request and its raw
+//! payload, and the pipeline runs around the handler's own extractors and body.
+
+use std::convert::Infallible;
+use std::future::Future;
+
+use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
+
+use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
+use crate::config::EndpointConfig;
+use crate::context::IdempotencyContext;
+use crate::handle::Idempotency;
+use crate::pipeline::{self, ClaimMode, Claimed, Detached, Ended, Front, Handled, Reply};
+
+/// A request after the steps before the handler.
+enum Prepared<H, A> {
+    /// No key on an optional endpoint: the extractors' values, from the untouched payload.
+    Pass(A),
+    /// The key is held; the extractors ran on the buffered body (a recordable rejection is
+    /// this request's answer).
+    Claimed(Idempotency, Claimed<H>, Result<A, HttpResponse>),
+}
+
+/// Key → body → the handler's extractors → scope → claim. The extractors run before the claim,
+/// on replays too, so an authentication extractor still rejects a caller whatever was
+/// recorded, and may publish the caller's identity for the scope. `Err` is the answer.
+async fn prepare<M, A, X, XF>(
+    req: &HttpRequest,
+    payload: dev::Payload,
+    endpoint: &EndpointConfig,
+    extract: X,
+) -> Result<Prepared<M::Held, A>, HttpResponse>
+where
+    M: ClaimMode,
+    X: FnOnce(HttpRequest, dev::Payload) -> XF,
+    XF: Future<Output = Result<A, HttpResponse>>,
+{
+    let head = ActixHead::matched(req);
+    let route = head.route.as_deref().unwrap_or("");
+    let Some(handle) = adapter::handle_of(req) else {
+        return Err(pipeline::store_missing(route, STORE_MISSING_FIX));
+    };
+    req.extensions_mut().insert(Handled);
+    let buffered = match pipeline::front::<M, _, _>(&handle, endpoint, &head, payload).await {
+        Front::Pass(payload) => return extract(req.clone(), payload).await.map(Prepared::Pass),
+        Front::Refuse(problem) => return Err(HttpResponse::problem(&problem)),
+        Front::Buffered(buffered) => buffered,
+    };
+    let config = handle.config();
+    let extracted = match extract(req.clone(), dev::Payload::from(buffered.body.clone())).await {
+        Err(rejection) if !config.is_recordable_status(rejection.status().as_u16()) => {
+            return Err(rejection);
+        }
+        extracted => extracted,
+    };
+    let claimed = pipeline::claim::<M, _, HttpResponse>(&handle, &head, buffered).await?;
+    if let Some(context) = &claimed.context {
+        req.extensions_mut().insert(context.clone());
+    }
+    Ok(Prepared::Claimed(handle, claimed, extracted))
+}
+
+fn answer(ended: Ended<HttpResponse, (), Infallible>) -> HttpResponse {
+    match ended {
+        Ended::Answered(response, ()) | Ended::Panicked(response) => response,
+        Ended::Failed(never) => match never {},
+    }
+}
+
+/// The rewritten handler's body. `extract` runs the original extractors, in order, on the
+/// payload it is given; `handler` runs the original function on their values and the claimed
+/// request's context, in a task of its own.
+pub async fn handle<A, X, XF, H, HF>(
+    req: HttpRequest,
+    payload: web::Payload,
+    endpoint: &'static EndpointConfig,
+    extract: X,
+    handler: H,
+) -> HttpResponse
+where
+    X: FnOnce(HttpRequest, dev::Payload) -> XF,
+    XF: Future<Output = Result<A, HttpResponse>>,
+    H: FnOnce(A, Option<IdempotencyContext>, HttpRequest) -> HF + 'static,
+    HF: Future<Output = HttpResponse> + 'static,
+    A: 'static,
+{
+    let payload = payload.into_inner();
+    if req.extensions().contains::<Handled>() {
+        // An outer middleware decided; the context, if any, is its.
+        let context = req.extensions().get::<IdempotencyContext>().cloned();
+        return match extract(req.clone(), payload).await {
+            Ok(args) => handler(args, context, req).await,
+            Err(rejection) => rejection,
+        };
+    }
+    match prepare::<Detached, _, _, _>(&req, payload, endpoint, extract).await {
+        Err(answer) => answer,
+        Ok(Prepared::Pass(args)) => handler(args, None, req).await,
+        Ok(Prepared::Claimed(handle, claimed, extracted)) => {
+            let Claimed {
+                held,
+                permit,
+                context,
+                route,
+                ..
+            } = claimed;
+            let run = async move {
+                let response = match extracted {
+                    Ok(args) => handler(args, context, req).await,
+                    Err(rejection) => rejection,
+                };
+                Ok((response, ()))
+            };
+            let work = pipeline::work(handle.clone(), held, permit, route.clone(), run);
+            answer(adapter::drive(&handle, &route, work).await)
+        }
+    }
+}
+
+/// The rewritten enlisted handler's body: as [`handle`], with the transaction handed to
+/// `handler` and back, then recorded in and committed.
+#[cfg(feature = "postgres")]
+pub async fn handle_enlisted<A, X, XF, H, HF>(
+    req: HttpRequest,
+    payload: web::Payload,
+    endpoint: &'static EndpointConfig,
+    extract: X,
+    handler: H,
+) -> HttpResponse
+where
+    X: FnOnce(HttpRequest, dev::Payload) -> XF,
+    XF: Future<Output = Result<A, HttpResponse>>,
+    H: FnOnce(A, Option<IdempotencyContext>, HttpRequest, crate::enlisted::EnlistedTx) -> HF
+        + 'static,
+    HF: Future<Output = (crate::enlisted::EnlistedTx, HttpResponse)> + 'static,
+    A: 'static,
+{
+    let payload = payload.into_inner();
+    if req.extensions().contains::<Handled>() {
+        let route = req.match_pattern().unwrap_or_default();
+        return pipeline::enlisted_behind_layer(&route);
+    }
+    let enlisted = prepare::<crate::enlisted::Enlisted, _, _, _>(&req, payload, endpoint, extract);
+    let (handle, claimed, extracted) = match enlisted.await {
+        Err(answer) => return answer,
+        Ok(Prepared::Claimed(handle, claimed, extracted)) => (handle, claimed, extracted),
+        Ok(Prepared::Pass(_)) => unreachable!("enlisted mode reads every body before it begins"),
+    };
+    let Claimed {
+        held,
+        permit,
+        context,
+        route,
+        ..
+    } = claimed;
+    let run = move |tx| async move {
+        match extracted {
+            Ok(args) => handler(args, context, req, tx).await,
+            // A recordable rejection (malformed JSON, say) is this request's answer.
+            Err(rejection) => (tx, rejection),
+        }
+    };
+    let work = pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), run);
+    answer(adapter::drive(&handle, &route, work).await)
+}

@@ -1,0 +1,250 @@
+//! axum's half of the pipeline: its request head, bodies and responses in the pipeline's terms
+//! ([`Head`], [`Chunks`], [`Reply`]), and the glue every axum entry point shares.
+
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use axum::body::Body;
+use axum::extract::connect_info::MockConnectInfo;
+use axum::extract::{ConnectInfo, FromRequestParts, MatchedPath, RawPathParams, Request};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::{FutureExt as _, StreamExt as _};
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::request::Parts;
+use http::{HeaderName, HeaderValue, StatusCode};
+use http_body::Body as _;
+
+use crate::config::EndpointConfig;
+use crate::handle::Idempotency;
+use crate::pipeline::{self, ClaimMode, Claimed, Ended, Front, Head, REPLAYED_HEADER, Reply};
+use crate::problem::{self, Problem};
+use crate::reservation::Reservation;
+use crate::scope::Identity;
+use crate::store::RecordedResponse;
+
+/// A request head as the pipeline reads it.
+struct AxumHead<'a> {
+    parts: &'a Parts,
+    params: Option<RawPathParams>,
+}
+
+impl<'a> AxumHead<'a> {
+    fn new(parts: &'a mut Parts) -> Self {
+        // Ready at once: it only reads the router's extension.
+        let params = RawPathParams::from_request_parts(parts, &())
+            .now_or_never()
+            .and_then(Result::ok);
+        Self { parts, params }
+    }
+}
+
+impl Head for AxumHead<'_> {
+    fn method(&self) -> &str {
+        self.parts.method.as_str()
+    }
+
+    fn route(&self) -> Option<&str> {
+        self.parts
+            .extensions
+            .get::<MatchedPath>()
+            .map(MatchedPath::as_str)
+    }
+
+    fn path_params(&self) -> Vec<&str> {
+        self.params
+            .iter()
+            .flat_map(|p| p.iter().map(|(_, v)| v))
+            .collect()
+    }
+
+    fn query(&self) -> Option<&str> {
+        self.parts.uri.query()
+    }
+
+    fn header_values<'a>(&'a self, name: &'static str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.parts
+            .headers
+            .get_all(name)
+            .iter()
+            .map(HeaderValue::as_bytes)
+    }
+
+    fn peer(&self) -> Option<IpAddr> {
+        // `MockConnectInfo` (tests) counts as a peer address, as for axum's own extractor.
+        let extensions = &self.parts.extensions;
+        extensions
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|ConnectInfo(addr)| addr.ip())
+            .or_else(|| {
+                let MockConnectInfo(addr) = extensions.get::<MockConnectInfo<SocketAddr>>()?;
+                Some(addr.ip())
+            })
+    }
+
+    fn with_identity<T>(&self, f: impl FnOnce(Option<&Identity>) -> T) -> T {
+        f(self.parts.extensions.get::<Identity>())
+    }
+}
+
+impl pipeline::Chunks for Body {
+    type Error = axum::Error;
+
+    fn exact_len(&self) -> Option<u64> {
+        self.size_hint().exact()
+    }
+
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, Self::Error>>> {
+        loop {
+            match ready!(Pin::new(&mut *self).poll_frame(cx)) {
+                None => return Poll::Ready(None),
+                Some(Err(error)) => return Poll::Ready(Some(Err(error))),
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) if !data.is_empty() => return Poll::Ready(Some(Ok(data))),
+                    // Trailers and empty chunks carry no body bytes.
+                    _ => {}
+                },
+            }
+        }
+    }
+}
+
+impl Reply for Response {
+    type Head = http::response::Parts;
+    type Body = Body;
+
+    fn status(&self) -> u16 {
+        self.status().as_u16()
+    }
+
+    fn headers(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        self.headers()
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.as_bytes()))
+    }
+
+    fn into_parts(self) -> (Self::Head, Body) {
+        Response::into_parts(self)
+    }
+
+    fn from_parts(head: Self::Head, body: Body) -> Self {
+        Response::from_parts(head, body)
+    }
+
+    fn recorded(head: Self::Head, bytes: Bytes, _drained: Body) -> Self {
+        Response::from_parts(head, Body::from(bytes))
+    }
+
+    fn resumed(head: Self::Head, read: Bytes, error: Option<axum::Error>, rest: Body) -> Self {
+        let read = futures_util::stream::iter([Ok(read)]);
+        let error = futures_util::stream::iter(error.map(Err));
+        let stream = read.chain(error).chain(rest.into_data_stream());
+        Response::from_parts(head, Body::from_stream(stream))
+    }
+
+    fn problem(problem: &Problem) -> Self {
+        let status =
+            StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut response = (status, problem.body()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static(problem::CONTENT_TYPE),
+        );
+        if let Some(seconds) = problem.retry_after() {
+            headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+
+    fn replay(recorded: &RecordedResponse) -> Self {
+        let mut response = Response::new(Body::from(recorded.body.clone()));
+        *response.status_mut() = StatusCode::from_u16(recorded.status).unwrap_or(StatusCode::OK);
+        let headers = response.headers_mut();
+        for (name, value) in &recorded.headers {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_maybe_shared(value.clone()),
+            ) {
+                headers.append(name, value);
+            }
+        }
+        headers.insert(
+            HeaderName::from_static(REPLAYED_HEADER),
+            HeaderValue::from_static("true"),
+        );
+        response
+    }
+
+    fn internal(message: &'static str) -> Self {
+        (StatusCode::INTERNAL_SERVER_ERROR, message).into_response()
+    }
+}
+
+/// A request after the steps before the handler.
+pub(crate) enum Prepared<H> {
+    /// No key on an optional endpoint: the request, untouched.
+    Pass(Request),
+    /// The key is held: the request with its buffered body (and its context in the
+    /// extensions), and what holds the key.
+    Claimed(Request, Claimed<H>),
+}
+
+/// Takes the request apart for the pipeline's steps before the handler (key, body, scope,
+/// claim) and puts it back together; `Err` is the answer instead of the handler's.
+pub(crate) async fn prepare<M: ClaimMode>(
+    handle: &Idempotency,
+    endpoint: &EndpointConfig,
+    request: Request,
+) -> Result<Prepared<M::Held>, Response> {
+    let (mut parts, body) = request.into_parts();
+    let head = AxumHead::new(&mut parts);
+    let buffered = match pipeline::front::<M, _, _>(handle, endpoint, &head, body).await {
+        Front::Pass(body) => return Ok(Prepared::Pass(Request::from_parts(parts, body))),
+        Front::Refuse(problem) => return Err(Response::problem(&problem)),
+        Front::Buffered(buffered) => buffered,
+    };
+    let claimed = pipeline::claim::<M, _, Response>(handle, &head, buffered).await?;
+    if let Some(context) = &claimed.context {
+        parts.extensions.insert(context.clone());
+    }
+    let body = Body::from(claimed.body.clone());
+    Ok(Prepared::Claimed(Request::from_parts(parts, body), claimed))
+}
+
+/// Runs claimed work to its end in a task of its own when it is not done at its first poll.
+pub(crate) async fn drive<W>(handle: &Idempotency, route: &str, work: W) -> Response
+where
+    W: Future<Output = Ended<Response, (), Infallible>> + Send + 'static,
+{
+    match pipeline::drive(handle, route, work, tokio::spawn).await {
+        Ended::Answered(response, ()) | Ended::Panicked(response) => response,
+        Ended::Failed(never) => match never {},
+    }
+}
+
+/// Runs a detached claimed handler and records or releases its response.
+pub(crate) async fn run_claimed<F>(
+    handle: Idempotency,
+    claimed: Claimed<Reservation>,
+    handler: F,
+) -> Response
+where
+    F: Future<Output = Response> + Send + 'static,
+{
+    let Claimed {
+        held,
+        permit,
+        route,
+        ..
+    } = claimed;
+    let handler = handler.map(|response| Ok((response, ())));
+    let work = pipeline::work(handle.clone(), held, permit, route.clone(), handler);
+    drive(&handle, &route, work).await
+}
+
+/// The fix to log when a handler finds no [`Idempotency`] handle in the request extensions.
+pub(crate) const STORE_MISSING_FIX: &str =
+    "add `.layer(Extension(idempotency))` to the router, or take it from the state (FromRef)";

@@ -1,0 +1,175 @@
+//! Reading bodies under the buffer budget: the request's before the claim (bounded by
+//! `max_body` and `body_timeout`), the response's to record it (bounded by `max_response`).
+
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+
+use crate::budget::{BufferBudget, BufferPermit};
+
+/// A body as the pipeline reads it: data chunks, then the end or an error. Each framework
+/// implements it for its request and response bodies (trailers and empty chunks skipped).
+pub(crate) trait Chunks: Unpin {
+    /// What a broken body reports.
+    type Error;
+
+    /// The exact length, when the body knows it before it is read.
+    fn exact_len(&self) -> Option<u64>;
+
+    /// The next data chunk; `None` at the end.
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, Self::Error>>>;
+}
+
+async fn next_chunk<B: Chunks>(body: &mut B) -> Option<Result<Bytes, B::Error>> {
+    poll_fn(|cx| body.poll_chunk(cx)).await
+}
+
+/// Chunks joined without a copy in the common case of one chunk.
+#[derive(Default)]
+struct Joined {
+    first: Option<Bytes>,
+    rest: BytesMut,
+}
+
+impl Joined {
+    fn len(&self) -> usize {
+        self.first.as_ref().map_or(self.rest.len(), Bytes::len)
+    }
+
+    fn push(&mut self, chunk: Bytes) {
+        match self.first.take() {
+            None if self.rest.is_empty() => self.first = Some(chunk),
+            None => self.rest.extend_from_slice(&chunk),
+            Some(first) => {
+                self.rest.reserve(first.len() + chunk.len());
+                self.rest.extend_from_slice(&first);
+                self.rest.extend_from_slice(&chunk);
+            }
+        }
+    }
+
+    fn freeze(self) -> Bytes {
+        self.first.unwrap_or_else(|| self.rest.freeze())
+    }
+}
+
+/// Why a request body was not read in full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BodyError {
+    /// Over `max_body` (announced or arrived).
+    TooLarge,
+    /// Not complete within `body_timeout`.
+    Timeout,
+    /// The buffer budget is exhausted by the bytes that already arrived everywhere.
+    BuffersFull,
+    /// The body broke off (a connection error, bad chunking).
+    Broken,
+}
+
+/// Reads a request body in full: at most `max_body` bytes, within `timeout`, each chunk charged
+/// to the budget as it arrives (an announced `Content-Length` over `max_body` is refused before
+/// anything is read, and reserves nothing otherwise).
+pub(crate) async fn read_request<B: Chunks>(
+    budget: &Arc<BufferBudget>,
+    body: &mut B,
+    announced: Option<u64>,
+    max_body: usize,
+    timeout: Duration,
+) -> Result<(Bytes, BufferPermit), BodyError> {
+    if announced.is_some_and(|n| n > max_body as u64) {
+        return Err(BodyError::TooLarge);
+    }
+    let mut permit = budget.permit();
+    let read = async {
+        let mut joined = Joined::default();
+        while let Some(chunk) = next_chunk(body).await {
+            let chunk = chunk.map_err(|_| BodyError::Broken)?;
+            if chunk.len() > max_body - joined.len() {
+                return Err(BodyError::TooLarge);
+            }
+            if !permit.grow(chunk.len()) {
+                return Err(BodyError::BuffersFull);
+            }
+            joined.push(chunk);
+        }
+        Ok(joined.freeze())
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(Ok(bytes)) => Ok((bytes, permit)),
+        Ok(Err(error)) => Err(error),
+        Err(_elapsed) => Err(BodyError::Timeout),
+    }
+}
+
+/// A response body read to be recorded.
+pub(crate) enum Collected<B: Chunks> {
+    /// It ended within the cap: `bytes` is all of it, `drained` the body read to its end.
+    Complete { bytes: Bytes, drained: B },
+    /// Past the cap or the budget, or broken: what was read, the error if reading failed, and
+    /// the rest of the stream, to be sent as it comes, unrecorded.
+    Partial {
+        read: Bytes,
+        error: Option<B::Error>,
+        rest: B,
+    },
+}
+
+/// Reads a response body of at most `cap` bytes. A sized body (its length known, so already
+/// produced) is charged to the budget whatever others hold: refusing it would free nothing and
+/// leave its key unrecorded. A body of unknown size is charged chunk by chunk and handed back
+/// as [`Collected::Partial`] when the budget runs out. The permit holds the bytes until the
+/// record is written.
+pub(crate) async fn collect_response<B: Chunks>(
+    budget: &Arc<BufferBudget>,
+    mut body: B,
+    cap: usize,
+) -> (Collected<B>, BufferPermit) {
+    let mut permit = budget.permit();
+    let sized = body.exact_len().filter(|&n| n <= cap as u64);
+    if let Some(len) = sized {
+        permit.charge(len as usize);
+    }
+    let mut joined = Joined::default();
+    loop {
+        let chunk = match next_chunk(&mut body).await {
+            None => {
+                let bytes = joined.freeze();
+                return (
+                    Collected::Complete {
+                        bytes,
+                        drained: body,
+                    },
+                    permit,
+                );
+            }
+            Some(Err(error)) => {
+                let read = joined.freeze();
+                let partial = Collected::Partial {
+                    read,
+                    error: Some(error),
+                    rest: body,
+                };
+                return (partial, permit);
+            }
+            Some(Ok(chunk)) => chunk,
+        };
+        let len = joined.len() + chunk.len();
+        let within = match sized {
+            // A body longer than it announced is not what was charged.
+            Some(announced) => len as u64 <= announced,
+            None => len <= cap && permit.grow(chunk.len()),
+        };
+        joined.push(chunk);
+        if !within {
+            let partial = Collected::Partial {
+                read: joined.freeze(),
+                error: None,
+                rest: body,
+            };
+            return (partial, permit);
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! The run and settle steps in enlisted mode (DESIGN.md §5): the handler writes through the
+//! transaction that holds the reservation; the final status decides whether its response is
+//! recorded in that transaction and committed, or everything is rolled back.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt as _;
+
+use super::body::{self, Chunks, Collected};
+use super::{Ended, Reply};
+use crate::budget::BufferPermit;
+use crate::enlisted::{self, EnlistedTx, Held, Settle};
+use crate::handle::Idempotency;
+use crate::record;
+use crate::store::RecordedResponse;
+
+/// An enlisted handler's whole run: `handler` gets the transaction and hands it back with its
+/// response, which then commits or rolls back. A panic rolls the transaction back before the
+/// 500 is answered, so the key's try-lock never outlives the answer.
+pub(crate) async fn enlisted_work<R, F, Fut>(
+    handle: Idempotency,
+    held: Held,
+    permit: BufferPermit,
+    route: String,
+    handler: F,
+) -> Ended<R, (), Infallible>
+where
+    R: Reply,
+    F: FnOnce(EnlistedTx) -> Fut,
+    Fut: Future<Output = (EnlistedTx, R)>,
+{
+    let Held { tx, mut settle } = held;
+    let handler = handler(settle.hand_out(tx));
+    // A statement of its own, so a panicked future (and the transaction in it) is dropped
+    // before the rollback waits for the transaction to come back.
+    let outcome = AssertUnwindSafe(handler).catch_unwind().await;
+    match outcome {
+        Ok((tx, response)) => {
+            drop(permit);
+            Ended::Answered(settle_enlisted(&handle, settle, tx, response).await, ())
+        }
+        Err(_) => {
+            settle.panicked().await;
+            Ended::Panicked(R::problem(&handle.panicked(&route)))
+        }
+    }
+}
+
+/// The final status decides: recordable → record in the transaction and commit, then answer
+/// (503 if the commit failed); anything else → roll back and answer. A recordable status whose
+/// response cannot be recorded rolls back and answers 500 `IDEMPOTENCY_NOT_RECORDED`.
+pub(crate) async fn settle_enlisted<R: Reply>(
+    handle: &Idempotency,
+    settle: Settle,
+    tx: EnlistedTx,
+    response: R,
+) -> R {
+    let config = handle.config();
+    let status = response.status();
+    if !config.is_recordable_status(status) {
+        settle.rollback(tx, "final status not recordable").await;
+        return response;
+    }
+    if !settle.is_keyed() {
+        return match settle.commit(tx, None).await {
+            Ok(()) => response,
+            Err(problem) => R::problem(&problem),
+        };
+    }
+    let route = settle.route().to_owned();
+    let cap = settle.max_response();
+    let headers = record::recorded_headers(config, response.headers());
+    let (head, body) = response.into_parts();
+    let fits = body.exact_len().is_none_or(|n| n <= cap as u64);
+    let (Some(headers), true) = (headers, fits) else {
+        settle.rollback(tx, "response not recordable").await;
+        return R::problem(&enlisted::not_recordable(&route));
+    };
+    let (collected, _permit) = body::collect_response(handle.budget(), body, cap).await;
+    let Collected::Complete { bytes, drained } = collected else {
+        settle.rollback(tx, "response over max_response").await;
+        return R::problem(&enlisted::not_recordable(&route));
+    };
+    let recorded = RecordedResponse {
+        status,
+        headers,
+        body: bytes,
+    };
+    match settle.commit(tx, Some(&recorded)).await {
+        Ok(()) => R::recorded(head, recorded.body, drained),
+        Err(problem) => R::problem(&problem),
+    }
+}

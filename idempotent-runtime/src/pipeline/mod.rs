@@ -1,0 +1,402 @@
+//! The request sequence of DESIGN.md §2, written once for every framework:
+//!
+//! ```text
+//! key syntax → key presence → body → scope → fingerprint → claim → run → settle
+//! ```
+//!
+//! [`front`] checks the key and reads the body (bounded by `max_body`, `body_timeout` and the
+//! buffer budget); [`claim`] resolves the caller's scope, fingerprints the request and claims the
+//! key, detached or enlisted ([`ClaimMode`]); [`work`] runs the claimed handler under its renewed
+//! lease and [`settle`]s its response (record or release); [`drive`] runs that work where no
+//! client disconnect can cancel it. Each framework adapter (`crate::axum`, `crate::actix`) only
+//! translates: it implements [`Head`] over its request, [`Chunks`] over its bodies and [`Reply`]
+//! over its response, and calls these steps in order. Between [`front`] and [`claim`] actix runs
+//! the handler's own extractors (they may publish the caller's identity); axum has already run
+//! them, as its extractors run left to right.
+
+// Driven by the framework integrations (and unit-tested here without one).
+#![cfg_attr(
+    not(any(feature = "axum", feature = "actix")),
+    allow(dead_code, unused_imports)
+)]
+
+mod body;
+mod claim;
+#[cfg(feature = "postgres")]
+mod enlisted;
+mod refuse;
+#[cfg(test)]
+mod tests;
+
+use std::future::Future;
+use std::net::IpAddr;
+use std::panic::{self, AssertUnwindSafe};
+use std::pin::Pin;
+use std::task::Poll;
+
+use bytes::Bytes;
+
+pub(crate) use body::{BodyError, Chunks, Collected};
+#[cfg(feature = "postgres")]
+pub(crate) use claim::ClaimPlan;
+pub use claim::{Begin, BeginRequest};
+pub(crate) use claim::{ClaimMode, Detached};
+#[cfg(feature = "postgres")]
+pub(crate) use enlisted::enlisted_work;
+#[cfg(all(feature = "postgres", feature = "axum"))]
+pub(crate) use enlisted::settle_enlisted;
+
+use crate::budget::BufferPermit;
+use crate::config::{Effective, EndpointConfig};
+use crate::context::IdempotencyContext;
+use crate::fingerprint::FingerprintInput;
+use crate::handle::Idempotency;
+use crate::key::{self, IdempotencyKey};
+use crate::problem::Problem;
+use crate::reservation::{Outcome, Reservation};
+use crate::scope::{self, Identity};
+use crate::store::RecordedResponse;
+
+/// The header that marks a replayed response (`Idempotency-Replayed: true`).
+pub const REPLAYED_HEADER: &str = "idempotency-replayed";
+
+/// Set in the request extensions by the outermost idempotency step that applies to a request
+/// (a layer or middleware, or the attribute), so an inner one steps aside: the outer decides.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Handled;
+
+/// What the pipeline reads of a request's head.
+pub(crate) trait Head {
+    /// The method, e.g. `POST`.
+    fn method(&self) -> &str;
+    /// The matched route pattern (with any nest or scope prefix); `None` outside a route.
+    fn route(&self) -> Option<&str>;
+    /// The path parameters' values as the framework decodes them, in pattern order.
+    fn path_params(&self) -> Vec<&str>;
+    /// The raw query string; `None` when the URI has no `?`.
+    fn query(&self) -> Option<&str>;
+    /// Every value of a header, in order.
+    fn header_values<'a>(&'a self, name: &'static str) -> impl Iterator<Item = &'a [u8]> + 'a;
+    /// The connection's peer address.
+    fn peer(&self) -> Option<IpAddr>;
+    /// Calls `f` with the identity the application published in the request extensions.
+    fn with_identity<T>(&self, f: impl FnOnce(Option<&Identity>) -> T) -> T;
+}
+
+/// What the pipeline needs of a framework's response: read it apart, put it back together,
+/// and build the answers the pipeline gives itself.
+pub(crate) trait Reply: Sized {
+    /// Everything but the body.
+    type Head;
+    /// The body, read to record it.
+    type Body: Chunks;
+
+    fn status(&self) -> u16;
+    fn headers(&self) -> impl Iterator<Item = (&str, &[u8])>;
+    fn into_parts(self) -> (Self::Head, Self::Body);
+    fn from_parts(head: Self::Head, body: Self::Body) -> Self;
+    /// The response with its body recorded in full; `drained` is the original body, read to
+    /// its end (kept where the framework distinguishes "no body" from an empty one).
+    fn recorded(head: Self::Head, bytes: Bytes, drained: Self::Body) -> Self;
+    /// `read`, then `error` if reading failed, then the rest of the stream.
+    fn resumed(
+        head: Self::Head,
+        read: Bytes,
+        error: Option<<Self::Body as Chunks>::Error>,
+        rest: Self::Body,
+    ) -> Self;
+    /// A refusal as `application/problem+json`, with `Retry-After` when it has one.
+    fn problem(problem: &Problem) -> Self;
+    /// A recorded response, marked with [`REPLAYED_HEADER`].
+    fn replay(recorded: &RecordedResponse) -> Self;
+    /// A plain 500 for a setup mistake the log line explains.
+    fn internal(message: &'static str) -> Self;
+}
+
+/// The answer when the application provided no [`Idempotency`] handle: a setup mistake, logged
+/// with `fix`.
+pub(crate) fn store_missing<R: Reply>(route: &str, fix: &str) -> R {
+    tracing::error!(route, "#[idempotent] found no Idempotency handle: {fix}");
+    R::internal("the idempotency store is not configured")
+}
+
+/// The answer when a handler takes an `IdempotencyContext` and the request has none: a keyless
+/// request on an endpoint whose key is optional, or no idempotency step around the handler.
+pub(crate) fn context_missing<R: Reply>() -> R {
+    tracing::error!(
+        "a handler takes IdempotencyContext but this request has no idempotency key: take \
+         Option<IdempotencyContext>, or require the key on this endpoint"
+    );
+    R::internal("this request has no idempotency context")
+}
+
+/// The answer for an enlisted handler behind the router-level layer or middleware, which
+/// already claimed the key outside any transaction.
+#[cfg(feature = "postgres")]
+pub(crate) fn enlisted_behind_layer<R: Reply>(route: &str) -> R {
+    tracing::error!(
+        route,
+        "#[idempotent(enlisted)] handler behind the idempotency layer or middleware: it already \
+         claimed the key outside any transaction; remove it from this route or `enlisted` from \
+         the handler"
+    );
+    R::internal("an enlisted handler cannot run behind the idempotency layer")
+}
+
+fn first_header<'a, H: Head>(head: &'a H, name: &'static str) -> Option<&'a [u8]> {
+    head.header_values(name).next()
+}
+
+fn route_of<H: Head>(head: &H) -> &str {
+    head.route().unwrap_or("")
+}
+
+/// A request whose body was read in full, ready to be scoped and claimed.
+pub(crate) struct Buffered {
+    /// `None` only in a mode that buffers requests without a key (enlisted).
+    key: Option<IdempotencyKey>,
+    pub(crate) body: Bytes,
+    permit: BufferPermit,
+    effective: Effective,
+}
+
+/// What to do after the key and body steps.
+pub(crate) enum Front<B> {
+    /// No key on an optional endpoint: the request goes on untouched, with its body.
+    Pass(B),
+    /// A refusal; nothing was read into the budget or claimed.
+    Refuse(Problem),
+    /// The body is in memory.
+    Buffered(Buffered),
+}
+
+/// Key syntax → key presence → body. A request without a key on an optional endpoint passes
+/// untouched, except in a mode whose transaction must not wait for a slow body (enlisted).
+pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
+    handle: &Idempotency,
+    endpoint: &EndpointConfig,
+    head: &H,
+    mut body: B,
+) -> Front<B> {
+    let route = route_of(head);
+    let effective = endpoint.resolve(handle.config());
+    let key = match key::parse_header_values(head.header_values(key::HEADER_NAME)) {
+        Err(error) => return Front::Refuse(handle.key_invalid(error, route)),
+        Ok(None) if effective.require_key => return Front::Refuse(handle.key_missing(route)),
+        Ok(None) if !M::BUFFERS_UNKEYED => return Front::Pass(body),
+        Ok(key) => key,
+    };
+    let announced = first_header(head, "content-length")
+        .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse::<u64>().ok());
+    let config = handle.config();
+    let read = body::read_request(
+        handle.budget(),
+        &mut body,
+        announced,
+        effective.max_body,
+        config.body_timeout(),
+    )
+    .await;
+    match read {
+        Ok((body, permit)) => Front::Buffered(Buffered {
+            key,
+            body,
+            permit,
+            effective,
+        }),
+        Err(BodyError::TooLarge) => {
+            Front::Refuse(handle.payload_too_large(effective.max_body, route))
+        }
+        Err(BodyError::Timeout) => Front::Refuse(handle.body_timeout(route)),
+        Err(BodyError::BuffersFull) => Front::Refuse(handle.buffers_full(route)),
+        Err(BodyError::Broken) => Front::Refuse(handle.body_invalid(route)),
+    }
+}
+
+/// A request that holds its key (or, enlisted without a key, its transaction): run the
+/// handler on `body`, then settle `held`.
+pub(crate) struct Claimed<H> {
+    pub(crate) held: H,
+    pub(crate) body: Bytes,
+    pub(crate) permit: BufferPermit,
+    /// `None` for a request without a key.
+    pub(crate) context: Option<IdempotencyContext>,
+    pub(crate) route: String,
+}
+
+/// Scope → fingerprint → claim, the way `M` claims. `Err` is the answer instead of running:
+/// a replay or a refusal.
+pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
+    handle: &Idempotency,
+    head: &H,
+    buffered: Buffered,
+) -> Result<Claimed<M::Held>, R> {
+    let Buffered {
+        key,
+        body,
+        permit,
+        effective,
+    } = buffered;
+    let route = route_of(head);
+    let claimed = |held, context| Claimed {
+        held,
+        body: body.clone(),
+        permit,
+        context,
+        route: route.to_owned(),
+    };
+    let Some(key) = key else {
+        return match M::unkeyed(handle, route).await {
+            Ok(held) => Ok(claimed(held, None)),
+            Err(problem) => Err(R::problem(&problem)),
+        };
+    };
+    let config = handle.config();
+    let forwarded = head
+        .header_values("x-forwarded-for")
+        .filter_map(|v| std::str::from_utf8(v).ok());
+    let peer = head
+        .peer()
+        .map(|ip| scope::client_ip(ip, forwarded, config.trusted_proxies()));
+    let credential = first_header(head, "authorization").is_some();
+    let resolved = head
+        .with_identity(|identity| scope::resolve(identity, credential, peer, config.anonymous()));
+    let scope = match resolved {
+        Ok(scope) => scope,
+        Err(error) => return Err(R::problem(&handle.scope_unresolved(error, route))),
+    };
+    let params = head.path_params();
+    let request = BeginRequest {
+        key: &key,
+        input: FingerprintInput {
+            method: head.method(),
+            route: head.route(),
+            path_params: &params,
+            query: head.query(),
+            scope: &scope,
+            content_type: first_header(head, "content-type"),
+            body: &body,
+        },
+        endpoint: &effective,
+    };
+    match M::begin(handle, &request).await {
+        Begin::Run(held) => {
+            let context = IdempotencyContext::new(key.clone(), *scope.hash());
+            Ok(claimed(held, Some(context)))
+        }
+        Begin::Replay(recorded) => Err(R::replay(&recorded)),
+        Begin::Refuse(problem) => Err(R::problem(&problem)),
+    }
+}
+
+/// How claimed work ended, for the adapter to answer.
+pub(crate) enum Ended<R, T, E> {
+    /// The handler answered `R` (recorded or released by now); `T` travels beside it.
+    Answered(R, T),
+    /// The handler failed without an answer (an inner service's error): the key was released.
+    Failed(E),
+    /// The handler panicked, or its task failed: answer this 500; the key was released.
+    Panicked(R),
+}
+
+/// A claimed handler's whole run: the handler under the renewed lease, then its response
+/// recorded or the key released. `handler` yields the response and whatever travels beside it.
+pub(crate) async fn work<R, T, E>(
+    handle: Idempotency,
+    mut reservation: Reservation,
+    permit: BufferPermit,
+    route: String,
+    handler: impl Future<Output = Result<(R, T), E>>,
+) -> Ended<R, T, E>
+where
+    R: Reply,
+{
+    match reservation.run(handler).await {
+        Outcome::Panicked => Ended::Panicked(R::problem(&handle.panicked(&route))),
+        Outcome::Returned(Err(error)) => {
+            reservation.release().await;
+            Ended::Failed(error)
+        }
+        Outcome::Returned(Ok((response, extra))) => {
+            // The handler is done with the request's body.
+            drop(permit);
+            Ended::Answered(settle(&handle, reservation, response).await, extra)
+        }
+    }
+}
+
+/// Drives claimed work to its end where a client disconnect cannot cancel it: `spawn` puts it
+/// in a task of its own (tokio's, or actix's for its `!Send` futures). Work that is done at its
+/// first poll has nothing left to cancel, so it is answered without a task (a task costs more
+/// than a typical handler on the memory store); there is no await point between that poll and
+/// the spawn, so started work always finishes, here or in its task.
+pub(crate) async fn drive<W, R, T, E, J, F>(
+    handle: &Idempotency,
+    route: &str,
+    work: W,
+    spawn: F,
+) -> Ended<R, T, E>
+where
+    W: Future<Output = Ended<R, T, E>>,
+    R: Reply,
+    F: FnOnce(Pin<Box<W>>) -> J,
+    J: Future<Output = Result<Ended<R, T, E>, tokio::task::JoinError>>,
+{
+    let mut work = Box::pin(work);
+    let first = std::future::poll_fn(|cx| {
+        Poll::Ready(panic::catch_unwind(AssertUnwindSafe(|| {
+            work.as_mut().poll(cx)
+        })))
+    })
+    .await;
+    match first {
+        Ok(Poll::Ready(ended)) => ended,
+        Ok(Poll::Pending) => match spawn(work).await {
+            Ok(ended) => ended,
+            Err(_) => Ended::Panicked(R::problem(&handle.task_failed(route))),
+        },
+        Err(_) => Ended::Panicked(R::problem(&handle.task_failed(route))),
+    }
+}
+
+/// Records a recordable response before it is returned; releases the key otherwise. The first
+/// response is never marked replayed. A sized response already in memory is recorded whatever
+/// the buffer budget (DESIGN.md §5, "Buffers in flight").
+pub(crate) async fn settle<R: Reply>(
+    handle: &Idempotency,
+    reservation: Reservation,
+    response: R,
+) -> R {
+    let config = handle.config();
+    let status = response.status();
+    if !reservation.is_guarded() || !config.is_recordable_status(status) {
+        reservation.release().await;
+        return response;
+    }
+    let Some(headers) = crate::record::recorded_headers(config, response.headers()) else {
+        reservation.release().await;
+        return response;
+    };
+    let cap = reservation.max_response();
+    let (head, body) = response.into_parts();
+    if body.exact_len().is_some_and(|n| n > cap as u64) {
+        reservation.release().await;
+        return R::from_parts(head, body);
+    }
+    match body::collect_response(handle.budget(), body, cap).await {
+        (Collected::Complete { bytes, drained }, _permit) => {
+            let recorded = RecordedResponse {
+                status,
+                headers,
+                body: bytes,
+            };
+            reservation.complete(&recorded).await;
+            R::recorded(head, recorded.body, drained)
+        }
+        (Collected::Partial { read, error, rest }, permit) => {
+            drop(permit);
+            reservation.release().await;
+            R::resumed(head, read, error, rest)
+        }
+    }
+}
