@@ -1,1 +1,556 @@
 //! Each step of the pipeline, driven by a test adapter without any framework.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::net::{IpAddr, Ipv4Addr};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use futures_util::FutureExt as _;
+
+use super::*;
+use crate::config::Config;
+use crate::problem::ProblemCode;
+use crate::store::memory::MemoryStore;
+
+#[derive(Default)]
+struct TestHead {
+    headers: Vec<(&'static str, Vec<u8>)>,
+    peer: Option<IpAddr>,
+    identity: Option<Identity>,
+}
+
+impl TestHead {
+    fn keyed(key: &str) -> Self {
+        Self::default()
+            .header("idempotency-key", key)
+            .peer(Ipv4Addr::new(10, 0, 0, 1).into())
+    }
+
+    fn header(mut self, name: &'static str, value: &str) -> Self {
+        self.headers.push((name, value.as_bytes().to_vec()));
+        self
+    }
+
+    fn peer(mut self, ip: IpAddr) -> Self {
+        self.peer = Some(ip);
+        self
+    }
+}
+
+impl Head for TestHead {
+    fn method(&self) -> &str {
+        "POST"
+    }
+
+    fn route(&self) -> Option<&str> {
+        Some("/orders")
+    }
+
+    fn path_params(&self) -> Vec<&str> {
+        Vec::new()
+    }
+
+    fn query(&self) -> Option<&str> {
+        None
+    }
+
+    fn header_values<'a>(&'a self, name: &'static str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        let values = self.headers.iter().filter(move |(n, _)| *n == name);
+        values.map(|(_, v)| v.as_slice())
+    }
+
+    fn peer(&self) -> Option<IpAddr> {
+        self.peer
+    }
+
+    fn with_identity<T>(&self, f: impl FnOnce(Option<&Identity>) -> T) -> T {
+        f(self.identity.as_ref())
+    }
+}
+
+/// Chunks that arrive one per poll, then (unless `stalls`) the end.
+#[derive(Debug, Default)]
+struct TestBody {
+    chunks: VecDeque<Result<Bytes, &'static str>>,
+    exact: Option<u64>,
+    stalls: bool,
+}
+
+impl TestBody {
+    fn of(chunks: &[&'static [u8]]) -> Self {
+        let chunks = chunks.iter().map(|c| Ok(Bytes::from_static(c))).collect();
+        Self {
+            chunks,
+            ..Self::default()
+        }
+    }
+
+    fn sized(body: &'static [u8]) -> Self {
+        Self {
+            exact: Some(body.len() as u64),
+            ..Self::of(&[body])
+        }
+    }
+
+    fn stalled() -> Self {
+        Self {
+            stalls: true,
+            ..Self::default()
+        }
+    }
+}
+
+impl Chunks for TestBody {
+    type Error = &'static str;
+
+    fn exact_len(&self) -> Option<u64> {
+        self.exact
+    }
+
+    fn poll_chunk(&mut self, _: &mut Context<'_>) -> Poll<Option<Result<Bytes, &'static str>>> {
+        match self.chunks.pop_front() {
+            Some(chunk) => Poll::Ready(Some(chunk)),
+            None if self.stalls => Poll::Pending,
+            None => Poll::Ready(None),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct TestReply {
+    status: u16,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Bytes,
+    /// Set when the body was put back as read + rest (unrecorded).
+    resumed: bool,
+    replayed: bool,
+    code: Option<ProblemCode>,
+}
+
+impl TestReply {
+    fn new(status: u16, body: &'static [u8]) -> (Self, TestBody) {
+        let reply = Self {
+            status,
+            headers: vec![("content-type".into(), b"application/json".to_vec())],
+            body: Bytes::new(),
+            resumed: false,
+            replayed: false,
+            code: None,
+        };
+        (reply, TestBody::sized(body))
+    }
+}
+
+/// A response with its (test) body beside it, as `Reply` sees frameworks' responses.
+#[derive(Debug)]
+struct Sent(TestReply, TestBody);
+
+impl Reply for Sent {
+    type Head = TestReply;
+    type Body = TestBody;
+
+    fn status(&self) -> u16 {
+        self.0.status
+    }
+
+    fn headers(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        self.0
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()))
+    }
+
+    fn into_parts(self) -> (TestReply, TestBody) {
+        (self.0, self.1)
+    }
+
+    fn from_parts(head: TestReply, body: TestBody) -> Self {
+        Self(head, body)
+    }
+
+    fn recorded(mut head: TestReply, bytes: Bytes, _: TestBody) -> Self {
+        head.body = bytes;
+        Self(head, TestBody::default())
+    }
+
+    fn resumed(mut head: TestReply, read: Bytes, _: Option<&'static str>, rest: TestBody) -> Self {
+        head.body = read;
+        head.resumed = true;
+        Self(head, rest)
+    }
+
+    fn problem(problem: &Problem) -> Self {
+        let (mut reply, _) = TestReply::new(problem.status(), b"");
+        reply.code = Some(problem.code());
+        Self(reply, TestBody::default())
+    }
+
+    fn replay(recorded: &RecordedResponse) -> Self {
+        let (mut reply, _) = TestReply::new(recorded.status, b"");
+        reply.body = recorded.body.clone();
+        reply.replayed = true;
+        Self(reply, TestBody::default())
+    }
+
+    fn internal(_: &'static str) -> Self {
+        let (reply, _) = TestReply::new(500, b"");
+        Self(reply, TestBody::default())
+    }
+}
+
+fn handle_with_budget(bytes: usize) -> Idempotency {
+    Idempotency::builder(MemoryStore::default())
+        .max_buffered_bytes(bytes)
+        .sweeper(false)
+        .build()
+}
+
+fn refusal<B>(front: Front<B>) -> ProblemCode {
+    match front {
+        Front::Refuse(problem) => problem.code(),
+        Front::Pass(_) => panic!("passed"),
+        Front::Buffered(_) => panic!("buffered"),
+    }
+}
+
+async fn buffered(handle: &Idempotency, head: &TestHead, body: TestBody) -> Buffered {
+    match front::<Detached, _, _>(handle, &EndpointConfig::REQUIRED, head, body).await {
+        Front::Buffered(buffered) => buffered,
+        Front::Refuse(problem) => panic!("refused: {problem:?}"),
+        Front::Pass(_) => panic!("passed"),
+    }
+}
+
+async fn claimed(
+    handle: &Idempotency,
+    head: &TestHead,
+    body: &'static [u8],
+) -> Claimed<Reservation> {
+    let buffered = buffered(handle, head, TestBody::of(&[body])).await;
+    match claim::<Detached, _, Sent>(handle, head, buffered).await {
+        Ok(claimed) => claimed,
+        Err(answer) => panic!("not claimed: {answer:?}"),
+    }
+}
+
+async fn answer_of(handle: &Idempotency, head: &TestHead, body: &'static [u8]) -> Sent {
+    let buffered = buffered(handle, head, TestBody::of(&[body])).await;
+    match claim::<Detached, _, Sent>(handle, head, buffered).await {
+        Ok(_) => panic!("claimed"),
+        Err(answer) => answer,
+    }
+}
+
+#[tokio::test]
+async fn key_syntax_and_presence_are_checked_before_the_body() {
+    let handle = handle_with_budget(1 << 20);
+    let bad = TestHead::keyed("a,b");
+    let step = front::<Detached, _, _>(
+        &handle,
+        &EndpointConfig::OPTIONAL,
+        &bad,
+        TestBody::stalled(),
+    );
+    assert_eq!(refusal(step.await), ProblemCode::KeyInvalid);
+    let none = TestHead::default();
+    let required = front::<Detached, _, _>(
+        &handle,
+        &EndpointConfig::REQUIRED,
+        &none,
+        TestBody::stalled(),
+    );
+    assert_eq!(refusal(required.await), ProblemCode::KeyRequired);
+    let optional = front::<Detached, _, _>(
+        &handle,
+        &EndpointConfig::OPTIONAL,
+        &none,
+        TestBody::of(&[b"x"]),
+    );
+    let Front::Pass(body) = optional.await else {
+        panic!("a keyless request on an optional endpoint passes");
+    };
+    assert_eq!(body.chunks.len(), 1, "its body is untouched");
+}
+
+#[tokio::test]
+async fn an_announced_length_over_the_cap_is_refused_without_reading() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::keyed("k").header("content-length", "2000000");
+    let step = front::<Detached, _, _>(
+        &handle,
+        &EndpointConfig::REQUIRED,
+        &head,
+        TestBody::stalled(),
+    );
+    assert_eq!(refusal(step.await), ProblemCode::PayloadTooLarge);
+}
+
+#[tokio::test]
+async fn a_body_is_refused_when_what_arrived_passes_the_cap() {
+    let handle = Idempotency::builder(MemoryStore::default())
+        .config(Config::builder().max_body(4).build())
+        .build();
+    let head = TestHead::keyed("k");
+    let body = TestBody::of(&[b"abc", b"de"]);
+    let step = front::<Detached, _, _>(&handle, &EndpointConfig::REQUIRED, &head, body);
+    assert_eq!(refusal(step.await), ProblemCode::PayloadTooLarge);
+    assert_eq!(
+        handle.buffered_bytes(),
+        0,
+        "the refused body's bytes are returned"
+    );
+}
+
+#[tokio::test]
+async fn a_body_broken_mid_read_is_body_invalid() {
+    let handle = handle_with_budget(1 << 20);
+    let mut body = TestBody::of(&[b"abc"]);
+    body.chunks.push_back(Err("connection reset"));
+    let head = TestHead::keyed("k");
+    let step = front::<Detached, _, _>(&handle, &EndpointConfig::REQUIRED, &head, body);
+    assert_eq!(refusal(step.await), ProblemCode::BodyInvalid);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_slower_than_the_timeout_is_refused() {
+    let handle = Idempotency::builder(MemoryStore::default())
+        .config(
+            Config::builder()
+                .body_timeout(Duration::from_secs(2))
+                .build(),
+        )
+        .build();
+    let head = TestHead::keyed("k");
+    let step = front::<Detached, _, _>(
+        &handle,
+        &EndpointConfig::REQUIRED,
+        &head,
+        TestBody::stalled(),
+    );
+    assert_eq!(refusal(step.await), ProblemCode::BodyTimeout);
+}
+
+#[tokio::test]
+async fn announced_bodies_that_never_arrive_hold_no_budget() {
+    let handle = handle_with_budget(64);
+    let idle = TestHead::keyed("idle").header("content-length", "1000");
+    let mut waiting = Vec::new();
+    for _ in 0..300 {
+        let step = front::<Detached, _, _>(
+            &handle,
+            &EndpointConfig::REQUIRED,
+            &idle,
+            TestBody::stalled(),
+        );
+        let mut front = Box::pin(step);
+        assert!(
+            (&mut front).now_or_never().is_none(),
+            "waiting for its body"
+        );
+        waiting.push(front);
+    }
+    assert_eq!(
+        handle.buffered_bytes(),
+        0,
+        "announced bytes reserve nothing"
+    );
+    let head = TestHead::keyed("honest");
+    let claimed = claimed(&handle, &head, b"{\"sku\":\"a\"}").await;
+    assert!(
+        claimed.context.is_some(),
+        "another caller's request is claimed"
+    );
+}
+
+#[tokio::test]
+async fn bytes_that_arrived_beyond_the_budget_are_refused_with_store_full() {
+    let handle = handle_with_budget(8);
+    let head = TestHead::keyed("k");
+    let body = TestBody::of(&[b"12345", b"6789"]);
+    let step = front::<Detached, _, _>(&handle, &EndpointConfig::REQUIRED, &head, body);
+    assert_eq!(refusal(step.await), ProblemCode::StoreFull);
+    assert_eq!(handle.buffered_bytes(), 0);
+}
+
+#[tokio::test]
+async fn a_credential_without_a_published_identity_is_scope_unresolved() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::keyed("k").header("authorization", "Bearer t");
+    let answer = answer_of(&handle, &head, b"{}").await;
+    assert_eq!(
+        (answer.0.status, answer.0.code),
+        (500, Some(ProblemCode::ScopeUnresolved))
+    );
+    let mut anonymous = TestHead::keyed("k");
+    anonymous.peer = None;
+    let answer = answer_of(&handle, &anonymous, b"{}").await;
+    assert_eq!(
+        answer.0.code,
+        Some(ProblemCode::ScopeUnresolved),
+        "no peer address"
+    );
+}
+
+#[tokio::test]
+async fn a_completed_key_replays_and_a_different_body_is_key_reused() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::keyed("k");
+    let claimed = claimed(&handle, &head, b"{\"n\":1}").await;
+    let (reply, body) = TestReply::new(201, b"{\"id\":7}");
+    let sent = settle(&handle, claimed.held, Sent(reply, body)).await;
+    assert_eq!(
+        (sent.0.status, &sent.0.body[..], sent.0.replayed),
+        (201, &b"{\"id\":7}"[..], false)
+    );
+
+    let replay = answer_of(&handle, &head, b"{\"n\":1}").await;
+    assert_eq!(
+        (replay.0.status, &replay.0.body[..]),
+        (201, &b"{\"id\":7}"[..])
+    );
+    assert!(replay.0.replayed, "marked replayed");
+    let reused = answer_of(&handle, &head, b"{\"n\":2}").await;
+    assert_eq!(
+        (reused.0.status, reused.0.code),
+        (422, Some(ProblemCode::KeyReused))
+    );
+}
+
+#[tokio::test]
+async fn a_duplicate_while_the_first_runs_is_in_progress() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::keyed("k");
+    let _first = claimed(&handle, &head, b"{}").await;
+    let second = answer_of(&handle, &head, b"{}").await;
+    assert_eq!(
+        (second.0.status, second.0.code),
+        (409, Some(ProblemCode::InProgress))
+    );
+}
+
+#[tokio::test]
+async fn a_sized_response_is_recorded_while_the_budget_is_exhausted() {
+    let handle = handle_with_budget(32);
+    let head = TestHead::keyed("k");
+    let claimed = claimed(&handle, &head, b"{}").await;
+    drop(claimed.permit);
+    let mut others = handle.budget().permit();
+    assert!(others.grow(32), "other requests hold the whole budget");
+    let (reply, body) = TestReply::new(201, b"a response longer than the whole budget");
+    let sent = settle(&handle, claimed.held, Sent(reply, body)).await;
+    assert!(!sent.0.resumed, "recorded, not streamed past the record");
+    drop(others);
+    let replay = answer_of(&handle, &head, b"{}").await;
+    assert!(replay.0.replayed, "the retry is a replay, not a second run");
+    assert_eq!(
+        &replay.0.body[..],
+        b"a response longer than the whole budget"
+    );
+}
+
+#[tokio::test]
+async fn an_unsized_response_past_the_budget_is_sent_whole_and_its_key_released() {
+    let handle = handle_with_budget(16);
+    let head = TestHead::keyed("k");
+    let claimed = claimed(&handle, &head, b"{}").await;
+    drop(claimed.permit);
+    let (reply, _) = TestReply::new(200, b"");
+    let body = TestBody::of(&[b"0123456789", b"abcdefghij", b"tail"]);
+    let sent = settle(&handle, claimed.held, Sent(reply, body)).await;
+    assert!(sent.0.resumed, "not recorded");
+    assert_eq!(
+        &sent.0.body[..],
+        b"0123456789abcdefghij",
+        "what was read goes first"
+    );
+    assert_eq!(sent.1.chunks.len(), 1, "then the rest of the stream");
+    let again = claimed_again(&handle, &head).await;
+    assert!(again, "the key was released: the retry runs");
+}
+
+async fn claimed_again(handle: &Idempotency, head: &TestHead) -> bool {
+    let buffered = buffered(handle, head, TestBody::of(&[b"{}"])).await;
+    match claim::<Detached, _, Sent>(handle, head, buffered).await {
+        Ok(claimed) => {
+            claimed.held.release().await;
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+#[tokio::test]
+async fn unrecordable_responses_are_sent_untouched_and_release_the_key() {
+    let handle = Idempotency::builder(MemoryStore::default())
+        .config(Config::builder().max_response(4).build())
+        .build();
+    let head = TestHead::keyed("k");
+    for (status, body) in [(500, &b"{}"[..]), (403, b"{}"), (201, b"too large")] {
+        let claimed = claimed(&handle, &head, b"{}").await;
+        let (reply, _) = TestReply::new(status, b"");
+        let sent = settle(&handle, claimed.held, Sent(reply, TestBody::sized(body))).await;
+        assert_eq!(sent.0.status, status);
+        assert_eq!(
+            sent.1.chunks.len(),
+            1,
+            "{status}: the body is left as it was"
+        );
+        assert!(
+            claimed_again(&handle, &head).await,
+            "{status}: the key was released"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_panicking_handler_answers_500_and_releases_its_key() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::keyed("k");
+    let claimed = claimed(&handle, &head, b"{}").await;
+    let handler = async { panic!("handler bug") };
+    let work = work::<Sent, (), Infallible>(
+        handle.clone(),
+        claimed.held,
+        claimed.permit,
+        claimed.route,
+        handler,
+    );
+    let ended = drive(&handle, "/orders", work, tokio::spawn).await;
+    let Ended::Panicked(answer) = ended else {
+        panic!("not a panic");
+    };
+    assert_eq!(
+        (answer.0.status, answer.0.code),
+        (500, Some(ProblemCode::HandlerPanicked))
+    );
+    assert!(claimed_again(&handle, &head).await, "the key was released");
+}
+
+#[tokio::test]
+async fn pending_work_finishes_in_its_task_and_is_recorded() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::keyed("k");
+    let claimed = claimed(&handle, &head, b"{}").await;
+    let handler = async {
+        tokio::task::yield_now().await;
+        let (reply, body) = TestReply::new(201, b"later");
+        Ok::<_, Infallible>((Sent(reply, body), 7))
+    };
+    let work = work(
+        handle.clone(),
+        claimed.held,
+        claimed.permit,
+        claimed.route,
+        handler,
+    );
+    match drive(&handle, "/orders", work, tokio::spawn).await {
+        Ended::Answered(sent, extra) => assert_eq!((sent.0.status, extra), (201, 7)),
+        _ => panic!("not answered"),
+    }
+    assert_eq!(handle.running(), 0);
+    let replay = answer_of(&handle, &head, b"{}").await;
+    assert_eq!(&replay.0.body[..], b"later");
+}
