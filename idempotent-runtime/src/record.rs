@@ -1,6 +1,7 @@
 //! The record's life (DESIGN.md §3) as plain functions over a [`Store`]: what a standing record
-//! means for a new request, the claim loop that reclaims abandoned and expired records, and what
-//! part of a response is kept.
+//! means for a new request, the claim loop that reclaims abandoned and expired records (the same
+//! loop for a detached claim and for one inside an enlisted transaction, through [`ClaimOps`]),
+//! and what part of a response is kept.
 //!
 //! The conditional write in the store decides every race; these functions only interpret what
 //! the store reports, so every backend behaves the same.
@@ -9,11 +10,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::future::BoxFuture;
 
 use crate::config::Config;
 use crate::fingerprint::Fingerprint;
 use crate::store::{
-    Claim, ClaimRequest, RecordedResponse, Standing, StandingState, Store, StoreError,
+    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
 };
 
 /// What a standing record means for a request with fingerprint `fp`.
@@ -76,18 +78,63 @@ pub enum Claimed {
     KeyReused,
 }
 
+/// The two conditional writes the claim loop sends, with [`Store::claim`]'s and
+/// [`Store::reclaim`]'s meaning: every store has them (through `&store`), and so has an enlisted
+/// request's open transaction, so both claim through the one loop in [`claim`].
+///
+/// A key that cannot be read because another transaction holds its row is reported as
+/// [`StandingState::Running`] with the request's own fingerprint and lease: the loop answers
+/// "in progress" and sends nothing more.
+///
+/// The futures are boxed, as [`Store`]'s are, so a store's are passed on without another box:
+/// with `impl Future + Send` instead, rustc cannot prove the framework pipelines' futures `Send`
+/// (a "higher-ranked lifetime error").
+pub trait ClaimOps: Send {
+    /// Installs `req.token` if nothing live stands under the key; otherwise reports what stands.
+    fn claim<'a>(
+        &'a mut self,
+        req: &'a ClaimRequest<'_>,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>>;
+
+    /// Takes over the expired record, or the abandoned one held by `stale`; otherwise reports
+    /// what stands.
+    fn reclaim<'a>(
+        &'a mut self,
+        req: &'a ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>>;
+}
+
+impl<S: Store + ?Sized> ClaimOps for &S {
+    fn claim<'a>(
+        &'a mut self,
+        req: &'a ClaimRequest<'_>,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Store::claim(*self, req)
+    }
+
+    fn reclaim<'a>(
+        &'a mut self,
+        req: &'a ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Store::reclaim(*self, req, stale)
+    }
+}
+
 /// How many takeovers a claim attempts before answering "in progress": each lost takeover
 /// means another request acquired the key in between, so the next read shows it running.
 const MAX_TAKEOVERS: usize = 3;
 
-/// Claims `req` in `store`: one conditional write, plus a token-conditional takeover when the
-/// standing record is expired or abandoned by the same request.
+/// Claims `req` through `ops` (a `&store`, or an enlisted transaction): one conditional write,
+/// plus a token-conditional takeover when the standing record is expired or abandoned by the
+/// same request.
 pub async fn claim(
-    store: &dyn Store,
+    mut ops: impl ClaimOps,
     req: &ClaimRequest<'_>,
     same_request: impl Fn(&Fingerprint) -> bool,
 ) -> Result<Claimed, StoreError> {
-    let mut outcome = store.claim(req).await?;
+    let mut outcome = ops.claim(req).await?;
     let mut reclaimed = false;
     for _ in 0..=MAX_TAKEOVERS {
         let standing = match outcome {
@@ -101,7 +148,7 @@ pub async fn claim(
         match decide(&standing, &same_request) {
             Decision::Reclaim { abandoned } => {
                 reclaimed = abandoned;
-                outcome = store.reclaim(req, standing.token).await?;
+                outcome = ops.reclaim(req, standing.token).await?;
             }
             Decision::Replay(response) => return Ok(Claimed::Replay(response)),
             Decision::InProgress { lease_left } => return Ok(Claimed::InProgress { lease_left }),
@@ -149,7 +196,6 @@ pub fn recorded_headers<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::FencingToken;
 
     fn fp(n: u8) -> Fingerprint {
         Fingerprint {

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{
@@ -589,16 +589,18 @@ impl PostgresStore {
         }
     }
 
-    /// One claim or reclaim statement. A lock timeout means another transaction holds an
-    /// uncommitted row for the key: reported as running, with the request's own fingerprint
-    /// (the key is in progress whatever that request's body) and the request's lease as what is
-    /// left, since the holder's is unknown.
+    /// One claim or reclaim statement on `on`. A lock timeout means another transaction holds
+    /// an uncommitted row for the key: reported as [`busy`].
     async fn claim_statement(
         &self,
-        sql: &Arc<str>,
+        on: &mut On<'_>,
         req: &ClaimRequest<'_>,
         stale: Option<FencingToken>,
     ) -> Result<Outcome, StoreError> {
+        let sql = match stale {
+            Some(_) => &self.sql.reclaim,
+            None => &self.sql.claim,
+        };
         let query = || {
             let query = sqlx::query(AssertSqlSafe(Arc::clone(sql)))
                 .bind(&req.scope[..])
@@ -614,48 +616,34 @@ impl PostgresStore {
                 None => query,
             }
         };
-        // Sent again, like the conditional writes, when its pooled connection was already
-        // dead: the database is there, only that connection is not. If the first attempt was
-        // written after all, the retry reads back the request's own token, which the engine
-        // takes as acquired.
-        let mut attempts_left = self.pool.options().get_max_connections();
+        // On the pool it is sent again, like the conditional writes, when its pooled connection
+        // was already dead: the database is there, only that connection is not. If the first
+        // attempt was written after all, the retry reads back the request's own token, which the
+        // engine takes as acquired. A transaction's connection is never retried: its death took
+        // the transaction with it.
+        let mut attempts_left = match on {
+            On::Pool => self.pool.options().get_max_connections(),
+            On::Transaction(_) => 0,
+        };
         loop {
             self.count();
-            match query().fetch_all(&self.pool).await {
+            let rows = match on {
+                On::Pool => query().fetch_all(&self.pool).await,
+                On::Transaction(conn) => query().fetch_all(&mut **conn).await,
+            };
+            match rows {
                 Ok(rows) => return decode(rows),
-                Err(e) if is_lock_timeout(&e) => {
-                    return Ok(Outcome::Standing(Standing {
-                        token: FencingToken(0),
-                        fingerprint: req.fingerprint,
-                        state: StandingState::Running {
-                            lease_left: req.lease,
-                        },
-                    }));
-                }
+                Err(e) if is_lock_timeout(&e) => return Ok(Outcome::Standing(busy(req))),
                 Err(e) if attempts_left > 0 && connection_dropped(&e) => attempts_left -= 1,
                 Err(e) => return Err(unavailable(e)),
             }
         }
     }
-}
 
-fn still_running(req: &ClaimRequest<'_>) -> Claim {
-    // Every re-run met a record committed after its snapshot: the key is being fought over
-    // right now, which is what "in progress" means.
-    Claim::Standing(Standing {
-        token: FencingToken(0),
-        fingerprint: req.fingerprint,
-        state: StandingState::Running {
-            lease_left: req.lease,
-        },
-    })
-}
-
-#[async_trait]
-impl Store for PostgresStore {
-    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+    /// [`Store::claim`] on `on`, re-run while its snapshot misses a concurrent commit.
+    async fn claim_on(&self, on: &mut On<'_>, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         for _ in 0..MAX_RERUNS {
-            match self.claim_statement(&self.sql.claim, req, None).await? {
+            match self.claim_statement(on, req, None).await? {
                 Outcome::Acquired => return Ok(Claim::Acquired),
                 Outcome::Standing(standing) => return Ok(Claim::Standing(standing)),
                 Outcome::Nothing => continue,
@@ -664,19 +652,18 @@ impl Store for PostgresStore {
         Ok(still_running(req))
     }
 
-    async fn reclaim(
+    /// [`Store::reclaim`] on `on`, re-run while its snapshot misses a concurrent commit.
+    async fn reclaim_on(
         &self,
+        on: &mut On<'_>,
         req: &ClaimRequest<'_>,
         stale: FencingToken,
     ) -> Result<Claim, StoreError> {
         for _ in 0..MAX_RERUNS {
-            match self
-                .claim_statement(&self.sql.reclaim, req, Some(stale))
-                .await?
-            {
+            match self.claim_statement(on, req, Some(stale)).await? {
                 Outcome::Acquired => return Ok(Claim::Acquired),
                 // The row vanished (released or swept): claim it afresh.
-                Outcome::Nothing => return self.claim(req).await,
+                Outcome::Nothing => return self.claim_on(on, req).await,
                 Outcome::Standing(standing) => {
                     let takeable = standing.state == StandingState::Expired
                         || (standing.token == stale && standing.state == StandingState::Abandoned);
@@ -689,6 +676,48 @@ impl Store for PostgresStore {
             }
         }
         Ok(still_running(req))
+    }
+}
+
+/// Where a claim statement goes: the pool (a detached claim) or the connection of an enlisted
+/// request's open transaction.
+enum On<'c> {
+    Pool,
+    Transaction(&'c mut PgConnection),
+}
+
+/// A key whose state cannot be read: another transaction holds it. Reported as running, with
+/// the request's own fingerprint (the key is in progress whatever that request's body) and the
+/// request's lease as what is left, since the holder's is unknown; the claim loop answers "in
+/// progress" and sends nothing more (an enlisted transaction that met the lock is aborted).
+fn busy(req: &ClaimRequest<'_>) -> Standing {
+    Standing {
+        token: FencingToken(0),
+        fingerprint: req.fingerprint,
+        state: StandingState::Running {
+            lease_left: req.lease,
+        },
+    }
+}
+
+fn still_running(req: &ClaimRequest<'_>) -> Claim {
+    // Every re-run met a record committed after its snapshot: the key is being fought over
+    // right now, which is what "in progress" means.
+    Claim::Standing(busy(req))
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        self.claim_on(&mut On::Pool, req).await
+    }
+
+    async fn reclaim(
+        &self,
+        req: &ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> Result<Claim, StoreError> {
+        self.reclaim_on(&mut On::Pool, req, stale).await
     }
 
     async fn complete(

@@ -10,22 +10,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnection, Postgres};
 use sqlx::{AssertSqlSafe, Transaction};
 
-use super::{Outcome, PostgresStore, decode, is_lock_timeout, millis_i64, unavailable};
+use super::{On, PostgresStore, millis_i64, unavailable};
 use crate::fingerprint::Fingerprint;
-use crate::record::{self, Claimed, Decision};
+use crate::record::{self, ClaimOps, Claimed};
 use crate::scope::ScopeHash;
 use crate::store::{Claim, ClaimRequest, FencingToken, RecordedResponse, StoreError};
-
-/// How many takeovers (expired or abandoned rows left by detached requests) a claim attempts
-/// before answering "in progress", as in [`record::claim`].
-const MAX_TAKEOVERS: usize = 3;
-
-/// How often a claim whose snapshot missed a concurrent commit is re-run.
-const MAX_RERUNS: usize = 8;
 
 impl PostgresStore {
     /// Opens the transaction an enlisted request runs in, on one of the store's connections
@@ -49,11 +43,11 @@ impl PostgresStore {
         i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
     }
 
-    /// Claims `req` inside the open transaction on `conn`: the try-lock, then the same
-    /// conditional insert (and token-conditional takeover) as a detached claim. `None` when the
-    /// try-lock is held by another transaction (the key is in progress; this transaction holds
-    /// nothing). Anything but [`Claimed::Acquired`] leaves the transaction to be rolled back,
-    /// and it holds the key's lock until it is.
+    /// Claims `req` inside the open transaction on `conn`: the try-lock, then [`record::claim`]
+    /// with the same conditional insert (and token-conditional takeover) as a detached claim.
+    /// `None` when the try-lock is held by another transaction (the key is in progress; this
+    /// transaction holds nothing). Anything but [`Claimed::Acquired`] leaves the transaction to
+    /// be rolled back, and it holds the key's lock until it is.
     pub(crate) async fn enlisted_claim(
         &self,
         conn: &mut PgConnection,
@@ -66,80 +60,15 @@ impl PostgresStore {
             .fetch_one(&mut *conn)
             .await
             .map_err(unavailable)?;
-        let running = Claimed::InProgress {
-            lease_left: req.lease,
-        };
         if !locked {
             // Another request's transaction holds this key: its reservation is not visible
             // yet, so the only honest answer is "in progress", whatever this request's body.
             return Ok(None);
         }
-        let mut outcome = self.enlisted_statement(conn, req, None).await?;
-        let mut reclaimed = false;
-        for _ in 0..=MAX_TAKEOVERS {
-            let standing = match outcome {
-                Some(Claim::Acquired) => return Ok(Some(Claimed::Acquired { reclaimed })),
-                Some(Claim::Standing(standing)) => standing,
-                // A row locked by a detached request past `lock_timeout`: the transaction is
-                // aborted, and the key is busy.
-                None => return Ok(Some(running)),
-            };
-            match record::decide(&standing, &same_request) {
-                Decision::Reclaim { abandoned } => {
-                    reclaimed = abandoned;
-                    outcome = self
-                        .enlisted_statement(conn, req, Some(standing.token))
-                        .await?;
-                }
-                Decision::Replay(response) => return Ok(Some(Claimed::Replay(response))),
-                Decision::InProgress { lease_left } => {
-                    return Ok(Some(Claimed::InProgress { lease_left }));
-                }
-                Decision::KeyReused => return Ok(Some(Claimed::KeyReused)),
-            }
-        }
-        Ok(Some(running))
-    }
-
-    /// One claim (or, with `stale`, takeover) statement on `conn`, re-run while its snapshot
-    /// misses a concurrent commit. `None` when it met a row lock past `lock_timeout`.
-    async fn enlisted_statement(
-        &self,
-        conn: &mut PgConnection,
-        req: &ClaimRequest<'_>,
-        mut stale: Option<FencingToken>,
-    ) -> Result<Option<Claim>, StoreError> {
-        for _ in 0..MAX_RERUNS {
-            let sql = match stale {
-                Some(_) => &self.sql.reclaim,
-                None => &self.sql.claim,
-            };
-            let mut query = sqlx::query(AssertSqlSafe(Arc::clone(sql)))
-                .bind(&req.scope[..])
-                .bind(req.key)
-                .bind(req.token.as_i64())
-                .bind(&req.fingerprint.digest[..])
-                .bind(req.fingerprint.version as i16)
-                .bind(millis_i64(req.lease))
-                .bind(millis_i64(req.retention))
-                .bind(self.offset());
-            if let Some(stale) = stale {
-                query = query.bind(stale.as_i64());
-            }
-            self.count();
-            let rows = match query.fetch_all(&mut *conn).await {
-                Ok(rows) => rows,
-                Err(e) if is_lock_timeout(&e) => return Ok(None),
-                Err(e) => return Err(unavailable(e)),
-            };
-            match decode(rows)? {
-                Outcome::Acquired => return Ok(Some(Claim::Acquired)),
-                Outcome::Standing(standing) => return Ok(Some(Claim::Standing(standing))),
-                // A takeover whose row vanished (released or swept): claim it afresh.
-                Outcome::Nothing => stale = None,
-            }
-        }
-        Ok(None)
+        // A row locked by a detached request past `lock_timeout` aborts the transaction and
+        // reads as running: the loop answers "in progress" without another statement.
+        let claimed = record::claim(InTransaction { store: self, conn }, req, same_request).await?;
+        Ok(Some(claimed))
     }
 
     /// Ends a transaction that decided not to run (a replay, a refusal) before the answer goes
@@ -178,5 +107,34 @@ impl PostgresStore {
             .await
             .map_err(unavailable)?;
         Ok(done.rows_affected() == 1)
+    }
+}
+
+/// The claim loop's writes, sent on an enlisted request's open transaction.
+struct InTransaction<'a> {
+    store: &'a PostgresStore,
+    conn: &'a mut PgConnection,
+}
+
+impl ClaimOps for InTransaction<'_> {
+    fn claim<'a>(
+        &'a mut self,
+        req: &'a ClaimRequest<'_>,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(async move {
+            let mut on = On::Transaction(&mut *self.conn);
+            self.store.claim_on(&mut on, req).await
+        })
+    }
+
+    fn reclaim<'a>(
+        &'a mut self,
+        req: &'a ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(async move {
+            let mut on = On::Transaction(&mut *self.conn);
+            self.store.reclaim_on(&mut on, req, stale).await
+        })
     }
 }
