@@ -1,6 +1,6 @@
 #![cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
 
-//! The global budget of buffered bytes (DESIGN.md §5, "Buffers in flight"): request bodies read
+//! The global budget of buffered bytes ([the contract](crate::design) §5, "Buffers in flight"): request bodies read
 //! before the claim and response bodies read to be recorded, across all requests at once.
 //!
 //! It is charged for bytes that arrived, never for bytes announced: a `Content-Length` reserves

@@ -1,4 +1,4 @@
-//! Time, injectable so that leases and retention are tested without sleeping (DESIGN.md §3).
+//! Time, injectable so that leases and retention are tested without sleeping ([the contract](crate::design) §3).
 //!
 //! The in-memory store reads this clock; the SQL stores use the database's clock so that replicas
 //! never disagree about a lease.

@@ -1,4 +1,4 @@
-//! Settings, with the defaults of DESIGN.md, and the per-endpoint overrides the attribute emits.
+//! Settings, with the defaults of [the contract](crate::design), and the per-endpoint overrides the attribute emits.
 
 use std::time::Duration;
 

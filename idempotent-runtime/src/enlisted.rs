@@ -1,4 +1,4 @@
-//! Enlisted mode (DESIGN.md §5): the recorded response commits with the handler's own writes.
+//! Enlisted mode ([the contract](crate::design) §5): the recorded response commits with the handler's own writes.
 //!
 //! In the default, detached mode the reservation commits before the handler runs, so a crash
 //! between the handler's writes and the record leaves the writes without the record (and the
@@ -8,7 +8,7 @@
 //! the response in the same transaction and commits, and sends the response only once the
 //! commit succeeded (503 `IDEMPOTENCY_STORE_UNAVAILABLE` otherwise):
 //!
-//! - a recordable final status (DESIGN.md §3) → the response is recorded and everything commits;
+//! - a recordable final status ([the contract](crate::design) §3) → the response is recorded and everything commits;
 //! - anything else (5xx, a non-replayable status), a handler that panics, a response that cannot
 //!   be recorded (over `max_response`, a `content-encoding` that is not allowlisted) → the
 //!   transaction rolls back: neither the business rows nor the record remain, and the retry

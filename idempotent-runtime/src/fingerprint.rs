@@ -1,4 +1,4 @@
-//! The request fingerprint of DESIGN.md §4.
+//! The request fingerprint of [the contract](crate::design) §4.
 //!
 //! SHA-256 over a version tag and a length-prefixed sequence of nine segments. No serializer is
 //! involved, so two replicas (and two releases) agree byte for byte; golden vectors in the tests

@@ -1,4 +1,4 @@
-//! Parsing the `Idempotency-Key` request header (DESIGN.md §2, "Key syntax").
+//! Parsing the `Idempotency-Key` request header ([the contract](crate::design) §2, "Key syntax").
 //!
 //! A value that starts with `"` is a Structured-Field string (RFC 9651) without parameters; any
 //! other value is the bare form most clients send. After unquoting, a key is 1–255 visible ASCII

@@ -2,8 +2,8 @@
 //!
 //! A client retries a POST that already succeeded, a user double-clicks Pay, a proxy replays a
 //! request: with `#[idempotent]` on the handler, the second arrival gets the first one's
-//! answer and the handler does not run again. The contract (status codes, the record's life,
-//! fingerprint and scope) is the one in the repository's DESIGN.md.
+//! answer and the handler does not run again. What it promises (status codes, the record's
+//! life, fingerprint and scope) is [the contract](design), which ships with the crate.
 //!
 //! The core modules know no web framework; the `axum` and `actix` features add the integrations.
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -19,6 +19,7 @@ mod budget;
 pub mod clock;
 pub mod config;
 pub mod context;
+pub mod design;
 mod digest;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]

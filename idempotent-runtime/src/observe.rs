@@ -1,4 +1,4 @@
-//! Observability (DESIGN.md §7): `tracing` events for each decision, `metrics` counters (feature
+//! Observability ([the contract](crate::design) §7): `tracing` events for each decision, `metrics` counters (feature
 //! `metrics`), and an audit sink. Keys are never logged; their hash may be.
 
 use std::fmt;

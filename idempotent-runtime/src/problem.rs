@@ -1,4 +1,4 @@
-//! RFC 9457 `application/problem+json` refusals with the stable `code`s of DESIGN.md §2.
+//! RFC 9457 `application/problem+json` refusals with the stable `code`s of [the contract](crate::design) §2.
 
 use std::borrow::Cow;
 use std::fmt;

@@ -1,4 +1,4 @@
-//! The record's life (DESIGN.md §3) as plain functions over a [`Store`]: what a standing record
+//! The record's life ([the contract](crate::design) §3) as plain functions over a [`Store`]: what a standing record
 //! means for a new request, the claim loop that reclaims abandoned and expired records (the same
 //! loop for a detached claim and for one inside an enlisted transaction, through [`ClaimOps`]),
 //! and what part of a response is kept.

@@ -1,4 +1,4 @@
-//! A held key while its handler runs (DESIGN.md §3): the lease renewed every third of it, and
+//! A held key while its handler runs ([the contract](crate::design) §3): the lease renewed every third of it, and
 //! the fenced completion or release that settles it. Also the count of claimed handlers that
 //! graceful shutdown waits for.
 

@@ -1,5 +1,5 @@
 //! Who the caller is: the identity the application publishes, and the scope hash derived from it
-//! (DESIGN.md §4).
+//! ([the contract](crate::design) §4).
 //!
 //! The scope is SHA-256 of the fingerprint's segments 5–7 (tenant, subject, client id) and leads
 //! every store key, so one tenant guessing another's key is a miss, never a replay of somebody
@@ -224,7 +224,7 @@ impl Scope {
     }
 }
 
-/// Resolves the scope of a request under the rules of DESIGN.md §4: identity must not silently
+/// Resolves the scope of a request under the rules of [the contract](crate::design) §4: identity must not silently
 /// degrade to the peer address when the request carries credentials.
 pub fn resolve(
     identity: Option<&Identity>,

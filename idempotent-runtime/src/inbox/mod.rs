@@ -1,4 +1,4 @@
-//! The processed-messages inbox for message consumers (DESIGN.md §6).
+//! The processed-messages inbox for message consumers ([the contract](crate::design) §6).
 //!
 //! Brokers deliver at least once: a consumer that crashes before it acks, a redelivery after an
 //! ack timeout, a producer that publishes twice. The inbox makes the consumer's effects happen once
@@ -179,7 +179,7 @@ pub(crate) fn observe_swept(consumer: &str, deleted: usize) {
 }
 
 /// How often a background sweeper runs: the retention, capped at one hour (as for the HTTP
-/// stores' sweeper, DESIGN.md §3).
+/// stores' sweeper, [the contract](crate::design) §3).
 pub(crate) fn sweep_cadence(retention: Duration) -> Duration {
     retention
         .min(Duration::from_secs(3600))

@@ -26,7 +26,7 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// constraint by its exact name).
 const MAX_TABLE_NAME: usize = 50;
 
-/// A processed-messages inbox in PostgreSQL (DESIGN.md §6), for any number of consumer processes.
+/// A processed-messages inbox in PostgreSQL ([the contract](crate::design) §6), for any number of consumer processes.
 ///
 /// [`process`](Self::process) opens a transaction, sets `lock_timeout` for it, inserts the
 /// marker `(consumer, message_id)` **first**, then runs the handler on the same connection and
@@ -192,7 +192,7 @@ impl PgInboxBuilder {
         let lock_ms = self.lock_timeout.as_millis().clamp(1, i32::MAX as u128);
         let begin_sql = format!("BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'");
         let insert_sql = format!("INSERT INTO {qualified} (consumer, message_id) VALUES ($1, $2)");
-        // The delete re-checks the age predicate (DESIGN.md §3). The batch is a CTE so that it is
+        // The delete re-checks the age predicate (the contract, docs/DESIGN.md §3). The batch is a CTE so that it is
         // chosen once: as an `IN (… LIMIT n)` subquery it may be rescanned and, among rows of
         // equal age, pick different ones each time, deleting more than `n`. SKIP LOCKED keeps
         // two sweepers from queueing behind each other.

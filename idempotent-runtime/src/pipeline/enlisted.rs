@@ -1,4 +1,4 @@
-//! The run and settle steps in enlisted mode (DESIGN.md §5): the handler writes through the
+//! The run and settle steps in enlisted mode ([the contract](crate::design) §5): the handler writes through the
 //! transaction that holds the reservation; the final status decides whether its response is
 //! recorded in that transaction and committed, or everything is rolled back.
 

@@ -1,16 +1,16 @@
-//! The request sequence of DESIGN.md §2, written once for every framework:
+//! The request sequence of [the contract](crate::design) §2, written once for every framework:
 //!
 //! ```text
 //! key syntax → key presence → body → scope → fingerprint → claim → run → settle
 //! ```
 //!
-//! [`front`] checks the key and reads the body (bounded by `max_body`, `body_timeout` and the
-//! buffer budget); [`claim`] resolves the caller's scope, fingerprints the request and claims the
-//! key, detached or enlisted ([`ClaimMode`]); [`work`] runs the claimed handler under its renewed
-//! lease and [`settle`]s its response (record or release); [`drive`] runs that work where no
+//! `front` checks the key and reads the body (bounded by `max_body`, `body_timeout` and the
+//! buffer budget); `claim` resolves the caller's scope, fingerprints the request and claims the
+//! key, detached or enlisted (`ClaimMode`); `work` runs the claimed handler under its renewed
+//! lease and settles its response (record or release); `drive` runs that work where no
 //! client disconnect can cancel it. Each framework adapter (`crate::axum`, `crate::actix`) only
-//! translates: it implements [`Head`] over its request, [`Chunks`] over its bodies and [`Reply`]
-//! over its response, and calls these steps in order. Between [`front`] and [`claim`] actix runs
+//! translates: it implements `Head` over its request, `Chunks` over its bodies and `Reply`
+//! over its response, and calls these steps in order. Between `front` and `claim` actix runs
 //! the handler's own extractors (they may publish the caller's identity); axum has already run
 //! them, as its extractors run left to right.
 
@@ -361,7 +361,7 @@ where
 
 /// Records a recordable response before it is returned; releases the key otherwise. The first
 /// response is never marked replayed. A sized response already in memory is recorded whatever
-/// the buffer budget (DESIGN.md §5, "Buffers in flight").
+/// the buffer budget ([the contract](crate::design) §5, "Buffers in flight").
 pub(crate) async fn settle<R: Reply>(
     handle: &Idempotency,
     reservation: Reservation,

@@ -1,5 +1,5 @@
 //! Every refusal the pipeline answers, each counted and logged in one place, as
-//! framework-free [`Problem`]s (DESIGN.md §2).
+//! framework-free [`Problem`]s ([the contract](crate::design) §2).
 
 use crate::handle::Idempotency;
 use crate::key::KeyError;

@@ -1,4 +1,4 @@
-//! The embedded default store: one process, sharded, expiring, bounded (DESIGN.md §5).
+//! The embedded default store: one process, sharded, expiring, bounded ([the contract](crate::design) §5).
 //!
 //! Every operation takes one shard's mutex for a few hash-map operations and never across an
 //! `.await`. The store is bounded in records, in bytes and per scope; when a bound is reached,

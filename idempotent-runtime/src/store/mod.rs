@@ -1,4 +1,4 @@
-//! The `Store` trait every backend implements, and the record it keeps (DESIGN.md §3, §5).
+//! The `Store` trait every backend implements, and the record it keeps ([the contract](crate::design) §3, §5).
 //!
 //! A store does the conditional writes; the decisions (replay, 409, 422, reclaim) are made by
 //! [`crate::record`] from what the store reports, identically for every backend. A store reports

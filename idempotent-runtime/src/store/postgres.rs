@@ -1,4 +1,4 @@
-//! The PostgreSQL store, through sqlx (DESIGN.md §5): several replicas share one table.
+//! The PostgreSQL store, through sqlx ([the contract](crate::design) §5): several replicas share one table.
 //!
 //! Every operation is one statement, so one round trip: a claim is `INSERT … ON CONFLICT DO
 //! NOTHING` with the standing row read back in the same statement, and a replay writes nothing

@@ -1,4 +1,4 @@
-//! The SQLite store, through sqlx (DESIGN.md §5): embedded and durable, for one node.
+//! The SQLite store, through sqlx ([the contract](crate::design) §5): embedded and durable, for one node.
 //!
 //! The database runs in WAL mode, so reads never wait for the writer. Writes go through a
 //! single connection (SQLite allows one writer at a time; queueing in the pool is cheaper than

@@ -1,4 +1,4 @@
-//! The PostgreSQL side of enlisted mode (DESIGN.md §5): the reservation is written in a
+//! The PostgreSQL side of enlisted mode ([the contract](crate::design) §5): the reservation is written in a
 //! transaction the handler then writes through, and completed in it before the commit.
 //!
 //! A duplicate cannot see an uncommitted reservation, and must not wait on its row lock: every
