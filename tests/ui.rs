@@ -2,6 +2,10 @@
 //! each mistake (fail/, one per file, named after it). Regenerate the expected errors with
 //! `TRYBUILD=overwrite cargo test --all-features -p idempotent-examples --test ui` and review
 //! them in the diff. Compiler messages shift between releases: run on stable only.
+//!
+//! No expected error names the runtime's `__private` types: the streaming-body probe fails as a
+//! constant whose message is the whole explanation, and a fail case whose mistake would also
+//! break code around it (routing a handler whose state lacks the store) stops at the handler.
 
 #[test]
 fn axum() {

@@ -1,133 +1,175 @@
-//! Compile-time checks emitted into the expansion: targeted syntactic checks that fail the macro
-//! with an error on the user's tokens, and trait-bound probes that the type checker evaluates,
-//! spanned at the user's type so the caret covers it.
+//! Every compile-time check, the same for both frameworks: syntactic checks that fail the macro
+//! with an error on the user's tokens (run while `signature.rs` builds its model), and the probes
+//! the type checker evaluates, spanned at the user's type so the caret covers it.
 
-use proc_macro2::{Span, TokenStream};
-use quote::{ToTokens, quote_spanned};
+use proc_macro2::{Delimiter, Group, Span, TokenStream, TokenTree};
+use quote::{ToTokens, quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::{Error, GenericArgument, PathArguments, ReturnType, Type};
+use syn::{Error, FnArg, ReturnType, Signature, Type};
 
-/// The last path segment's identifier of a type (`axum::Json<T>` → `Json`), if it is a path.
-pub(crate) fn last_ident(ty: &Type) -> Option<&syn::PathSegment> {
-    match ty {
-        Type::Path(p) if p.qself.is_none() => p.path.segments.last(),
-        Type::Group(g) => last_ident(&g.elem),
-        Type::Paren(p) => last_ident(&p.elem),
-        _ => None,
+use crate::args::{Args, Framework};
+use crate::signature::is_named;
+
+/// `framework = …` names the framework of the path the attribute was called by.
+pub(crate) fn framework(args: &Args, framework: Framework) -> syn::Result<()> {
+    match args.framework {
+        Some((named, span)) if named != framework => Err(Error::new(
+            span,
+            match framework {
+                Framework::Axum => {
+                    "this is axum's #[idempotent]; use `idempotent_runtime::actix::idempotent` \
+                     for an actix-web handler"
+                }
+                Framework::Actix => {
+                    "this is actix-web's #[idempotent]; use `idempotent_runtime::axum::idempotent` \
+                     for an axum handler"
+                }
+            },
+        )),
+        _ => Ok(()),
     }
 }
 
-/// `Outer<Inner>` → `Inner` when the last segment is named `outer`.
-pub(crate) fn single_generic<'a>(ty: &'a Type, outer: &str) -> Option<&'a Type> {
-    let seg = last_ident(ty)?;
-    if seg.ident != outer {
-        return None;
+/// A handler is a concrete, non-variadic `async fn`.
+pub(crate) fn shape(sig: &Signature) -> syn::Result<()> {
+    if sig.asyncness.is_none() {
+        return Err(Error::new(
+            sig.fn_token.span,
+            "#[idempotent] handlers must be `async fn`: add `async`",
+        ));
     }
-    let PathArguments::AngleBracketed(args) = &seg.arguments else {
-        return None;
-    };
-    let mut types = args.args.iter().filter_map(|a| match a {
-        GenericArgument::Type(t) => Some(t),
-        _ => None,
-    });
-    let first = types.next()?;
-    types.next().is_none().then_some(first)
-}
-
-/// Whether the type is the bare path segment `name` (no generics).
-pub(crate) fn is_named(ty: &Type, name: &str) -> bool {
-    last_ident(ty).is_some_and(|s| s.ident == name && s.arguments.is_empty())
-}
-
-/// Finds a path segment named `name` anywhere in a type (inside generics, tuples, `impl Trait`).
-fn mentions(ty: &Type, name: &str) -> Option<Span> {
-    struct Finder<'a> {
-        name: &'a str,
-        found: Option<Span>,
+    if !sig.generics.params.is_empty() || sig.generics.where_clause.is_some() {
+        return Err(Error::new(
+            sig.generics.span(),
+            "#[idempotent] cannot wrap a generic handler: the extractor types must be known; \
+             write a concrete handler (it may call a generic function)",
+        ));
     }
-    impl<'ast> syn::visit::Visit<'ast> for Finder<'_> {
-        fn visit_path_segment(&mut self, seg: &'ast syn::PathSegment) {
-            if self.found.is_none() && seg.ident == self.name {
-                self.found = Some(seg.span());
-            }
-            syn::visit::visit_path_segment(self, seg);
-        }
-    }
-    let mut f = Finder { name, found: None };
-    syn::visit::Visit::visit_type(&mut f, ty);
-    f.found
-}
-
-/// A request body that is a stream by its name, caught before type checking (axum's `Multipart`
-/// lives behind a feature of the application's axum, so no trait of ours can name it).
-pub(crate) fn streaming_request(ty: &Type) -> syn::Result<()> {
-    for name in ["Multipart"] {
-        if let Some(span) = mentions(ty, name) {
-            return Err(Error::new(
-                span,
-                format!(
-                    "#[idempotent] cannot wrap a handler that takes `{name}`: it streams the request \
-                     body, which must be buffered to fingerprint and replay the request; take \
-                     `Bytes` or `Json<T>` instead, or leave this handler without #[idempotent]"
-                ),
-            ));
-        }
+    if let Some(variadic) = &sig.variadic {
+        return Err(Error::new(
+            variadic.span(),
+            "#[idempotent] handlers cannot be variadic",
+        ));
     }
     Ok(())
 }
 
-/// A streaming response by its name (`Sse`): it never ends, so it can be neither recorded nor
-/// replayed.
+/// A parameter's type; `self` is an error.
+pub(crate) fn typed(input: &FnArg) -> syn::Result<&Type> {
+    match input {
+        FnArg::Typed(pat_type) => Ok(&pat_type.ty),
+        FnArg::Receiver(_) => Err(Error::new(
+            input.span(),
+            "#[idempotent] handlers are free functions: remove `self`",
+        )),
+    }
+}
+
+/// `IdempotencyContext` exists only with `require_key`.
+pub(crate) fn context_needs_key(ty: &Type, require_key: bool) -> syn::Result<()> {
+    if require_key {
+        return Ok(());
+    }
+    Err(Error::new(
+        ty.span(),
+        "`IdempotencyContext` exists only when the request has a key: add `require_key` to \
+         #[idempotent], or take `Option<IdempotencyContext>`",
+    ))
+}
+
+/// An extractor parameter names its type and does not stream the request body.
+pub(crate) fn extractor(ty: &Type, framework: Framework) -> syn::Result<()> {
+    if let Type::ImplTrait(_) = ty {
+        return Err(Error::new(
+            ty.span(),
+            "#[idempotent] cannot wrap a handler with an `impl Trait` parameter: name the \
+             extractor type",
+        ));
+    }
+    streaming_request(ty, framework)
+}
+
+/// A request body that streams, found by its name before type checking, anywhere in the type
+/// (`Multipart`, `actix_multipart::Multipart`, `Option<axum::extract::Multipart>`): multipart
+/// extractors live behind features or crates of the application's, so no trait of ours can
+/// name them. actix-web's own `Payload` is refused where it is spelled as its (`web::Payload`,
+/// `dev::Payload`, anywhere) or is the whole type (`Payload`); behind an alias, the probe
+/// catches it.
+fn streaming_request(ty: &Type, framework: Framework) -> syn::Result<()> {
+    let multipart = find_path(ty, |path, i| path.segments[i].ident == "Multipart");
+    let payload = match framework {
+        Framework::Axum => None,
+        Framework::Actix if is_named(ty, "Payload") => Some(ty.to_token_stream()),
+        Framework::Actix => find_path(ty, |path, i| {
+            i > 0
+                && path.segments[i].ident == "Payload"
+                && ["web", "dev"]
+                    .iter()
+                    .any(|module| path.segments[i - 1].ident == module)
+        }),
+    };
+    let (name, tokens) = match (multipart, payload) {
+        (Some(tokens), _) => ("Multipart", tokens),
+        (None, Some(tokens)) => ("Payload", tokens),
+        (None, None) => return Ok(()),
+    };
+    let instead = match framework {
+        Framework::Axum => "`Bytes` or `Json<T>`",
+        Framework::Actix => "`web::Bytes`, `String` or `web::Json<T>`",
+    };
+    Err(Error::new_spanned(
+        tokens,
+        format!(
+            "#[idempotent] cannot wrap a handler that takes `{name}`: it streams the request \
+             body, which must be buffered to fingerprint and replay the request; take {instead} \
+             instead, or leave this handler without #[idempotent]"
+        ),
+    ))
+}
+
+/// A streaming response by its name, anywhere in the return type (`Sse`, axum's or
+/// actix-web-lab's): it never ends, so it can be neither recorded nor replayed.
 pub(crate) fn streaming_response(output: &ReturnType) -> syn::Result<()> {
     let ReturnType::Type(_, ty) = output else {
         return Ok(());
     };
-    for name in ["Sse"] {
-        if let Some(span) = mentions(ty, name) {
-            return Err(Error::new(
-                span,
-                format!(
-                    "#[idempotent] cannot wrap a handler that returns `{name}`: a stream of events \
-                     can be neither recorded nor replayed; return a complete response instead"
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The trait probe on the wrapped parameter: if `T` is a known streaming body (`Body`,
-/// `BodyDataStream`), require `T: BufferedBody`, whose `on_unimplemented` message explains why.
-pub(crate) fn buffered_body_probe(rt: &TokenStream, ty: &Type) -> TokenStream {
-    let (first, last) = first_last_span(ty);
-    // The argument's tokens start at the type's first token and end at its last, so the caret
-    // of an error on it covers the whole type.
-    let open = quote_spanned!(first=> (&&#rt::__private::axum::BodyProbe::<#ty>::new()));
-    let argument = quote_spanned!(last=> #open.__idempotent_body_kind());
-    let call = quote_spanned!(last=> #rt::__private::axum::require_buffered_body);
-    quote::quote! {
-        {
-            #[allow(unused_imports)]
-            use #rt::__private::axum::{CheckOther as _, CheckStreaming as _};
-            #call(#argument);
-        }
+    match find_path(ty, |path, i| path.segments[i].ident == "Sse") {
+        Some(tokens) => Err(Error::new_spanned(
+            tokens,
+            "#[idempotent] cannot wrap a handler that returns `Sse`: a stream of events can be \
+             neither recorded nor replayed; return a complete response instead",
+        )),
+        None => Ok(()),
     }
 }
 
-/// The early store assertion: the first error then names the missing
-/// `Idempotency: FromRef<AppState>` instead of a vague `Handler` error at `.route()`.
-pub(crate) fn state_provides_store(rt: &TokenStream, state: &Type) -> TokenStream {
-    let (first, last) = first_last_span(state);
-    let path = quote_spanned!(first=> #rt::__private::axum::assert_state_provides_store::<#state>);
-    quote_spanned!(last=> #path();)
-}
-
-fn first_last_span(ty: &Type) -> (Span, Span) {
-    let tokens = ty.to_token_stream();
-    let mut iter = tokens.into_iter();
-    let first = iter.next().map_or_else(Span::call_site, |t| t.span());
-    let last = iter.last().map_or(first, |t| t.span());
-    (first, last)
+/// The first path anywhere in a type (inside generics, tuples, references, `impl Trait`) with a
+/// segment `is(path, index)` accepts: its tokens up to that segment's name, for the caret.
+fn find_path(ty: &Type, is: impl Fn(&syn::Path, usize) -> bool) -> Option<TokenStream> {
+    struct Finder<F> {
+        is: F,
+        found: Option<TokenStream>,
+    }
+    impl<'ast, F: Fn(&syn::Path, usize) -> bool> syn::visit::Visit<'ast> for Finder<F> {
+        fn visit_path(&mut self, path: &'ast syn::Path) {
+            if self.found.is_some() {
+                return;
+            }
+            if let Some(i) = (0..path.segments.len()).find(|&i| (self.is)(path, i)) {
+                let mut tokens = path.leading_colon.to_token_stream();
+                for pair in path.segments.pairs().take(i) {
+                    pair.to_tokens(&mut tokens);
+                }
+                path.segments[i].ident.to_tokens(&mut tokens);
+                self.found = Some(tokens);
+                return;
+            }
+            syn::visit::visit_path(self, path);
+        }
+    }
+    let mut finder = Finder { is, found: None };
+    syn::visit::Visit::visit_type(&mut finder, ty);
+    finder.found
 }
 
 /// Whether a parameter is the enlisted transaction, `&mut EnlistedTx`. Taking it any other way,
@@ -147,7 +189,7 @@ pub(crate) fn enlisted_tx(ty: &Type, enlisted: bool) -> syn::Result<bool> {
              `#[idempotent(enlisted)]` (PostgreSQL store), or remove this parameter",
         ));
     }
-    if !mutable || !matches!(ty, Type::Reference(_)) {
+    if !mutable {
         return Err(Error::new_spanned(
             ty,
             "take the enlisted transaction as `&mut EnlistedTx`: the runtime keeps it, to record \
@@ -161,7 +203,7 @@ pub(crate) fn enlisted_tx(ty: &Type, enlisted: bool) -> syn::Result<bool> {
 pub(crate) fn enlisted_params(
     enlisted: Option<Span>,
     transactions: usize,
-    sig: &syn::Signature,
+    sig: &Signature,
 ) -> syn::Result<()> {
     match (enlisted, transactions) {
         (Some(span), 0) => Err(Error::new(
@@ -180,4 +222,62 @@ pub(crate) fn enlisted_params(
         )),
         _ => Ok(()),
     }
+}
+
+/// The probe on an extractor, for a streaming body behind a name the syntactic check cannot
+/// see (`axum::body::Body`, `BodyDataStream`, `web::Payload` behind an alias): a constant that
+/// fails to evaluate, with the message on the user's type. `private` is the framework's
+/// `__private` module, whose `Probe::<T>::STREAMS` is `true` for streaming bodies only.
+pub(crate) fn body_probe(private: &TokenStream, framework: Framework, ty: &Type) -> TokenStream {
+    let (probe, fallback) = match framework {
+        Framework::Axum => (quote!(BodyProbe), quote!(CheckOther)),
+        Framework::Actix => (quote!(Probe), quote!(NotStreaming)),
+    };
+    let instead = match framework {
+        Framework::Axum => "`Bytes`, `String`, `Json<T>` or `Form<T>`",
+        Framework::Actix => "`web::Bytes`, `String`, `web::Json<T>` or `web::Form<T>`",
+    };
+    let shown = ty.to_token_stream().to_string().replace(" :: ", "::");
+    // `assert!` reads its message as a format string.
+    let message = format!(
+        "#[idempotent] cannot wrap a handler whose extractor `{shown}` streams the request body: \
+         the body is buffered (up to `max_body`) to fingerprint the request and replay the \
+         response; take {instead} instead, or leave this handler without #[idempotent]"
+    )
+    .replace('{', "{{")
+    .replace('}', "}}");
+    let (first, last) = first_last_span(ty);
+    // `assert!(…)` spans from its name to its closing parenthesis: from the type's first token
+    // to its last, so the caret covers the type.
+    let mut arguments = Group::new(
+        Delimiter::Parenthesis,
+        quote!(!#private::#probe::<#ty>::STREAMS, #message),
+    );
+    arguments.set_span(last);
+    let assert = quote_spanned!(first=> ::core::assert!);
+    let arguments = TokenTree::Group(arguments);
+    quote! {
+        const _: () = {
+            #[allow(unused_imports)]
+            use #private::#fallback as _;
+            #assert #arguments;
+        };
+    }
+}
+
+/// The early store assertion on a `State<S>` (axum, when the store comes from the state): the
+/// first error then names the missing `Idempotency: FromRef<AppState>` instead of a vague
+/// `Handler` error at `.route()`.
+pub(crate) fn state_provides_store(private: &TokenStream, state: &Type) -> TokenStream {
+    let (first, last) = first_last_span(state);
+    let path = quote_spanned!(first=> #private::assert_state_provides_store::<#state>);
+    quote_spanned!(last=> #path();)
+}
+
+fn first_last_span(ty: &Type) -> (Span, Span) {
+    let tokens = ty.to_token_stream();
+    let mut iter = tokens.into_iter();
+    let first = iter.next().map_or_else(Span::call_site, |t| t.span());
+    let last = iter.last().map_or(first, |t| t.span());
+    (first, last)
 }

@@ -22,124 +22,33 @@
 //! The runtime buffers the payload and claims the key first; the original extractors then run,
 //! in order, on the buffered body, inside the task that runs the handler.
 
-use proc_macro2::{Literal, Span, TokenStream};
-use quote::{ToTokens, format_ident, quote, quote_spanned};
+use proc_macro2::{Ident, Literal, TokenStream};
+use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::{Error, FnArg, ItemFn, ReturnType, Type};
 
 use crate::args::{Args, Framework};
 use crate::checks;
+use crate::signature::{self, Handler, Names};
 
 /// Expands `#[idempotent]` for actix-web; on error, the error and the untouched function.
-pub(crate) fn expand(args: Args, item: ItemFn) -> TokenStream {
-    match try_expand(&args, &item) {
-        Ok(tokens) => tokens,
-        Err(e) => {
-            let e = e.to_compile_error();
-            quote!(#e #item)
-        }
-    }
+pub(crate) fn expand(args: &Args, item: &syn::ItemFn) -> TokenStream {
+    signature::expand(args, item, Framework::Actix, emit)
 }
 
-fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
+fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
     let rt = args.runtime();
-    let sig = &item.sig;
-    if let Some((Framework::Axum, span)) = args.framework {
-        return Err(Error::new(
-            span,
-            "this is actix-web's #[idempotent]; use `idempotent_runtime::axum::idempotent` for an \
-             axum handler",
-        ));
-    }
-    if sig.asyncness.is_none() {
-        return Err(Error::new(
-            sig.fn_token.span,
-            "#[idempotent] handlers must be `async fn`: add `async`",
-        ));
-    }
-    if !sig.generics.params.is_empty() || sig.generics.where_clause.is_some() {
-        return Err(Error::new(
-            sig.generics.span(),
-            "#[idempotent] cannot wrap a generic handler: the extractor types must be known; \
-             write a concrete handler (it may call a generic function)",
-        ));
-    }
-    if let Some(variadic) = &sig.variadic {
-        return Err(Error::new(
-            variadic.span(),
-            "#[idempotent] handlers cannot be variadic",
-        ));
-    }
-
-    let mut types = Vec::new();
-    for input in &sig.inputs {
-        let FnArg::Typed(pat_type) = input else {
-            return Err(Error::new(
-                input.span(),
-                "#[idempotent] handlers are free functions: remove `self`",
-            ));
-        };
-        let ty = &*pat_type.ty;
-        if let Type::ImplTrait(_) = ty {
-            return Err(Error::new(
-                ty.span(),
-                "#[idempotent] cannot wrap a handler with an `impl Trait` parameter: name the \
-                 extractor type",
-            ));
-        }
-        if checks::enlisted_tx(ty, args.enlisted.is_some())? {
-            types.push(ty);
-            continue;
-        }
-        streaming_request(ty)?;
-        if is_named(ty, "IdempotencyContext") && !args.require_key {
-            return Err(Error::new(
-                ty.span(),
-                "`IdempotencyContext` exists only when the request has a key: add `require_key` \
-                 to #[idempotent], or take `Option<IdempotencyContext>`",
-            ));
-        }
-        types.push(ty);
-    }
-
-    let transactions = types
-        .iter()
-        .filter(|ty| matches!(checks::enlisted_tx(ty, true), Ok(true)))
-        .count();
-    checks::enlisted_params(args.enlisted, transactions, sig)?;
-    let enlisted = args.enlisted.is_some();
-    let tx = format_ident!("__idempotent_tx");
-
     let private = quote!(#rt::__private::actix);
     let req = format_ident!("__idempotent_req");
     let payload = format_ident!("__idempotent_payload");
-    let inner = format_ident!("__idempotent_inner");
 
-    let probes = types
-        .iter()
-        .filter(|ty| !matches!(checks::enlisted_tx(ty, true), Ok(true)))
-        .map(|ty| buffered_body_probe(&private, ty));
-    let context = format_ident!("__idempotent_context");
+    let probes = handler
+        .extractors()
+        .map(|(_, p)| checks::body_probe(&private, Framework::Actix, p.ty));
     let mut extract = Vec::new();
     let mut extracted = Vec::new();
     let mut extracted_types = Vec::new();
-    let mut call_args = Vec::new();
-    let mut needs_context = false;
-    for (i, ty) in types.iter().enumerate() {
-        if enlisted && matches!(checks::enlisted_tx(ty, true), Ok(true)) {
-            call_args.push(quote!(&mut #tx));
-            continue;
-        }
-        if is_named(ty, "IdempotencyContext") {
-            needs_context = true;
-            call_args.push(quote!(::core::clone::Clone::clone(&#context)));
-            continue;
-        }
-        if single_generic(ty, "Option").is_some_and(|t| is_named(t, "IdempotencyContext")) {
-            call_args.push(quote!(::core::clone::Clone::clone(&#context)));
-            continue;
-        }
-        let arg = format_ident!("__idempotent_arg{}", i);
+    for (i, p) in handler.extractors() {
+        let (arg, ty) = (Names::arg(i), p.ty);
         let from_request = quote_spanned!(ty.span()=>
             <#ty as #private::FromRequest>::from_request(&#req, &mut #payload)
         );
@@ -151,43 +60,15 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
                 }
             };
         });
-        extracted.push(arg.clone());
-        extracted_types.push(*ty);
-        call_args.push(quote!(#arg));
+        extracted.push(arg);
+        extracted_types.push(ty);
     }
-    let missing = if enlisted {
-        quote!((#tx, #private::context_missing()))
-    } else {
-        quote!(#private::context_missing())
-    };
-    let unwrap_context = needs_context.then(|| {
-        quote! {
-            let #context = match #context {
-                ::core::option::Option::Some(context) => context,
-                ::core::option::Option::None => return #missing,
-            };
-        }
-    });
-
-    let endpoint = endpoint(args, &private);
-    let attrs = &item.attrs;
-    let lints = attrs.iter().filter(|a| {
-        ["allow", "warn", "deny", "expect"]
-            .iter()
-            .any(|lint| a.path().is_ident(lint))
-    });
-    let vis = &item.vis;
-    let name = &sig.ident;
-    let mut inner_sig = sig.clone();
-    inner_sig.ident = inner.clone();
-    let block = &item.block;
-    let output_span = match &sig.output {
-        ReturnType::Type(_, ty) => ty.span(),
-        ReturnType::Default => Span::call_site(),
-    };
-    let respond = quote_spanned!(output_span=> #private::respond);
-    let returned = proc_macro2::Ident::new("__idempotent_returned", output_span);
-    let (handle, tx_param, answer) = if enlisted {
+    let call_args = handler.call_args(None);
+    let Names { tx, context, inner } = Names::new();
+    let unwrap_context = handler.unwrap_context(&private);
+    let respond = handler.at_output(&private, "respond");
+    let returned = Ident::new("__idempotent_returned", handler.output_span());
+    let (handle, tx_param, answer) = if handler.enlisted {
         (
             quote!(#private::handle_enlisted),
             quote!(, mut #tx: #private::EnlistedTx),
@@ -201,16 +82,29 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
         )
     };
 
-    Ok(quote! {
+    let item = handler.item;
+    let attrs = &item.attrs;
+    // The route attributes stay on the outer function; lint levels go on both.
+    let lints: Vec<_> = attrs
+        .iter()
+        .filter(|a| {
+            ["allow", "warn", "deny", "expect"]
+                .iter()
+                .any(|lint| a.path().is_ident(lint))
+        })
+        .collect();
+    let inner_fn = handler.inner_fn(&lints);
+    let vis = &item.vis;
+    let name = &item.sig.ident;
+    let endpoint = endpoint(args, &private);
+    quote! {
         #(#attrs)*
         #vis async fn #name(
             #req: #private::Request,
             #payload: #private::Payload,
         ) -> #private::Response {
             #(#probes)*
-            #(#lints)*
-            #[allow(clippy::too_many_arguments, clippy::unused_async)]
-            #inner_sig #block
+            #inner_fn
             const __IDEMPOTENT_ENDPOINT: #private::Endpoint = #endpoint;
             #handle(
                 #req,
@@ -230,7 +124,7 @@ fn try_expand(args: &Args, item: &ItemFn) -> syn::Result<TokenStream> {
             )
             .await
         }
-    })
+    }
 }
 
 fn endpoint(args: &Args, private: &TokenStream) -> TokenStream {
@@ -262,73 +156,4 @@ fn endpoint(args: &Args, private: &TokenStream) -> TokenStream {
             max_response: #max_response,
         }
     }
-}
-
-fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {
-    match ty {
-        Type::Path(p) if p.qself.is_none() => p.path.segments.last(),
-        Type::Group(g) => last_segment(&g.elem),
-        Type::Paren(p) => last_segment(&p.elem),
-        _ => None,
-    }
-}
-
-/// `Outer<Inner>` → `Inner` when the last segment is named `outer`.
-fn single_generic<'a>(ty: &'a Type, outer: &str) -> Option<&'a Type> {
-    let segment = last_segment(ty)?;
-    if segment.ident != outer {
-        return None;
-    }
-    let syn::PathArguments::AngleBracketed(args) = &segment.arguments else {
-        return None;
-    };
-    let mut types = args.args.iter().filter_map(|a| match a {
-        syn::GenericArgument::Type(t) => Some(t),
-        _ => None,
-    });
-    let first = types.next()?;
-    types.next().is_none().then_some(first)
-}
-
-fn is_named(ty: &Type, name: &str) -> bool {
-    last_segment(ty).is_some_and(|s| s.ident == name && s.arguments.is_empty())
-}
-
-/// `web::Payload` and `Multipart` stream the request body; caught by name before type checking
-/// (actix-multipart is not a dependency of the runtime, so no trait of ours can name it).
-fn streaming_request(ty: &Type) -> syn::Result<()> {
-    for name in ["Payload", "Multipart"] {
-        if is_named(ty, name) {
-            return Err(Error::new_spanned(
-                ty,
-                format!(
-                    "#[idempotent] cannot wrap a handler that takes `{name}`: it streams the \
-                     request body, which must be buffered to fingerprint and replay the request; \
-                     take `web::Bytes`, `String` or `web::Json<T>` instead, or leave this handler \
-                     without #[idempotent]"
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The trait probe for streaming bodies that hide behind another name (a type alias): if `T`
-/// streams, require `T: BufferedBody`, whose `on_unimplemented` message explains why. The call
-/// is spanned at the type's last token and the probe at its first, so the caret covers it.
-fn buffered_body_probe(private: &TokenStream, ty: &Type) -> TokenStream {
-    let tokens = ty.to_token_stream();
-    let mut iter = tokens.into_iter();
-    let first = iter.next().map_or_else(Span::call_site, |t| t.span());
-    let last = iter.last().map_or(first, |t| t.span());
-    // The receiver is a local named at the type's first token: the interpolated runtime path
-    // carries the call site's span, which would otherwise pull the error onto the attribute.
-    let probe = proc_macro2::Ident::new("__idempotent_probe", first);
-    let check = quote_spanned!(last=> #probe.check());
-    quote! {{
-        #[allow(unused_imports)]
-        use #private::NotStreaming as _;
-        let #probe = #private::Probe::<#ty>::new();
-        #check;
-    }}
 }

@@ -10,6 +10,7 @@ mod args;
 mod checks;
 mod expand_actix;
 mod expand_axum;
+mod signature;
 
 /// Makes an axum 0.8 handler idempotent: requests with the same `Idempotency-Key` from the same
 /// caller run it once, and every repeat gets the recorded response with
@@ -41,7 +42,7 @@ mod expand_axum;
 #[proc_macro_attribute]
 pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
     match args::parse(attr.into(), item.into()) {
-        Ok((args, function)) => expand_axum::expand(args, function).into(),
+        Ok((args, function)) => expand_axum::expand(&args, &function).into(),
         Err(tokens) => tokens.into(),
     }
 }
@@ -73,7 +74,7 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
 #[proc_macro_attribute]
 pub fn idempotent_actix(attr: TokenStream, item: TokenStream) -> TokenStream {
     match args::parse(attr.into(), item.into()) {
-        Ok((args, function)) => expand_actix::expand(args, function).into(),
+        Ok((args, function)) => expand_actix::expand(&args, &function).into(),
         Err(tokens) => tokens.into(),
     }
 }
@@ -88,8 +89,8 @@ pub fn idempotent_select(attr: TokenStream, item: TokenStream) -> TokenStream {
         Err(tokens) => return tokens.into(),
     };
     match args.framework {
-        Some((args::Framework::Axum, _)) => expand_axum::expand(args, function).into(),
-        Some((args::Framework::Actix, _)) => expand_actix::expand(args, function).into(),
+        Some((args::Framework::Axum, _)) => expand_axum::expand(&args, &function).into(),
+        Some((args::Framework::Actix, _)) => expand_actix::expand(&args, &function).into(),
         None => args::error_with_item(
             proc_macro2::Span::call_site(),
             "both the `axum` and `actix` features of idempotent-runtime are on, so \
