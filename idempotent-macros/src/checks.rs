@@ -8,7 +8,7 @@ use syn::spanned::Spanned;
 use syn::{Error, FnArg, ReturnType, Signature, Type};
 
 use crate::args::{Args, Framework};
-use crate::signature::is_named;
+use crate::types::is_named;
 
 /// `framework = …` names the framework of the path the attribute was called by.
 pub(crate) fn framework(args: &Args, framework: Framework) -> syn::Result<()> {

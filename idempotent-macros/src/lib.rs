@@ -11,6 +11,7 @@ mod checks;
 mod expand_actix;
 mod expand_axum;
 mod signature;
+mod types;
 
 /// Makes an axum 0.8 handler idempotent: requests with the same `Idempotency-Key` from the same
 /// caller run it once, and every repeat gets the recorded response with

@@ -5,10 +5,11 @@
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote};
 use syn::spanned::Spanned;
-use syn::{GenericArgument, Ident, ItemFn, PathArguments, ReturnType, Type};
+use syn::{Ident, ItemFn, ReturnType, Type};
 
 use crate::args::{Args, Framework};
 use crate::checks;
+use crate::types::{is_named, single_generic};
 
 /// What a handler parameter is to the expansion.
 pub(crate) enum Role<'a> {
@@ -230,38 +231,6 @@ impl<'a> Handler<'a> {
         let function = Ident::new(function, self.output_span());
         quote!(#private::#function)
     }
-}
-
-/// The last path segment of a type (`axum::Json<T>` → `Json<T>`), if it is a path.
-pub(crate) fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {
-    match ty {
-        Type::Path(p) if p.qself.is_none() => p.path.segments.last(),
-        Type::Group(g) => last_segment(&g.elem),
-        Type::Paren(p) => last_segment(&p.elem),
-        _ => None,
-    }
-}
-
-/// `Outer<Inner>` → `Inner` when the last segment is named `outer`.
-pub(crate) fn single_generic<'a>(ty: &'a Type, outer: &str) -> Option<&'a Type> {
-    let segment = last_segment(ty)?;
-    if segment.ident != outer {
-        return None;
-    }
-    let PathArguments::AngleBracketed(args) = &segment.arguments else {
-        return None;
-    };
-    let mut types = args.args.iter().filter_map(|a| match a {
-        GenericArgument::Type(t) => Some(t),
-        _ => None,
-    });
-    let first = types.next()?;
-    types.next().is_none().then_some(first)
-}
-
-/// Whether the type is the bare path segment `name` (no generics).
-pub(crate) fn is_named(ty: &Type, name: &str) -> bool {
-    last_segment(ty).is_some_and(|s| s.ident == name && s.arguments.is_empty())
 }
 
 #[cfg(test)]

@@ -12,6 +12,8 @@
 //!
 //! A query pair is a list of one element (`a`) or two (`a=` → name and empty value).
 
+use std::borrow::Cow;
+
 use sha2::{Digest, Sha256};
 
 use crate::digest::Encoder;
@@ -229,6 +231,33 @@ fn encode_query(enc: &mut Encoder<'_>, query: Option<&str>) {
     }
 }
 
+#[cfg_attr(not(feature = "actix"), allow(dead_code))]
+/// Percent-decodes a path segment lossily, as `Path` extractors do: for routers that keep raw
+/// segments (actix), so segment 3 holds the decoded values in every framework.
+pub(crate) fn percent_decode(segment: &str) -> Cow<'_, str> {
+    if !segment.contains('%') {
+        return Cow::Borrowed(segment);
+    }
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match bytes.get(i..i + 3) {
+            Some([b'%', hi, lo]) if hex(*hi).is_some() && hex(*lo).is_some() => {
+                let (hi, lo) = (hex(*hi).unwrap_or(0), hex(*lo).unwrap_or(0));
+                out.push((hi * 16 + lo) as u8);
+                i += 3;
+            }
+            _ => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -425,5 +454,13 @@ mod tests {
             y.body = &b;
             prop_assert_ne!(compute(&x, None), compute(&y, None));
         }
+    }
+
+    #[test]
+    fn path_segments_are_fully_decoded() {
+        assert_eq!(percent_decode("a%2Fb%20c"), "a/b c");
+        assert_eq!(percent_decode("plain"), "plain");
+        assert_eq!(percent_decode("bad%zz%4"), "bad%zz%4");
+        assert_eq!(percent_decode("%C3%A9"), "é");
     }
 }

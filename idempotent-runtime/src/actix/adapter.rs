@@ -1,7 +1,6 @@
 //! actix-web's half of the pipeline: its request head, bodies and responses in the pipeline's
 //! terms ([`Head`], [`Chunks`], [`Reply`]), and the glue the attribute and the middleware share.
 
-use std::borrow::Cow;
 use std::error::Error as StdError;
 use std::net::IpAddr;
 use std::pin::Pin;
@@ -10,16 +9,14 @@ use std::task::{Context, Poll};
 use actix_web::body::{BodySize, BoxBody, MessageBody};
 use actix_web::error::{InternalError, PayloadError};
 use actix_web::http::StatusCode;
-use actix_web::http::header::{self, HeaderName, HeaderValue};
+use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
 use bytes::Bytes;
 use futures_util::Stream;
 
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Chunks, Ended, Head, REPLAYED_HEADER, Reply};
-use crate::problem::{self, Problem};
+use crate::pipeline::{self, Chunks, Ended, Head, Reply};
 use crate::scope::Identity;
-use crate::store::RecordedResponse;
 
 /// A request head as the pipeline reads it: the request, with its matched route and decoded
 /// path parameters (which the middleware, running before the router, finds itself).
@@ -37,7 +34,7 @@ impl<'a> ActixHead<'a> {
             req,
             route: req.match_pattern(),
             params: params
-                .map(|(_, v)| percent_decode(v).into_owned())
+                .map(|(_, v)| crate::fingerprint::percent_decode(v).into_owned())
                 .collect(),
         }
     }
@@ -145,35 +142,21 @@ impl Reply for HttpResponse {
         }))
     }
 
-    fn problem(problem: &Problem) -> Self {
-        let status =
-            StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut builder = HttpResponse::build(status);
-        builder.insert_header((header::CONTENT_TYPE, problem::CONTENT_TYPE));
-        if let Some(seconds) = problem.retry_after() {
-            builder.insert_header((header::RETRY_AFTER, seconds));
-        }
-        builder.body(problem.body())
-    }
-
-    fn replay(recorded: &RecordedResponse) -> Self {
-        let status = StatusCode::from_u16(recorded.status).unwrap_or(StatusCode::OK);
-        let mut builder = HttpResponse::build(status);
-        for (name, value) in &recorded.headers {
+    fn build<'a>(
+        status: u16,
+        headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        body: Bytes,
+    ) -> Self {
+        let mut builder =
+            HttpResponse::build(StatusCode::from_u16(status).unwrap_or(StatusCode::OK));
+        for (name, value) in headers {
             let name = HeaderName::from_bytes(name.as_bytes());
-            let value = HeaderValue::from_maybe_shared(value.clone());
+            let value = HeaderValue::from_bytes(value);
             if let (Ok(name), Ok(value)) = (name, value) {
                 builder.append_header((name, value));
             }
         }
-        builder.insert_header((REPLAYED_HEADER, "true"));
-        builder.body(recorded.body.clone())
-    }
-
-    fn internal(message: &'static str) -> Self {
-        HttpResponse::InternalServerError()
-            .content_type("text/plain; charset=utf-8")
-            .body(message)
+        builder.body(body)
     }
 }
 
@@ -237,42 +220,4 @@ where
 /// A panicked handler's 500 as the error actix's service chain expects from a middleware.
 pub(crate) fn panicked_error(response: HttpResponse) -> actix_web::Error {
     InternalError::from_response("the idempotent handler panicked", response).into()
-}
-
-/// Percent-decodes a path segment as `web::Path` does, lossily.
-pub(crate) fn percent_decode(segment: &str) -> Cow<'_, str> {
-    if !segment.contains('%') {
-        return Cow::Borrowed(segment);
-    }
-    let bytes = segment.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match bytes.get(i..i + 3) {
-            Some([b'%', hi, lo]) if hex(*hi).is_some() && hex(*lo).is_some() => {
-                let (hi, lo) = (hex(*hi).unwrap_or(0), hex(*lo).unwrap_or(0));
-                out.push((hi * 16 + lo) as u8);
-                i += 3;
-            }
-            _ => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn path_segments_are_fully_decoded() {
-        assert_eq!(percent_decode("a%2Fb%20c"), "a/b c");
-        assert_eq!(percent_decode("plain"), "plain");
-        assert_eq!(percent_decode("bad%zz%4"), "bad%zz%4");
-        assert_eq!(percent_decode("%C3%A9"), "é");
-    }
 }

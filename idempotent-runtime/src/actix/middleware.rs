@@ -141,7 +141,7 @@ impl<S> IdempotencyService<S> {
         }
         let values = path
             .iter()
-            .map(|(_, v)| adapter::percent_decode(v).into_owned());
+            .map(|(_, v)| crate::fingerprint::percent_decode(v).into_owned());
         values.collect()
     }
 }

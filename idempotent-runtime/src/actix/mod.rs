@@ -120,7 +120,7 @@ pub mod __private {
     pub use super::handler::handle;
     #[cfg(feature = "postgres")]
     pub use super::handler::handle_enlisted;
-    pub use super::probe::{BufferedBody, NotStreaming, Probe, Streaming};
+    pub use super::probe::{NotStreaming, Probe, Streaming};
     pub use crate::config::EndpointConfig as Endpoint;
     pub use crate::context::IdempotencyContext as Context;
     #[cfg(feature = "postgres")]

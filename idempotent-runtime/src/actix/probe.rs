@@ -25,8 +25,3 @@ impl<T: ?Sized> NotStreaming for Probe<T> {}
 pub trait Streaming {}
 impl Streaming for web::Payload {}
 impl Streaming for dev::Payload {}
-
-/// Unused by expansions (the former trait-bound probe); it stays while `__private` re-exports
-/// it (`actix/mod.rs`).
-#[doc(hidden)]
-pub trait BufferedBody {}

@@ -9,21 +9,18 @@ use std::task::{Context, Poll, ready};
 use axum::body::Body;
 use axum::extract::connect_info::MockConnectInfo;
 use axum::extract::{ConnectInfo, FromRequestParts, MatchedPath, RawPathParams, Request};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use bytes::Bytes;
 use futures_util::{FutureExt as _, StreamExt as _};
-use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::request::Parts;
 use http::{HeaderName, HeaderValue, StatusCode};
 use http_body::Body as _;
 
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, ClaimMode, Claimed, Ended, Front, Head, REPLAYED_HEADER, Reply};
-use crate::problem::{self, Problem};
+use crate::pipeline::{self, ClaimMode, Claimed, Ended, Front, Head, Reply};
 use crate::reservation::Reservation;
 use crate::scope::Identity;
-use crate::store::RecordedResponse;
 
 /// A request head as the pipeline reads it.
 struct AxumHead<'a> {
@@ -144,42 +141,21 @@ impl Reply for Response {
         Response::from_parts(head, Body::from_stream(stream))
     }
 
-    fn problem(problem: &Problem) -> Self {
-        let status =
-            StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut response = (status, problem.body()).into_response();
-        let headers = response.headers_mut();
-        headers.insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static(problem::CONTENT_TYPE),
-        );
-        if let Some(seconds) = problem.retry_after() {
-            headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        response
-    }
-
-    fn replay(recorded: &RecordedResponse) -> Self {
-        let mut response = Response::new(Body::from(recorded.body.clone()));
-        *response.status_mut() = StatusCode::from_u16(recorded.status).unwrap_or(StatusCode::OK);
-        let headers = response.headers_mut();
-        for (name, value) in &recorded.headers {
-            if let (Ok(name), Ok(value)) = (
-                HeaderName::from_bytes(name.as_bytes()),
-                HeaderValue::from_maybe_shared(value.clone()),
-            ) {
-                headers.append(name, value);
+    fn build<'a>(
+        status: u16,
+        headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        body: Bytes,
+    ) -> Self {
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+        for (name, value) in headers {
+            let name = HeaderName::from_bytes(name.as_bytes());
+            let value = HeaderValue::from_bytes(value);
+            if let (Ok(name), Ok(value)) = (name, value) {
+                response.headers_mut().append(name, value);
             }
         }
-        headers.insert(
-            HeaderName::from_static(REPLAYED_HEADER),
-            HeaderValue::from_static("true"),
-        );
         response
-    }
-
-    fn internal(message: &'static str) -> Self {
-        (StatusCode::INTERNAL_SERVER_ERROR, message).into_response()
     }
 }
 

@@ -64,10 +64,7 @@ pub mod __private {
     #[cfg(feature = "postgres")]
     pub use super::enlisted::EnlistedIdempotent;
     pub use super::extract::{FromExtension, FromState, Idempotent, context_missing};
-    pub use super::probe::{
-        Accepted, BodyProbe, BufferedBody, CheckOther, CheckStreaming, NotStreaming, Streaming,
-        StreamingBody, assert_state_provides_store, require_buffered_body,
-    };
+    pub use super::probe::{BodyProbe, CheckOther, StreamingBody, assert_state_provides_store};
     #[cfg(feature = "postgres")]
     pub use crate::enlisted::EnlistedTx;
     pub use axum::response::Response;

@@ -37,25 +37,3 @@ where
     Idempotency: FromRef<S>,
 {
 }
-
-// The former trait-bound probe, which made the compiler's hints name these types. Expansions no
-// longer use them; they stay while `__private` re-exports them (`axum/mod.rs`).
-
-/// Unused by expansions.
-#[doc(hidden)]
-pub trait BufferedBody {}
-/// Unused by expansions.
-#[doc(hidden)]
-pub struct Streaming<T: ?Sized>(PhantomData<T>);
-/// Unused by expansions.
-#[doc(hidden)]
-pub struct NotStreaming;
-/// Unused by expansions.
-#[doc(hidden)]
-pub trait Accepted {}
-/// Unused by expansions.
-#[doc(hidden)]
-pub trait CheckStreaming {}
-/// Unused by expansions.
-#[doc(hidden)]
-pub fn require_buffered_body<K: Accepted>(_: K) {}

@@ -105,12 +105,38 @@ pub(crate) trait Reply: Sized {
         error: Option<<Self::Body as Chunks>::Error>,
         rest: Self::Body,
     ) -> Self;
+    /// A response of the pipeline's own: `status`, these headers, `body`.
+    fn build<'a>(
+        status: u16,
+        headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        body: Bytes,
+    ) -> Self;
+
     /// A refusal as `application/problem+json`, with `Retry-After` when it has one.
-    fn problem(problem: &Problem) -> Self;
+    fn problem(problem: &Problem) -> Self {
+        let retry_after = problem.retry_after().map(|s| s.to_string());
+        let headers = [("content-type", crate::problem::CONTENT_TYPE.as_bytes())]
+            .into_iter()
+            .chain(
+                retry_after
+                    .as_deref()
+                    .map(|s| ("retry-after", s.as_bytes())),
+            );
+        Self::build(problem.status(), headers, problem.body())
+    }
+
     /// A recorded response, marked with [`REPLAYED_HEADER`].
-    fn replay(recorded: &RecordedResponse) -> Self;
+    fn replay(recorded: &RecordedResponse) -> Self {
+        let headers = recorded.headers.iter().map(|(n, v)| (n.as_str(), &v[..]));
+        let marked = headers.chain([(REPLAYED_HEADER, &b"true"[..])]);
+        Self::build(recorded.status, marked, recorded.body.clone())
+    }
+
     /// A plain 500 for a setup mistake the log line explains.
-    fn internal(message: &'static str) -> Self;
+    fn internal(message: &'static str) -> Self {
+        let text = [("content-type", &b"text/plain; charset=utf-8"[..])];
+        Self::build(500, text, Bytes::from_static(message.as_bytes()))
+    }
 }
 
 /// The answer when the application provided no [`Idempotency`] handle: a setup mistake, logged

@@ -55,7 +55,13 @@ impl PostgresStore {
         same_request: impl Fn(&Fingerprint) -> bool,
     ) -> Result<Option<Claimed>, StoreError> {
         self.count();
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+        // The table's OID joins the key: two schemas (or databases' search paths) with a table of
+        // the same name must never share a lock, or one's request is another's false 409.
+        let sql = format!(
+            "SELECT pg_try_advisory_xact_lock($1 # '{}'::regclass::oid::bigint)",
+            self.table.qualified
+        );
+        let locked: bool = sqlx::query_scalar(AssertSqlSafe(sql))
             .bind(self.enlisted_lock_key(req.scope, req.key))
             .fetch_one(&mut *conn)
             .await
