@@ -7,6 +7,7 @@ use crate::budget::BufferBudget;
 use crate::config::Config;
 use crate::fingerprint::FingerprintContributor;
 use crate::observe::{AuditSink, DiscardAudit};
+use crate::pipeline::Watch;
 use crate::reservation::{Running, RunningGuard};
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
@@ -38,6 +39,7 @@ struct Inner {
     contributor: Option<Arc<dyn FingerprintContributor>>,
     running: Running,
     budget: Arc<BufferBudget>,
+    watch: Watch,
     sweeper: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -111,6 +113,7 @@ impl Builder {
                 SWEEP_BATCH,
             )
         });
+        let watch = Watch::new(memory_id(&self.store));
         Idempotency {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -119,6 +122,7 @@ impl Builder {
                 contributor: self.contributor,
                 running: Running::default(),
                 budget: BufferBudget::new(self.max_buffered),
+                watch,
                 sweeper,
             }),
         }
@@ -188,6 +192,10 @@ impl Idempotency {
         &self.inner.budget
     }
 
+    pub(crate) fn watch(&self) -> &Watch {
+        &self.inner.watch
+    }
+
     pub(crate) fn audit(&self) -> &dyn AuditSink {
         &*self.inner.audit
     }
@@ -200,4 +208,11 @@ impl Idempotency {
             .await
             .is_ok()
     }
+}
+
+/// The identity of an in-memory store, which protects only the handles that share it.
+fn memory_id(store: &Arc<dyn Store>) -> Option<usize> {
+    let any: &dyn std::any::Any = &**store;
+    any.is::<MemoryStore>()
+        .then(|| Arc::as_ptr(store).cast::<()>() as usize)
 }

@@ -44,6 +44,8 @@ pub use scope::{ClientId, Identity};
 
 #[doc(hidden)]
 pub mod __private;
+#[cfg(test)]
+mod testlog;
 
 /// `#[idempotent]` for the one framework that is enabled (here: axum). Libraries should name
 /// `idempotent_runtime::axum::idempotent`, which does not depend on which other features are on.

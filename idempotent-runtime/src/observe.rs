@@ -42,6 +42,8 @@ pub enum Event {
     LeaseLost,
     /// A claimed handler panicked (or its task failed); its key was released.
     HandlerPanicked,
+    /// A setup that would silently weaken protection was detected (logged with its fix).
+    Misconfigured,
 }
 
 impl Event {
@@ -63,6 +65,7 @@ impl Event {
             Self::Reclaimed => "reclaimed",
             Self::LeaseLost => "lease_lost",
             Self::HandlerPanicked => "handler_panicked",
+            Self::Misconfigured => "misconfigured",
         }
     }
 
@@ -84,6 +87,7 @@ impl Event {
             Self::Reclaimed => "idempotent_reclaimed_total",
             Self::LeaseLost => "idempotent_lease_lost_total",
             Self::HandlerPanicked => "idempotent_handler_panicked_total",
+            Self::Misconfigured => "idempotent_misconfigured_total",
         }
     }
 }

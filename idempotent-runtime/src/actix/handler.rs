@@ -13,6 +13,8 @@ use crate::handle::Idempotency;
 use crate::pipeline::{self, ClaimMode, Claimed, Detached, Ended, Front, Handled, Reply};
 
 /// A request after the steps before the handler.
+// Built once and destructured at once: boxing the large variant would cost an allocation.
+#[allow(clippy::large_enum_variant)]
 enum Prepared<H, A> {
     /// No key on an optional endpoint: the extractors' values, from the untouched payload.
     Pass(A),
@@ -88,6 +90,11 @@ where
     if req.extensions().contains::<Handled>() {
         // An outer middleware decided; the context, if any, is its.
         let context = req.extensions().get::<IdempotencyContext>().cloned();
+        if endpoint.require_key && context.is_none() {
+            let route = req.match_pattern().unwrap_or_default();
+            let handle = adapter::handle_of(&req);
+            return pipeline::required_under_optional(handle.as_ref(), &route);
+        }
         return match extract(req.clone(), payload).await {
             Ok(args) => handler(args, context, req).await,
             Err(rejection) => rejection,

@@ -14,7 +14,7 @@ use futures_util::future::LocalBoxFuture;
 
 use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
 use crate::config::EndpointConfig;
-use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, Reply};
+use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch, Reply};
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
 /// with the same semantics as `#[idempotent]` on each handler (runtime checks only).
@@ -47,6 +47,7 @@ use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, Reply};
 pub struct IdempotencyMiddleware {
     endpoint: EndpointConfig,
     methods: Arc<[Method]>,
+    watch: Arc<LayerWatch>,
 }
 
 impl Default for IdempotencyMiddleware {
@@ -61,6 +62,7 @@ impl IdempotencyMiddleware {
         Self {
             endpoint: EndpointConfig::OPTIONAL,
             methods: Arc::from([Method::POST, Method::PATCH]),
+            watch: Arc::default(),
         }
     }
 
@@ -103,6 +105,7 @@ where
             service: Rc::new(service),
             endpoint: self.endpoint,
             methods: Arc::clone(&self.methods),
+            watch: Arc::clone(&self.watch),
             patterns: Rc::default(),
         }))
     }
@@ -113,6 +116,7 @@ pub struct IdempotencyService<S> {
     service: Rc<S>,
     endpoint: EndpointConfig,
     methods: Arc<[Method]>,
+    watch: Arc<LayerWatch>,
     // Route patterns compiled once per worker, to read the path parameters of a request whose
     // resource has not been matched yet (a scope middleware runs before the scope's router).
     patterns: Rc<RefCell<HashMap<String, ResourceDef>>>,
@@ -159,9 +163,13 @@ where
 
     fn call(&self, mut req: ServiceRequest) -> Self::Future {
         let service = Rc::clone(&self.service);
-        let applies =
-            self.methods.contains(req.method()) && !req.extensions().contains::<Handled>();
-        let pattern = applies.then(|| req.match_pattern()).flatten();
+        let by_method = self.methods.contains(req.method());
+        let matched = req.match_pattern();
+        if by_method {
+            self.watch.saw(matched.is_some(), req.path());
+        }
+        let applies = by_method && !req.extensions().contains::<Handled>();
+        let pattern = matched.filter(|_| applies);
         let Some(pattern) = pattern else {
             return Box::pin(async move { Ok(service.call(req).await?.map_into_boxed_body()) });
         };

@@ -136,16 +136,19 @@ async fn attribute_steps_aside_under_the_middleware() {
             ),
     )
     .await;
-    // The middleware's key is optional: it decides, and the attribute's require_key does not
-    // apply underneath it.
+    // The middleware's key is optional and it decides, but the attribute still refuses a
+    // request without a key rather than pass it silently.
     let keyless = parts(test::call_service(&app, post("/x", None).to_request()).await).await;
-    assert_eq!((keyless.0, keyless.1), (201, false));
+    assert_eq!(
+        (keyless.0, code(&keyless.2).as_str()),
+        (400, "IDEMPOTENCY_KEY_REQUIRED")
+    );
     let first = parts(test::call_service(&app, post("/x", Some("k")).to_request()).await).await;
     let again = parts(test::call_service(&app, post("/x", Some("k")).to_request()).await).await;
     assert_eq!((first.0, first.1), (201, false));
     assert_eq!((again.0, again.1), (201, true));
     assert_eq!(again.2, first.2);
-    assert_eq!(runs.get(), 2);
+    assert_eq!(runs.get(), 1, "the keyless request never ran; the keyed one ran once");
 }
 
 #[actix_web::test]
@@ -423,4 +426,79 @@ fn middleware_can_be_built_outside_the_server_factory() {
     // HttpServer::new needs a Send factory: a middleware built once outside it moves in.
     fn send_sync_clone<T: Send + Sync + Clone + 'static>(_: &T) {}
     send_sync_clone(&IdempotencyMiddleware::new().require_key());
+}
+
+// Setups that would silently turn protection off are said once, with their fix (#19).
+
+#[actix_web::test]
+async fn a_store_built_per_worker_is_said_and_a_shared_store_replays_across_workers() {
+    // Two App instances stand for two workers: a store built inside the factory is one each.
+    let worker = |store: Idempotency, path: &'static str| {
+        test::init_service(
+            App::new()
+                .app_data(web::Data::new(store))
+                .app_data(web::Data::new(Runs::default()))
+                .route(path, web::post().to(attributed)),
+        )
+    };
+    let (logs, guard) = crate::testlog::Logs::capture();
+    let split = "/misuse-workers";
+    let a = worker(Idempotency::memory(), split).await;
+    let b = worker(Idempotency::memory(), split).await;
+    let first = test::call_service(&a, post(split, Some("k")).to_request()).await;
+    assert_eq!(first.status(), 201);
+    let second = test::call_service(&b, post(split, Some("k")).to_request()).await;
+    assert!(
+        !parts(second).await.1,
+        "the other worker's store ran it again"
+    );
+    let errors = logs.errors();
+    let fix = "outside the HttpServer::new factory";
+    assert!(errors.iter().any(|e| e.contains(fix)), "{errors:?}");
+    drop(guard);
+
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let shared = Idempotency::memory();
+    let path = "/misuse-workers-shared";
+    let (a, b) = (
+        worker(shared.clone(), path).await,
+        worker(shared, path).await,
+    );
+    let first = test::call_service(&a, post(path, Some("k")).to_request()).await;
+    assert_eq!(first.status(), 201);
+    let (_, replayed, _) =
+        parts(test::call_service(&b, post(path, Some("k")).to_request()).await).await;
+    assert!(replayed, "the shared store replays on the other worker");
+    assert!(logs.errors().is_empty(), "{:?}", logs.errors());
+}
+
+#[actix_web::test]
+async fn a_required_key_under_an_optional_middleware_is_still_required() {
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(Idempotency::memory()))
+            .app_data(runs.clone())
+            .service(
+                web::scope("/opt")
+                    .wrap(IdempotencyMiddleware::new())
+                    .route("/x", web::post().to(attributed)),
+            ),
+    )
+    .await;
+    let (status, _, body) =
+        parts(test::call_service(&app, post("/opt/x", None).to_request()).await).await;
+    assert_eq!(
+        (status, code(&body).as_str()),
+        (400, "IDEMPOTENCY_KEY_REQUIRED")
+    );
+    assert_eq!(runs.get(), 0);
+    let errors = logs.errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("make the layer require the key")),
+        "{errors:?}"
+    );
 }

@@ -153,6 +153,12 @@ where
         // Where the layer already applies, it decides (the outer one): the attribute steps aside.
         if request.extensions().get::<Handled>().is_some() {
             let context = request.extensions().get::<IdempotencyContext>().cloned();
+            if R && context.is_none() {
+                let handle = Src::store(request.extensions(), state);
+                let route = request.extensions().get::<MatchedPath>();
+                let route = route.map_or("", MatchedPath::as_str);
+                return Err(pipeline::required_under_optional(handle.as_ref(), route));
+            }
             return T::from_request(request, state)
                 .await
                 .map(|value| plain(value, context))

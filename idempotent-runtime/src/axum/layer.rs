@@ -14,7 +14,7 @@ use tower_service::Service;
 use super::adapter::{self, Prepared};
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
-use crate::pipeline::{Detached, Handled};
+use crate::pipeline::{Detached, Handled, LayerWatch};
 
 /// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
 /// checks only). It applies to POST and PATCH by default and passes other methods, HEAD,
@@ -46,6 +46,7 @@ struct Shared {
     store: Idempotency,
     endpoint: EndpointConfig,
     methods: Vec<Method>,
+    watch: Arc<LayerWatch>,
 }
 
 impl IdempotencyLayer {
@@ -56,6 +57,7 @@ impl IdempotencyLayer {
                 store,
                 endpoint: EndpointConfig::OPTIONAL,
                 methods: vec![Method::POST, Method::PATCH],
+                watch: Arc::default(),
             }),
         }
     }
@@ -121,11 +123,14 @@ where
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {
             let method = request.method();
-            let applies = method != Method::HEAD
+            let by_method = method != Method::HEAD
                 && method != Method::OPTIONS
-                && shared.methods.contains(method)
-                && request.extensions().get::<MatchedPath>().is_some()
-                && request.extensions().get::<Handled>().is_none();
+                && shared.methods.contains(method);
+            let matched = request.extensions().get::<MatchedPath>().is_some();
+            if by_method {
+                shared.watch.saw(matched, request.uri().path());
+            }
+            let applies = by_method && matched && request.extensions().get::<Handled>().is_none();
             if !applies {
                 return Ok(inner.call(request).await.into_response());
             }

@@ -280,3 +280,131 @@ async fn unreachable_store_when_recording_still_sends_the_response() {
     assert_eq!(code(&body), "IDEMPOTENCY_IN_PROGRESS");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+// Setups that would silently turn protection off are said once, with their fix (#19).
+
+async fn ready_call<S>(service: &mut S, request: Request) -> StatusCode
+where
+    S: Service<Request, Response = Response, Error = std::convert::Infallible>,
+{
+    std::future::poll_fn(|cx| service.poll_ready(cx))
+        .await
+        .unwrap();
+    service.call(request).await.unwrap().status()
+}
+
+#[tokio::test]
+async fn a_layer_around_the_finished_router_says_it_protects_nothing() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let routes = |path: &str| {
+        let app = App {
+            store: Idempotency::memory(),
+            runs: Arc::clone(&runs),
+        };
+        Router::new().route(path, post(plain)).with_state(app)
+    };
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let layer = IdempotencyLayer::new(Idempotency::memory());
+    let mut outside = tower_layer::Layer::layer(&layer, routes("/misuse-outside").layer(peer()));
+    for i in 0..16 {
+        let request = post_with_key("/misuse-outside", &format!("k{i}"), "x");
+        assert_eq!(ready_call(&mut outside, request).await, 200);
+    }
+    let errors = logs.errors();
+    assert_eq!(errors.len(), 1, "said once: {errors:?}");
+    assert!(
+        errors[0].contains("Router::layer or Router::route_layer"),
+        "{errors:?}"
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        16,
+        "unprotected: nothing was claimed"
+    );
+    drop(_guard);
+
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let layer = IdempotencyLayer::new(Idempotency::memory());
+    let mut inside = routes("/misuse-inside").layer(layer).layer(peer());
+    for i in 0..16 {
+        let request = post_with_key("/misuse-inside", &format!("k{i}"), "x");
+        assert_eq!(ready_call(&mut inside, request).await, 200);
+    }
+    assert!(logs.errors().is_empty(), "{:?}", logs.errors());
+}
+
+#[tokio::test]
+async fn a_required_key_under_an_optional_layer_is_still_required_and_said() {
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let store = Idempotency::memory();
+    let (router, runs) = app(store.clone());
+    let router = router.layer(IdempotencyLayer::new(store)).layer(peer());
+    let request = Request::post("/create").body(Body::from("x")).unwrap();
+    let (status, _, body) = call(&router, request).await;
+    assert_eq!(
+        (status.as_u16(), code(&body).as_str()),
+        (400, "IDEMPOTENCY_KEY_REQUIRED")
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler did not run");
+    let errors = logs.errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("make the layer require the key")),
+        "{errors:?}"
+    );
+
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let store = Idempotency::memory();
+    let (router, _) = app(store.clone());
+    let router = router
+        .layer(IdempotencyLayer::new(store).require_key())
+        .layer(peer());
+    let request = Request::post("/create").body(Body::from("x")).unwrap();
+    let (status, _, _) = call(&router, request).await;
+    assert_eq!(status, 400);
+    assert!(logs.errors().is_empty(), "{:?}", logs.errors());
+}
+
+#[tokio::test]
+async fn two_memory_stores_on_one_route_are_said_and_one_shared_store_replays() {
+    let routed = |store: Idempotency| {
+        Router::new()
+            .route("/misuse-split", post(create))
+            .with_state(App {
+                store,
+                runs: Arc::default(),
+            })
+            .layer(peer())
+    };
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let (a, b) = (routed(Idempotency::memory()), routed(Idempotency::memory()));
+    assert_eq!(
+        call(&a, post_with_key("/misuse-split", "k", "x")).await.0,
+        200
+    );
+    let (_, headers, _) = call(&b, post_with_key("/misuse-split", "k", "x")).await;
+    assert!(
+        !headers.contains_key("idempotency-replayed"),
+        "the other store ran it again"
+    );
+    let errors = logs.errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("build the Idempotency handle once")),
+        "{errors:?}"
+    );
+    drop((a, b));
+
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let shared = Idempotency::memory();
+    let (a, b) = (routed(shared.clone()), routed(shared));
+    assert_eq!(
+        call(&a, post_with_key("/misuse-split", "k", "x")).await.0,
+        200
+    );
+    let (_, headers, _) = call(&b, post_with_key("/misuse-split", "k", "x")).await;
+    assert_eq!(headers["idempotency-replayed"], "true");
+    assert!(logs.errors().is_empty(), "{:?}", logs.errors());
+}

@@ -24,6 +24,7 @@ mod body;
 mod claim;
 #[cfg(feature = "postgres")]
 mod enlisted;
+mod misuse;
 mod refuse;
 #[cfg(test)]
 mod tests;
@@ -45,6 +46,7 @@ pub(crate) use claim::{ClaimMode, Detached};
 pub(crate) use enlisted::enlisted_work;
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub(crate) use enlisted::settle_enlisted;
+pub(crate) use misuse::{LayerWatch, Watch, required_under_optional};
 
 use crate::budget::BufferPermit;
 use crate::config::{Effective, EndpointConfig};
@@ -284,6 +286,11 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
     let peer = head
         .peer()
         .map(|ip| scope::client_ip(ip, forwarded, config.trusted_proxies()));
+    if config.trusted_proxies().is_empty()
+        && let (Some(ip), Some(value)) = (head.peer(), first_header(head, "x-forwarded-for"))
+    {
+        handle.watch().forwarded_untrusted(ip, value, route);
+    }
     let credential = first_header(head, "authorization").is_some();
     let resolved = head
         .with_identity(|identity| scope::resolve(identity, credential, peer, config.anonymous()));
@@ -307,6 +314,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
     };
     match M::begin(handle, &request).await {
         Begin::Run(held) => {
+            handle.watch().served(route);
             let context = IdempotencyContext::new(key.clone(), *scope.hash());
             Ok(claimed(held, Some(context)))
         }

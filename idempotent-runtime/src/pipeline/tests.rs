@@ -182,24 +182,45 @@ impl Reply for Sent {
         Self(head, rest)
     }
 
-    fn problem(problem: &Problem) -> Self {
-        let (mut reply, _) = TestReply::new(problem.status(), b"");
-        reply.code = Some(problem.code());
-        Self(reply, TestBody::default())
-    }
-
-    fn replay(recorded: &RecordedResponse) -> Self {
-        let (mut reply, _) = TestReply::new(recorded.status, b"");
-        reply.body = recorded.body.clone();
-        reply.replayed = true;
-        Self(reply, TestBody::default())
-    }
-
-    fn internal(_: &'static str) -> Self {
-        let (reply, _) = TestReply::new(500, b"");
+    fn build<'a>(
+        status: u16,
+        headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        body: Bytes,
+    ) -> Self {
+        let (mut reply, _) = TestReply::new(status, b"");
+        reply.headers = headers
+            .into_iter()
+            .map(|(n, v)| (n.to_owned(), v.to_vec()))
+            .collect();
+        reply.replayed = reply
+            .headers
+            .iter()
+            .any(|(n, v)| n == REPLAYED_HEADER && v == b"true");
+        let doc: Option<serde_json::Value> = serde_json::from_slice(&body).ok();
+        reply.code = doc.and_then(|d| {
+            let code = d["code"].as_str()?.to_owned();
+            ALL_CODES.iter().copied().find(|c| c.as_str() == code)
+        });
+        reply.body = body;
         Self(reply, TestBody::default())
     }
 }
+
+const ALL_CODES: [ProblemCode; 13] = [
+    ProblemCode::InProgress,
+    ProblemCode::KeyReused,
+    ProblemCode::KeyRequired,
+    ProblemCode::KeyInvalid,
+    ProblemCode::PayloadTooLarge,
+    ProblemCode::BodyTimeout,
+    ProblemCode::BodyInvalid,
+    ProblemCode::ScopeUnresolved,
+    ProblemCode::StoreUnavailable,
+    ProblemCode::StoreFull,
+    ProblemCode::HandlerPanicked,
+    ProblemCode::NotRecorded,
+    ProblemCode::StoreNotEnlistable,
+];
 
 fn handle_with_budget(bytes: usize) -> Idempotency {
     Idempotency::builder(MemoryStore::default())
