@@ -14,7 +14,7 @@ use tokio::sync::Notify;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
 use crate::scope::ScopeHash;
-use crate::store::{FencingToken, RecordedResponse, Store};
+use crate::store::{FencingToken, RecordedResponse, Store, StoreError};
 
 /// A held key: run the handler through [`Reservation::run`], then [`complete`](Self::complete)
 /// or [`release`](Self::release) it. Dropped unsettled (a panic, a cancelled task), it releases
@@ -180,6 +180,21 @@ impl Reservation {
                     "response not recorded: the lease was lost to another request"
                 );
             }
+            Err(error @ (StoreError::Full | StoreError::QuotaExceeded)) => {
+                // Refused, not lost: nothing stands for the retry to replay, so the key is
+                // freed now rather than answering 409 for a whole lease after this answer.
+                observe::count(Event::NotRecorded, &self.route);
+                observe::count(Event::StoreFull, &self.route);
+                tracing::warn!(
+                    route = %self.route,
+                    key_hash = %KeyDisplay(guard.key.as_str()),
+                    %error,
+                    "response not recorded: the store refused it; the key is released"
+                );
+                self.guard = Some(guard);
+                self.release_now().await;
+                return;
+            }
             Err(error) => {
                 observe::count(Event::NotRecorded, &self.route);
                 observe::count(Event::StoreError, &self.route);
@@ -221,10 +236,15 @@ impl Reservation {
     }
 }
 
+/// Renews the lease every third of it until the handler ends. A renewal that fails because
+/// the store is down is tried again on the next tick, however long the outage: if the token
+/// still holds when the store comes back, the lease is kept. Only a renewal the store refuses
+/// (the token no longer holds the key) stops it.
 async fn renew_forever(guard: &Guard, lease: Duration, route: &str) -> std::convert::Infallible {
     let period = lease / 3;
     let mut last_kept = tokio::time::Instant::now();
     let mut lost = false;
+    let mut overdue = false;
     loop {
         tokio::time::sleep(period).await;
         if lost {
@@ -235,20 +255,39 @@ async fn renew_forever(guard: &Guard, lease: Duration, route: &str) -> std::conv
             .renew(&guard.scope, guard.key.as_str(), guard.token, lease)
             .await
         {
-            Ok(true) => last_kept = tokio::time::Instant::now(),
-            Ok(false) => lost = true,
+            Ok(true) => {
+                if overdue {
+                    tracing::warn!(
+                        route,
+                        key_hash = %KeyDisplay(guard.key.as_str()),
+                        "lease renewed again after the store came back; the token still holds"
+                    );
+                }
+                last_kept = tokio::time::Instant::now();
+                overdue = false;
+            }
+            Ok(false) => {
+                lost = true;
+                observe::count(Event::LeaseLost, route);
+                tracing::error!(
+                    route,
+                    key_hash = %KeyDisplay(guard.key.as_str()),
+                    "lease lost while the handler runs: a duplicate may run concurrently"
+                );
+            }
             Err(error) => {
                 tracing::warn!(route, %error, "lease renewal failed; retrying next tick");
-                lost = last_kept.elapsed() >= lease;
+                if !overdue && last_kept.elapsed() >= lease {
+                    overdue = true;
+                    observe::count(Event::LeaseLost, route);
+                    tracing::error!(
+                        route,
+                        key_hash = %KeyDisplay(guard.key.as_str()),
+                        "lease lapsed while the store is unreachable: a duplicate may run \
+                         concurrently; renewal goes on while the token may still hold"
+                    );
+                }
             }
-        }
-        if lost {
-            observe::count(Event::LeaseLost, route);
-            tracing::error!(
-                route,
-                key_hash = %KeyDisplay(guard.key.as_str()),
-                "lease lost while the handler runs: a duplicate may run concurrently"
-            );
         }
     }
 }

@@ -57,7 +57,7 @@ impl Head for TestHead {
         None
     }
 
-    fn header_values<'a>(&'a self, name: &'static str) -> impl Iterator<Item = &'a [u8]> + 'a {
+    fn header_values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
         let values = self.headers.iter().filter(move |(n, _)| *n == name);
         values.map(|(_, v)| v.as_slice())
     }
