@@ -337,3 +337,202 @@ impl Drop for RunningGuard {
         }
     }
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::store::memory::MemoryStore;
+    use crate::store::{Claim, ClaimRequest, Standing, StandingState};
+
+    /// The memory store behind switches: `down` fails every call as an unreachable database
+    /// would, `hang_claims` writes a claim and then never answers (the connection stalls with
+    /// the statement applied), `full` refuses completions for room.
+    #[derive(Default)]
+    pub(crate) struct Outage {
+        pub(crate) inner: MemoryStore,
+        pub(crate) down: AtomicBool,
+        pub(crate) hang_claims: AtomicBool,
+        pub(crate) full: AtomicBool,
+        pub(crate) renewals: AtomicUsize,
+    }
+
+    fn unreachable_store() -> StoreError {
+        StoreError::unavailable("connection refused")
+    }
+
+    impl Outage {
+        fn check(&self) -> Result<(), StoreError> {
+            if self.down.load(Ordering::SeqCst) {
+                return Err(unreachable_store());
+            }
+            Ok(())
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Store for Outage {
+        async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            self.check()?;
+            let claimed = self.inner.claim(req).await;
+            if self.hang_claims.load(Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+            claimed
+        }
+        async fn reclaim(
+            &self,
+            req: &ClaimRequest<'_>,
+            stale: FencingToken,
+        ) -> Result<Claim, StoreError> {
+            self.check()?;
+            self.inner.reclaim(req, stale).await
+        }
+        async fn complete(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            response: &RecordedResponse,
+            retention: Duration,
+        ) -> Result<bool, StoreError> {
+            self.check()?;
+            if self.full.load(Ordering::SeqCst) {
+                return Err(StoreError::Full);
+            }
+            self.inner
+                .complete(scope, key, token, response, retention)
+                .await
+        }
+        async fn release(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+        ) -> Result<bool, StoreError> {
+            self.check()?;
+            self.inner.release(scope, key, token).await
+        }
+        async fn renew(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            lease: Duration,
+        ) -> Result<bool, StoreError> {
+            self.check()?;
+            let renewed = self.inner.renew(scope, key, token, lease).await;
+            if matches!(renewed, Ok(true)) {
+                self.renewals.fetch_add(1, Ordering::SeqCst);
+            }
+            renewed
+        }
+        async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
+            self.check()?;
+            self.inner.sweep(batch).await
+        }
+    }
+
+    pub(crate) fn request<'a>(
+        scope: &'a ScopeHash,
+        key: &'a str,
+        lease: Duration,
+    ) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope,
+            key,
+            quota_bucket: 1,
+            fingerprint: Fingerprint {
+                version: 1,
+                digest: [7; 32],
+            },
+            token: FencingToken::mint(),
+            lease,
+            retention: Duration::from_secs(60),
+        }
+    }
+
+    fn held(store: &Arc<Outage>, req: &ClaimRequest<'_>) -> Reservation {
+        let running = Running::default();
+        Reservation::held(
+            Arc::clone(store) as Arc<dyn Store>,
+            *req.scope,
+            IdempotencyKey::new(req.key).unwrap(),
+            req.token,
+            req.lease,
+            req.retention,
+            1 << 20,
+            "/orders",
+            running.enter(),
+        )
+    }
+
+    /// What a duplicate arriving now is told.
+    async fn duplicate(store: &Outage, scope: &ScopeHash, key: &str) -> StandingState {
+        let req = request(scope, key, Duration::from_secs(1));
+        match store.inner.claim(&req).await.unwrap() {
+            Claim::Standing(Standing { state, .. }) => state,
+            Claim::Acquired => panic!("the key was free while its handler ran"),
+        }
+    }
+
+    async fn held_through_an_outage_of(outage: Duration) {
+        let lease = Duration::from_millis(300);
+        let store = Arc::new(Outage::default());
+        let scope = [1; 32];
+        let req = request(&scope, "k", lease);
+        assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+        let mut reservation = held(&store, &req);
+        let outcome = reservation
+            .run(async {
+                store.down.store(true, Ordering::SeqCst);
+                tokio::time::sleep(outage).await;
+                store.down.store(false, Ordering::SeqCst);
+                let before = store.renewals.load(Ordering::SeqCst);
+                // Two ticks after the store came back.
+                tokio::time::sleep(lease).await;
+                let renewed = store.renewals.load(Ordering::SeqCst) > before;
+                (renewed, duplicate(&store, &scope, "k").await)
+            })
+            .await;
+        let Outcome::Returned((renewed, state)) = outcome else {
+            panic!("the handler panicked");
+        };
+        assert!(renewed, "renewal gave up during the outage");
+        assert!(
+            matches!(state, StandingState::Running { .. }),
+            "a duplicate after the outage saw {state:?}, not the live handler"
+        );
+        reservation.release().await;
+    }
+
+    #[tokio::test]
+    async fn renewal_survives_an_outage_that_ends_before_the_lease() {
+        held_through_an_outage_of(Duration::from_millis(200)).await;
+    }
+
+    #[tokio::test]
+    async fn renewal_resumes_after_an_outage_longer_than_the_lease_while_the_token_holds() {
+        held_through_an_outage_of(Duration::from_millis(800)).await;
+    }
+
+    #[tokio::test]
+    async fn a_completion_refused_for_room_releases_the_key_at_once() {
+        let store = Arc::new(Outage::default());
+        let scope = [2; 32];
+        let req = request(&scope, "k", Duration::from_secs(60));
+        store.claim(&req).await.unwrap();
+        store.full.store(true, Ordering::SeqCst);
+        let answer = RecordedResponse {
+            status: 201,
+            headers: vec![],
+            body: bytes::Bytes::from_static(b"done"),
+        };
+        held(&store, &req).complete(&answer).await;
+        // Not a 409 for a whole lease after the answer was sent: the retry may run.
+        let retry = request(&scope, "k", Duration::from_secs(60));
+        assert_eq!(store.inner.claim(&retry).await.unwrap(), Claim::Acquired);
+    }
+}

@@ -693,6 +693,203 @@ mod tests {
         assert_eq!((store.len(), store.bytes()), (0, 0));
         assert!(store.quotas.iter().all(|q| lock(q).is_empty()));
     }
+
+    fn answer(bytes: usize) -> RecordedResponse {
+        RecordedResponse {
+            status: 200,
+            headers: vec![],
+            body: bytes::Bytes::from(vec![b'a'; bytes]),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_scope_over_its_byte_quota_is_refused_at_the_claim_alone() {
+        let store = MemoryStore::builder()
+            .limits(MemoryLimits {
+                max_bytes_per_scope: 10_000,
+                response_headroom: 2_000,
+                ..MemoryLimits::default()
+            })
+            .build();
+        let (flood, other) = ([8; 32], [9; 32]);
+        let mut recorded = 0;
+        for i in 0..20 {
+            let key = format!("big{i}");
+            let req = claim_req(&flood, &key, 8);
+            match store.claim(&req).await {
+                Ok(Claim::Acquired) => {}
+                Err(StoreError::QuotaExceeded) => break,
+                other => panic!("{other:?}"),
+            }
+            // Every claimed answer within the headroom is recorded: the room was set aside.
+            let done = store
+                .complete(
+                    &flood,
+                    &key,
+                    req.token,
+                    &answer(1_500),
+                    Duration::from_secs(60),
+                )
+                .await;
+            assert!(done.unwrap(), "claimed answer {i} refused");
+            recorded += 1;
+        }
+        assert!((4..20).contains(&recorded), "{recorded}");
+        // The other scope is untouched by the flood.
+        let req = claim_req(&other, "small", 9);
+        assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+        let done = store
+            .complete(
+                &other,
+                "small",
+                req.token,
+                &answer(1_500),
+                Duration::from_secs(60),
+            )
+            .await;
+        assert!(done.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_claimed_answer_is_recorded_though_the_store_filled_after_its_claim() {
+        let headroom = 5_000;
+        let store = MemoryStore::builder()
+            .limits(MemoryLimits {
+                max_bytes: 4 * (ENTRY_OVERHEAD + 2 + headroom),
+                response_headroom: headroom,
+                ..MemoryLimits::default()
+            })
+            .build();
+        let honest = [10; 32];
+        let mine = claim_req(&honest, "me", 10);
+        assert_eq!(store.claim(&mine).await.unwrap(), Claim::Acquired);
+        // Others fill the rest of the store with large answers, up to refusals.
+        let mut others = 0;
+        for i in 0..10u8 {
+            let scope = [20 + i; 32];
+            let req = claim_req(&scope, "kk", 20 + u64::from(i));
+            match store.claim(&req).await {
+                Ok(Claim::Acquired) => {
+                    let done = store
+                        .complete(
+                            &scope,
+                            "kk",
+                            req.token,
+                            &answer(headroom),
+                            Duration::from_secs(60),
+                        )
+                        .await;
+                    assert!(done.unwrap());
+                    others += 1;
+                }
+                Err(StoreError::Full) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(others, 3, "the store filled");
+        let done = store
+            .complete(
+                &honest,
+                "me",
+                mine.token,
+                &answer(headroom),
+                Duration::from_secs(60),
+            )
+            .await;
+        assert!(done.unwrap(), "a claimed answer was refused for room");
+        assert!(store.bytes() <= 4 * (ENTRY_OVERHEAD + 2 + headroom));
+    }
+
+    #[tokio::test]
+    async fn an_answer_over_the_headroom_that_does_not_fit_is_refused_not_lost() {
+        let store = MemoryStore::builder()
+            .limits(MemoryLimits {
+                max_bytes_per_scope: 4_000,
+                response_headroom: 1_000,
+                ..MemoryLimits::default()
+            })
+            .build();
+        let scope = [11; 32];
+        let req = claim_req(&scope, "k", 11);
+        store.claim(&req).await.unwrap();
+        let refused = store
+            .complete(
+                &scope,
+                "k",
+                req.token,
+                &answer(10_000),
+                Duration::from_secs(60),
+            )
+            .await;
+        assert!(matches!(refused, Err(StoreError::QuotaExceeded)));
+        // The reservation still stands, its charge unchanged: the runtime releases it.
+        assert!(store.release(&scope, "k", req.token).await.unwrap());
+        assert_eq!((store.len(), store.bytes()), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn leases_ignore_a_wall_clock_step() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let scope = [12; 32];
+        let first = claim_req(&scope, "k", 12);
+        assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
+        // NTP steps the wall clock two hours ahead while the handler runs.
+        clock.step_wall(Duration::from_secs(7_200), true);
+        let again = claim_req(&scope, "k", 12);
+        match store.claim(&again).await.unwrap() {
+            Claim::Standing(Standing {
+                state: StandingState::Running { lease_left },
+                ..
+            }) => assert_eq!(lease_left, Duration::from_secs(60)),
+            other => panic!("a wall-clock step made a live lease look abandoned: {other:?}"),
+        }
+        assert!(
+            !store
+                .reclaim(&again, first.token)
+                .await
+                .unwrap()
+                .eq(&Claim::Acquired)
+        );
+        // And back: the lease does not stretch either.
+        clock.step_wall(Duration::from_secs(7_200 + 3_600), false);
+        clock.advance(Duration::from_secs(61));
+        match store.claim(&again).await.unwrap() {
+            Claim::Standing(Standing {
+                state: StandingState::Abandoned,
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_resent_completion_that_finds_its_own_record_succeeds() {
+        let store = MemoryStore::default();
+        let scope = [13; 32];
+        let req = claim_req(&scope, "k", 13);
+        store.claim(&req).await.unwrap();
+        let retention = Duration::from_secs(60);
+        assert!(
+            store
+                .complete(&scope, "k", req.token, &answer(10), retention)
+                .await
+                .unwrap()
+        );
+        assert!(
+            store
+                .complete(&scope, "k", req.token, &answer(10), retention)
+                .await
+                .unwrap()
+        );
+        let other = FencingToken::mint();
+        assert!(
+            !store
+                .complete(&scope, "k", other, &answer(10), retention)
+                .await
+                .unwrap()
+        );
+    }
 }
 
 #[cfg(test)]
