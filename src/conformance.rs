@@ -2,13 +2,16 @@
 //! store they select, the caller-identity rules and the per-route execution counters.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use idempotent_runtime::Idempotency;
 use idempotent_runtime::config::{Config, MissingKeyStatus, ReuseStatus};
-use idempotent_runtime::scope::{ClientId, Identity};
+use idempotent_runtime::problem::{Problem, ProblemCode};
+use idempotent_runtime::scope::{ClientId, Identity, RequestHead, Resolution};
+use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
+use ipnet::IpNet;
 
 /// Which store to run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +38,12 @@ pub struct Options {
     pub body_timeout: Duration,
     pub reuse_status: ReuseStatus,
     pub missing_status: MissingKeyStatus,
+    /// Peers whose forwarded headers are believed (`--trusted-proxy CIDR`, repeatable).
+    pub trusted_proxies: Vec<IpNet>,
+    /// The header that carries the key (`--key-header NAME`, default `Idempotency-Key`).
+    pub key_header: String,
+    /// Credential headers beside `authorization` (`--credential-header NAME`, repeatable).
+    pub credential_headers: Vec<String>,
 }
 
 impl Default for Options {
@@ -50,6 +59,9 @@ impl Default for Options {
             body_timeout: Duration::from_secs(30),
             reuse_status: ReuseStatus::UnprocessableContent,
             missing_status: MissingKeyStatus::BadRequest,
+            trusted_proxies: Vec::new(),
+            key_header: "Idempotency-Key".into(),
+            credential_headers: Vec::new(),
         }
     }
 }
@@ -57,7 +69,8 @@ impl Default for Options {
 const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite --database-url URL \
 --lease SECS --retention SECS --max-body BYTES --max-response BYTES --body-timeout SECS \
 --reuse-status 422|409 \
---missing-status 400|428";
+--missing-status 400|428 --trusted-proxy CIDR (repeatable) --key-header NAME \
+--credential-header NAME (repeatable)";
 
 impl Options {
     /// Parses `std::env::args()`.
@@ -109,6 +122,15 @@ impl Options {
                         _ => return Err(bad("400 or 428")),
                     }
                 }
+                "--trusted-proxy" => o
+                    .trusted_proxies
+                    .push(cidr(&value).ok_or_else(|| bad("not a CIDR or an address"))?),
+                "--key-header" => {
+                    o.key_header = header_name(&value).ok_or_else(|| bad("not a header name"))?
+                }
+                "--credential-header" => o
+                    .credential_headers
+                    .push(header_name(&value).ok_or_else(|| bad("not a header name"))?),
                 _ => return Err(format!("unknown option {flag}; {USAGE}")),
             }
         }
@@ -125,17 +147,52 @@ impl Options {
             .body_timeout(self.body_timeout)
             .reuse_status(self.reuse_status)
             .missing_key_status(self.missing_status)
+            .trusted_proxies(self.trusted_proxies.iter().copied())
+            .key_header(&self.key_header)
+            .credential_headers(
+                std::iter::once("authorization")
+                    .chain(self.credential_headers.iter().map(String::as_str)),
+            )
             .build()
+    }
+
+    /// The identity resolver both servers set: `X-Api-Key: <id>` alone (without
+    /// `Authorization`, which the servers' authentication middleware publishes) is the client
+    /// `api-key:<id>`. An empty key is refused with 401 before anything is claimed.
+    pub fn resolver(head: &RequestHead<'_>) -> Resolution {
+        match head.header("x-api-key") {
+            None => Resolution::Unknown,
+            Some(b"") => Resolution::Refuse(Problem::new(
+                401,
+                ProblemCode::ScopeUnresolved,
+                "the X-Api-Key header is empty",
+            )),
+            Some(id) => match identity(None, Some(id)) {
+                Ok(Some(identity)) => Resolution::Identity(identity),
+                _ => Resolution::Refuse(Problem::new(
+                    401,
+                    ProblemCode::ScopeUnresolved,
+                    "the X-Api-Key header is not UTF-8",
+                )),
+            },
+        }
     }
 
     /// The idempotency handle over the selected store (migrating SQL stores first).
     pub async fn idempotency(&self) -> Result<Idempotency, Box<dyn std::error::Error>> {
         match self.store {
-            StoreKind::Memory => Ok(Idempotency::builder(
-                idempotent_runtime::store::memory::MemoryStore::default(),
-            )
-            .config(self.config())
-            .build()),
+            StoreKind::Memory => {
+                // Room for the largest answer this server records is set aside per claim.
+                let limits = MemoryLimits {
+                    response_headroom: self.max_response,
+                    ..MemoryLimits::default()
+                };
+                let store = MemoryStore::builder().limits(limits).build();
+                Ok(Idempotency::builder(store)
+                    .config(self.config())
+                    .resolver(Self::resolver)
+                    .build())
+            }
             #[cfg(feature = "postgres")]
             StoreKind::Postgres => {
                 // Several replicas may start at once: `migrate()` serialises them. A test isolates
@@ -148,6 +205,7 @@ impl Options {
                 store.migrate().await?;
                 Ok(Idempotency::builder(store)
                     .config(self.config())
+                    .resolver(Self::resolver)
                     .build())
             }
             #[cfg(feature = "sqlite")]
@@ -164,6 +222,7 @@ impl Options {
                 store.migrate().await?;
                 Ok(Idempotency::builder(store)
                     .config(self.config())
+                    .resolver(Self::resolver)
                     .build())
             }
             #[allow(unreachable_patterns)]
@@ -172,6 +231,18 @@ impl Options {
             }
         }
     }
+}
+
+/// `10.0.0.0/8`, `::1/128`, or a bare address (one host).
+fn cidr(v: &str) -> Option<IpNet> {
+    v.parse()
+        .ok()
+        .or_else(|| v.parse::<IpAddr>().ok().map(IpNet::from))
+}
+
+fn header_name(v: &str) -> Option<String> {
+    let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    (!v.is_empty() && v.bytes().all(token)).then(|| v.to_ascii_lowercase())
 }
 
 fn secs(v: &str) -> Option<Duration> {
@@ -283,6 +354,23 @@ mod tests {
         assert_eq!(o.missing_status, MissingKeyStatus::PreconditionRequired);
         assert!(Options::parse(["--store".into(), "redis".into()]).is_err());
         assert!(Options::parse(["--bogus".into(), "1".into()]).is_err());
+        let o = Options::parse(
+            "--trusted-proxy 10.0.0.0/8 --trusted-proxy 127.0.0.1 --key-header X-Idempotency-Key \
+             --credential-header X-Session --credential-header cookie"
+                .split(' ')
+                .map(String::from),
+        )
+        .unwrap();
+        assert_eq!(o.trusted_proxies.len(), 2);
+        assert_eq!(o.key_header, "x-idempotency-key");
+        assert_eq!(o.credential_headers, ["x-session", "cookie"]);
+        let c = o.config();
+        assert_eq!(
+            c.credential_headers(),
+            ["authorization", "x-session", "cookie"]
+        );
+        assert!(Options::parse(["--trusted-proxy".into(), "nope".into()]).is_err());
+        assert!(Options::parse(["--key-header".into(), "bad header".into()]).is_err());
     }
 
     #[test]

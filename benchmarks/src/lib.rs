@@ -100,6 +100,8 @@ pub fn unbounded_memory_store() -> Idempotency {
             max_records: usize::MAX,
             max_bytes: usize::MAX,
             max_records_per_scope: usize::MAX,
+            max_bytes_per_scope: usize::MAX,
+            ..MemoryLimits::default()
         })
         .build();
     Idempotency::builder(store)

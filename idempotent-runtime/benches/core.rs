@@ -53,6 +53,8 @@ fn memory_store(c: &mut Criterion) {
             max_records: usize::MAX,
             max_bytes: usize::MAX,
             max_records_per_scope: usize::MAX,
+            max_bytes_per_scope: usize::MAX,
+            ..MemoryLimits::default()
         })
         .build();
     let handle = rt.block_on(async { Idempotency::new(store) });

@@ -95,6 +95,8 @@ async fn main() {
         max_records: usize::MAX,
         max_bytes: usize::MAX,
         max_records_per_scope: usize::MAX,
+        max_bytes_per_scope: usize::MAX,
+        ..MemoryLimits::default()
     };
     let empty = MemoryStore::builder().limits(unbounded).build();
     let (empty_p50, empty_p99) = claim_latencies(&empty, 100_000).await;

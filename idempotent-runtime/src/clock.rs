@@ -4,16 +4,25 @@
 //! never disagree about a lease.
 
 use std::sync::Arc;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Milliseconds since the UNIX epoch.
 pub type Millis = u64;
 
-/// A source of wall-clock time.
+/// A source of wall-clock time, and of a monotonic one.
 pub trait Clock: Send + Sync + 'static {
     /// Milliseconds since the UNIX epoch.
     fn now_millis(&self) -> Millis;
+
+    /// Milliseconds on a clock that never steps (unlike the wall clock, which NTP or a resumed
+    /// VM may move): what a one-process store measures leases on, so that a wall-clock step
+    /// never makes a live handler look abandoned. Only differences between two readings mean
+    /// anything. The default is the wall clock.
+    fn monotonic_millis(&self) -> Millis {
+        self.now_millis()
+    }
 }
 
 /// The system clock.
@@ -25,6 +34,13 @@ impl Clock for SystemClock {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as Millis)
+    }
+
+    /// [`Instant`] since the first reading, from the wall time of that reading.
+    fn monotonic_millis(&self) -> Millis {
+        static ANCHOR: OnceLock<(Instant, Millis)> = OnceLock::new();
+        let (start, wall) = *ANCHOR.get_or_init(|| (Instant::now(), self.now_millis()));
+        wall.saturating_add(millis(start.elapsed()))
     }
 }
 
@@ -40,17 +56,43 @@ impl Clock for SystemClock {
 /// assert_eq!(clock.now_millis() - before, 61_000);
 /// ```
 #[derive(Debug, Clone)]
-pub struct ManualClock(Arc<AtomicU64>);
+pub struct ManualClock {
+    monotonic: Arc<AtomicU64>,
+    /// How far the wall clock was stepped from the monotonic one, in ms (two's complement).
+    step: Arc<AtomicU64>,
+}
 
 impl ManualClock {
     /// Starts at the current system time.
     pub fn new() -> Self {
-        Self(Arc::new(AtomicU64::new(SystemClock.now_millis())))
+        Self {
+            monotonic: Arc::new(AtomicU64::new(SystemClock.now_millis())),
+            step: Arc::new(AtomicU64::new(0)),
+        }
     }
 
-    /// Moves the clock forward.
+    /// Moves time forward: the wall clock and the monotonic clock alike.
     pub fn advance(&self, by: Duration) {
-        self.0.fetch_add(by.as_millis() as u64, Ordering::SeqCst);
+        self.monotonic.fetch_add(millis(by), Ordering::SeqCst);
+    }
+
+    /// Steps the wall clock alone, forward (`ahead`) or back, as NTP or a resumed VM does:
+    /// the monotonic clock does not move.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotent_runtime::clock::{Clock, ManualClock};
+    ///
+    /// let clock = ManualClock::new();
+    /// let (wall, mono) = (clock.now_millis(), clock.monotonic_millis());
+    /// clock.step_wall(Duration::from_secs(3600), true);
+    /// assert_eq!(clock.now_millis() - wall, 3_600_000);
+    /// assert_eq!(clock.monotonic_millis(), mono);
+    /// ```
+    pub fn step_wall(&self, by: Duration, ahead: bool) {
+        let by = millis(by);
+        let delta = if ahead { by } else { by.wrapping_neg() };
+        self.step.fetch_add(delta, Ordering::SeqCst);
     }
 }
 
@@ -62,7 +104,12 @@ impl Default for ManualClock {
 
 impl Clock for ManualClock {
     fn now_millis(&self) -> Millis {
-        self.0.load(Ordering::SeqCst)
+        self.monotonic_millis()
+            .wrapping_add(self.step.load(Ordering::SeqCst))
+    }
+
+    fn monotonic_millis(&self) -> Millis {
+        self.monotonic.load(Ordering::SeqCst)
     }
 }
 

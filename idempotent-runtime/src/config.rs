@@ -87,6 +87,8 @@ pub struct Config {
     pub(crate) anonymous: Anonymous,
     pub(crate) trusted_proxies: Vec<IpNet>,
     pub(crate) shutdown_grace: Duration,
+    pub(crate) key_header: String,
+    pub(crate) credential_headers: Vec<String>,
 }
 
 impl Default for Config {
@@ -115,6 +117,8 @@ impl Default for Config {
             anonymous: Anonymous::default(),
             trusted_proxies: Vec::new(),
             shutdown_grace: Duration::from_secs(30),
+            key_header: crate::key::HEADER_NAME.to_owned(),
+            credential_headers: vec!["authorization".to_owned()],
         }
     }
 }
@@ -179,13 +183,23 @@ impl Config {
     pub fn anonymous(&self) -> Anonymous {
         self.anonymous
     }
-    /// Proxies whose `X-Forwarded-For` is believed.
+    /// Proxies whose forwarded headers are believed.
     pub fn trusted_proxies(&self) -> &[IpNet] {
         &self.trusted_proxies
     }
     /// How long shutdown waits for claimed handlers.
     pub fn shutdown_grace(&self) -> Duration {
         self.shutdown_grace
+    }
+
+    /// The header that carries the key (lowercase; default `idempotency-key`).
+    pub fn key_header(&self) -> &str {
+        &self.key_header
+    }
+    /// Headers that carry a credential (lowercase; default `authorization`): a request with one
+    /// of them for which no identity was established is refused, never scoped by its peer.
+    pub fn credential_headers(&self) -> &[String] {
+        &self.credential_headers
     }
 
     /// Whether a response with this final status may be recorded and replayed.
@@ -280,7 +294,8 @@ impl ConfigBuilder {
         self.0.anonymous = policy;
         self
     }
-    /// Proxies whose `X-Forwarded-For` is believed (default none).
+    /// Proxies whose forwarded headers (`X-Forwarded-For`, `Forwarded`) are believed (default
+    /// none). Peers are compared canonically: an IPv4-mapped IPv6 peer matches its IPv4 net.
     pub fn trusted_proxies(mut self, nets: impl IntoIterator<Item = IpNet>) -> Self {
         self.0.trusted_proxies = nets.into_iter().collect();
         self
@@ -288,6 +303,27 @@ impl ConfigBuilder {
     /// How long shutdown waits for claimed handlers (default 30 s).
     pub fn shutdown_grace(mut self, d: Duration) -> Self {
         self.0.shutdown_grace = d;
+        self
+    }
+    /// The header that carries the key (default `Idempotency-Key`), for APIs that already use
+    /// another name such as `X-Idempotency-Key`. Compared case-insensitively.
+    pub fn key_header(mut self, name: impl AsRef<str>) -> Self {
+        self.0.key_header = name.as_ref().trim().to_ascii_lowercase();
+        self
+    }
+    /// Headers that carry a credential (default `authorization`; add `cookie`, `x-api-key`, …
+    /// as the application uses them). A request that carries one of them but for which no
+    /// identity was established answers 500 `IDEMPOTENCY_SCOPE_UNRESOLVED` instead of being
+    /// scoped by its peer address. Replaces the list; compared case-insensitively.
+    pub fn credential_headers<I, S>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        self.0.credential_headers = names
+            .into_iter()
+            .map(|n| n.as_ref().trim().to_ascii_lowercase())
+            .collect();
         self
     }
     /// The finished configuration.
@@ -370,6 +406,8 @@ mod tests {
         assert_eq!(c.reuse_status().code(), 422);
         assert_eq!(c.missing_key_status().code(), 400);
         assert_eq!(c.failure_mode(), FailureMode::Closed);
+        assert_eq!(c.key_header(), "idempotency-key");
+        assert_eq!(c.credential_headers(), ["authorization"]);
         for s in [200, 201, 302, 400, 404, 409, 422, 499] {
             assert!(c.is_recordable_status(s), "{s}");
         }
@@ -387,6 +425,16 @@ mod tests {
         assert!(!c.records_header("content-length"));
         assert!(c.records_header("x-request-id"));
         assert!(!c.records_header("content-type"));
+    }
+
+    #[test]
+    fn header_names_are_kept_lowercase() {
+        let c = Config::builder()
+            .key_header("X-Idempotency-Key")
+            .credential_headers(["Authorization", "Cookie"])
+            .build();
+        assert_eq!(c.key_header(), "x-idempotency-key");
+        assert_eq!(c.credential_headers(), ["authorization", "cookie"]);
     }
 
     #[test]

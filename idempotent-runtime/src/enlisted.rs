@@ -388,8 +388,24 @@ impl Settle {
             "a reservation commits only with its response"
         );
         let key = self.reserved.as_ref().map(|r| r.key.as_str());
+        let pg = postgres(&self.store).expect("a held transaction comes from PostgreSQL");
+        // A handler that swallowed a database error leaves the transaction aborted, and its
+        // COMMIT would silently roll back: every statement sent now fails with 25P02 instead,
+        // so it is caught before the commit (the completion is that statement for a keyed
+        // request; a keyless one sends a probe).
+        let aborted = |tx: Transaction<'static, Postgres>| async {
+            let _ = tx.rollback().await;
+            Err(aborted_transaction(&route, key))
+        };
+        if self.reserved.is_none()
+            && let Err(error) = pg.enlisted_probe(&mut tx).await
+        {
+            if PostgresStore::is_aborted(&error) {
+                return aborted(tx).await;
+            }
+            return Err(failed("the transaction could not be checked", &error, key));
+        }
         if let (Some(reserved), Some(response)) = (&self.reserved, response) {
-            let pg = postgres(&self.store).expect("a held transaction comes from PostgreSQL");
             let completed = pg
                 .enlisted_complete(
                     &mut tx,
@@ -403,6 +419,7 @@ impl Settle {
             match completed {
                 Ok(true) => {}
                 Ok(false) => return Err(failed("the reservation was gone", &"fenced", key)),
+                Err(error) if PostgresStore::is_aborted(&error) => return aborted(tx).await,
                 Err(error) => return Err(failed("recording failed", &error, key)),
             }
         }
@@ -447,6 +464,25 @@ impl Settle {
             tracing::warn!(route = %self.route, %error, "enlisted rollback after a panic failed; the server discards the transaction");
         }
     }
+}
+
+/// The answer when the handler's transaction was aborted by a database error it swallowed:
+/// nothing it wrote remains and nothing was recorded, so its own (2xx) answer would be a lie.
+fn aborted_transaction(route: &str, key: Option<&str>) -> Problem {
+    observe::count(Event::NotRecorded, route);
+    tracing::error!(
+        route,
+        key_hash = %KeyDisplay(key.unwrap_or("")),
+        "enlisted handler answered after a database error aborted its transaction (it swallowed \
+         the error): the transaction rolled back, nothing was recorded, and 500 is sent; return \
+         the error (a 5xx) instead of answering success"
+    );
+    Problem::new(
+        500,
+        ProblemCode::NotRecorded,
+        "the request's changes were rolled back after a database error; it may be retried with \
+         the same Idempotency-Key",
+    )
 }
 
 /// The answer when an enlisted response cannot be recorded (too large, a `content-encoding`

@@ -9,6 +9,7 @@ use crate::fingerprint::FingerprintContributor;
 use crate::observe::{AuditSink, DiscardAudit};
 use crate::pipeline::Watch;
 use crate::reservation::{Running, RunningGuard};
+use crate::scope::{RequestHead, Resolution, Resolver};
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
 
@@ -37,6 +38,7 @@ struct Inner {
     config: Config,
     audit: Arc<dyn AuditSink>,
     contributor: Option<Arc<dyn FingerprintContributor>>,
+    resolver: Option<Resolver>,
     running: Running,
     budget: Arc<BufferBudget>,
     watch: Watch,
@@ -67,6 +69,7 @@ pub struct Builder {
     config: Config,
     audit: Arc<dyn AuditSink>,
     contributor: Option<Arc<dyn FingerprintContributor>>,
+    resolver: Option<Resolver>,
     sweeper: bool,
     max_buffered: usize,
 }
@@ -87,6 +90,33 @@ impl Builder {
     /// A hook that changes what the fingerprint covers.
     pub fn fingerprint_contributor(mut self, contributor: impl FingerprintContributor) -> Self {
         self.contributor = Some(Arc::new(contributor));
+        self
+    }
+
+    /// A function of the request head that establishes the caller's identity where the
+    /// application published none in the request extensions (saving it a middleware): an
+    /// identity, [`Resolution::Unknown`] for the usual rules, or a refusal answered before
+    /// anything is claimed.
+    ///
+    /// ```
+    /// use idempotent_runtime::Idempotency;
+    /// use idempotent_runtime::scope::{ClientId, Identity, Resolution};
+    /// use idempotent_runtime::store::memory::MemoryStore;
+    ///
+    /// let idempotency = Idempotency::builder(MemoryStore::default())
+    ///     .resolver(|head| match head.header_str("x-api-key") {
+    ///         Some(id) => Resolution::Identity(Identity::client(ClientId::ApiKey(id.into()))),
+    ///         None => Resolution::Unknown,
+    ///     })
+    ///     .sweeper(false)
+    ///     .build();
+    /// # drop(idempotency);
+    /// ```
+    pub fn resolver(
+        mut self,
+        resolver: impl Fn(&RequestHead<'_>) -> Resolution + Send + Sync + 'static,
+    ) -> Self {
+        self.resolver = Some(Arc::new(resolver));
         self
     }
 
@@ -120,6 +150,7 @@ impl Builder {
                 config: self.config,
                 audit: self.audit,
                 contributor: self.contributor,
+                resolver: self.resolver,
                 running: Running::default(),
                 budget: BufferBudget::new(self.max_buffered),
                 watch,
@@ -133,6 +164,11 @@ impl Idempotency {
     /// The fingerprint hook.
     pub(crate) fn contributor(&self) -> Option<&dyn FingerprintContributor> {
         self.inner.contributor.as_deref()
+    }
+
+    /// The identity resolver, if one is set.
+    pub(crate) fn resolver(&self) -> Option<&Resolver> {
+        self.inner.resolver.as_ref()
     }
 
     /// Counts a claimed handler until the guard drops, so [`Self::shutdown`] waits for it.
@@ -162,6 +198,7 @@ impl Idempotency {
             config: Config::default(),
             audit: Arc::new(DiscardAudit),
             contributor: None,
+            resolver: None,
             sweeper: true,
             max_buffered: 256 << 20,
         }

@@ -14,7 +14,7 @@ use tokio::sync::Notify;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
 use crate::scope::ScopeHash;
-use crate::store::{FencingToken, RecordedResponse, Store};
+use crate::store::{FencingToken, RecordedResponse, Store, StoreError};
 
 /// A held key: run the handler through [`Reservation::run`], then [`complete`](Self::complete)
 /// or [`release`](Self::release) it. Dropped unsettled (a panic, a cancelled task), it releases
@@ -180,6 +180,21 @@ impl Reservation {
                     "response not recorded: the lease was lost to another request"
                 );
             }
+            Err(error @ (StoreError::Full | StoreError::QuotaExceeded)) => {
+                // Refused, not lost: nothing stands for the retry to replay, so the key is
+                // freed now rather than answering 409 for a whole lease after this answer.
+                observe::count(Event::NotRecorded, &self.route);
+                observe::count(Event::StoreFull, &self.route);
+                tracing::warn!(
+                    route = %self.route,
+                    key_hash = %KeyDisplay(guard.key.as_str()),
+                    %error,
+                    "response not recorded: the store refused it; the key is released"
+                );
+                self.guard = Some(guard);
+                self.release_now().await;
+                return;
+            }
             Err(error) => {
                 observe::count(Event::NotRecorded, &self.route);
                 observe::count(Event::StoreError, &self.route);
@@ -221,10 +236,15 @@ impl Reservation {
     }
 }
 
+/// Renews the lease every third of it until the handler ends. A renewal that fails because
+/// the store is down is tried again on the next tick, however long the outage: if the token
+/// still holds when the store comes back, the lease is kept. Only a renewal the store refuses
+/// (the token no longer holds the key) stops it.
 async fn renew_forever(guard: &Guard, lease: Duration, route: &str) -> std::convert::Infallible {
     let period = lease / 3;
     let mut last_kept = tokio::time::Instant::now();
     let mut lost = false;
+    let mut overdue = false;
     loop {
         tokio::time::sleep(period).await;
         if lost {
@@ -235,20 +255,39 @@ async fn renew_forever(guard: &Guard, lease: Duration, route: &str) -> std::conv
             .renew(&guard.scope, guard.key.as_str(), guard.token, lease)
             .await
         {
-            Ok(true) => last_kept = tokio::time::Instant::now(),
-            Ok(false) => lost = true,
+            Ok(true) => {
+                if overdue {
+                    tracing::warn!(
+                        route,
+                        key_hash = %KeyDisplay(guard.key.as_str()),
+                        "lease renewed again after the store came back; the token still holds"
+                    );
+                }
+                last_kept = tokio::time::Instant::now();
+                overdue = false;
+            }
+            Ok(false) => {
+                lost = true;
+                observe::count(Event::LeaseLost, route);
+                tracing::error!(
+                    route,
+                    key_hash = %KeyDisplay(guard.key.as_str()),
+                    "lease lost while the handler runs: a duplicate may run concurrently"
+                );
+            }
             Err(error) => {
                 tracing::warn!(route, %error, "lease renewal failed; retrying next tick");
-                lost = last_kept.elapsed() >= lease;
+                if !overdue && last_kept.elapsed() >= lease {
+                    overdue = true;
+                    observe::count(Event::LeaseLost, route);
+                    tracing::error!(
+                        route,
+                        key_hash = %KeyDisplay(guard.key.as_str()),
+                        "lease lapsed while the store is unreachable: a duplicate may run \
+                         concurrently; renewal goes on while the token may still hold"
+                    );
+                }
             }
-        }
-        if lost {
-            observe::count(Event::LeaseLost, route);
-            tracing::error!(
-                route,
-                key_hash = %KeyDisplay(guard.key.as_str()),
-                "lease lost while the handler runs: a duplicate may run concurrently"
-            );
         }
     }
 }
@@ -296,5 +335,204 @@ impl Drop for RunningGuard {
         if self.count.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.idle.notify_waiters();
         }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::store::memory::MemoryStore;
+    use crate::store::{Claim, ClaimRequest, Standing, StandingState};
+
+    /// The memory store behind switches: `down` fails every call as an unreachable database
+    /// would, `hang_claims` writes a claim and then never answers (the connection stalls with
+    /// the statement applied), `full` refuses completions for room.
+    #[derive(Default)]
+    pub(crate) struct Outage {
+        pub(crate) inner: MemoryStore,
+        pub(crate) down: AtomicBool,
+        pub(crate) hang_claims: AtomicBool,
+        pub(crate) full: AtomicBool,
+        pub(crate) renewals: AtomicUsize,
+    }
+
+    fn unreachable_store() -> StoreError {
+        StoreError::unavailable("connection refused")
+    }
+
+    impl Outage {
+        fn check(&self) -> Result<(), StoreError> {
+            if self.down.load(Ordering::SeqCst) {
+                return Err(unreachable_store());
+            }
+            Ok(())
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Store for Outage {
+        async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            self.check()?;
+            let claimed = self.inner.claim(req).await;
+            if self.hang_claims.load(Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+            claimed
+        }
+        async fn reclaim(
+            &self,
+            req: &ClaimRequest<'_>,
+            stale: FencingToken,
+        ) -> Result<Claim, StoreError> {
+            self.check()?;
+            self.inner.reclaim(req, stale).await
+        }
+        async fn complete(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            response: &RecordedResponse,
+            retention: Duration,
+        ) -> Result<bool, StoreError> {
+            self.check()?;
+            if self.full.load(Ordering::SeqCst) {
+                return Err(StoreError::Full);
+            }
+            self.inner
+                .complete(scope, key, token, response, retention)
+                .await
+        }
+        async fn release(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+        ) -> Result<bool, StoreError> {
+            self.check()?;
+            self.inner.release(scope, key, token).await
+        }
+        async fn renew(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            lease: Duration,
+        ) -> Result<bool, StoreError> {
+            self.check()?;
+            let renewed = self.inner.renew(scope, key, token, lease).await;
+            if matches!(renewed, Ok(true)) {
+                self.renewals.fetch_add(1, Ordering::SeqCst);
+            }
+            renewed
+        }
+        async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
+            self.check()?;
+            self.inner.sweep(batch).await
+        }
+    }
+
+    pub(crate) fn request<'a>(
+        scope: &'a ScopeHash,
+        key: &'a str,
+        lease: Duration,
+    ) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope,
+            key,
+            quota_bucket: 1,
+            fingerprint: Fingerprint {
+                version: 1,
+                digest: [7; 32],
+            },
+            token: FencingToken::mint(),
+            lease,
+            retention: Duration::from_secs(60),
+        }
+    }
+
+    fn held(store: &Arc<Outage>, req: &ClaimRequest<'_>) -> Reservation {
+        let running = Running::default();
+        Reservation::held(
+            Arc::clone(store) as Arc<dyn Store>,
+            *req.scope,
+            IdempotencyKey::new(req.key).unwrap(),
+            req.token,
+            req.lease,
+            req.retention,
+            1 << 20,
+            "/orders",
+            running.enter(),
+        )
+    }
+
+    /// What a duplicate arriving now is told.
+    async fn duplicate(store: &Outage, scope: &ScopeHash, key: &str) -> StandingState {
+        let req = request(scope, key, Duration::from_secs(1));
+        match store.inner.claim(&req).await.unwrap() {
+            Claim::Standing(Standing { state, .. }) => state,
+            Claim::Acquired => panic!("the key was free while its handler ran"),
+        }
+    }
+
+    async fn held_through_an_outage_of(outage: Duration) {
+        let lease = Duration::from_millis(300);
+        let store = Arc::new(Outage::default());
+        let scope = [1; 32];
+        let req = request(&scope, "k", lease);
+        assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+        let mut reservation = held(&store, &req);
+        let outcome = reservation
+            .run(async {
+                store.down.store(true, Ordering::SeqCst);
+                tokio::time::sleep(outage).await;
+                store.down.store(false, Ordering::SeqCst);
+                let before = store.renewals.load(Ordering::SeqCst);
+                // Two ticks after the store came back.
+                tokio::time::sleep(lease).await;
+                let renewed = store.renewals.load(Ordering::SeqCst) > before;
+                (renewed, duplicate(&store, &scope, "k").await)
+            })
+            .await;
+        let Outcome::Returned((renewed, state)) = outcome else {
+            panic!("the handler panicked");
+        };
+        assert!(renewed, "renewal gave up during the outage");
+        assert!(
+            matches!(state, StandingState::Running { .. }),
+            "a duplicate after the outage saw {state:?}, not the live handler"
+        );
+        reservation.release().await;
+    }
+
+    #[tokio::test]
+    async fn renewal_survives_an_outage_that_ends_before_the_lease() {
+        held_through_an_outage_of(Duration::from_millis(200)).await;
+    }
+
+    #[tokio::test]
+    async fn renewal_resumes_after_an_outage_longer_than_the_lease_while_the_token_holds() {
+        held_through_an_outage_of(Duration::from_millis(800)).await;
+    }
+
+    #[tokio::test]
+    async fn a_completion_refused_for_room_releases_the_key_at_once() {
+        let store = Arc::new(Outage::default());
+        let scope = [2; 32];
+        let req = request(&scope, "k", Duration::from_secs(60));
+        store.claim(&req).await.unwrap();
+        store.full.store(true, Ordering::SeqCst);
+        let answer = RecordedResponse {
+            status: 201,
+            headers: vec![],
+            body: bytes::Bytes::from_static(b"done"),
+        };
+        held(&store, &req).complete(&answer).await;
+        // Not a 409 for a whole lease after the answer was sent: the retry may run.
+        let retry = request(&scope, "k", Duration::from_secs(60));
+        assert_eq!(store.inner.claim(&retry).await.unwrap(), Claim::Acquired);
     }
 }

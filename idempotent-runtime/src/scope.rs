@@ -84,22 +84,29 @@ pub enum Anonymous {
 /// it is a setup mistake of the service, not of the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ScopeError {
-    /// The request carries `Authorization` but no identity was published.
-    AuthorizationWithoutIdentity,
+    /// The request carries a credential header (`Authorization`, or one configured with
+    /// [`credential_headers`](crate::config::ConfigBuilder::credential_headers)) but no
+    /// identity was published.
+    CredentialWithoutIdentity,
     /// No subject and no client id, and the peer address is unknown.
     NoPeerAddress,
     /// No subject and no client id, and anonymous callers are refused by configuration.
     AnonymousRefused,
+    /// The peer is a trusted proxy that gave no usable client address (no forwarded header,
+    /// or a hop that is not an address): its own address must not scope every client behind it.
+    ProxyWithoutClientAddress,
 }
 
 impl ScopeError {
     /// How to fix the setup, for the log line.
     pub fn remedy(self) -> &'static str {
         match self {
-            Self::AuthorizationWithoutIdentity => {
-                "the request carries Authorization but no Identity was published: run the auth \
-                 layer inside the idempotency layer (or before the handler's last parameter) and \
-                 insert an idempotent_runtime::scope::Identity into the request extensions"
+            Self::CredentialWithoutIdentity => {
+                "the request carries a credential header (Authorization or a configured \
+                 credential header) but no Identity was published: run the auth layer inside the \
+                 idempotency layer (or before the handler's last parameter) and insert an \
+                 idempotent_runtime::scope::Identity into the request extensions, or set a \
+                 resolver on the runtime"
             }
             Self::NoPeerAddress => {
                 "anonymous request without a peer address: serve with \
@@ -108,6 +115,11 @@ impl ScopeError {
             Self::AnonymousRefused => {
                 "anonymous callers are refused by configuration (anonymous = refuse): publish an \
                  Identity for this caller"
+            }
+            Self::ProxyWithoutClientAddress => {
+                "the request came from a trusted proxy without a usable client address: configure \
+                 the proxy to send X-Forwarded-For (or Forwarded: for=) with the client's address, \
+                 or remove it from trusted_proxies"
             }
         }
     }
@@ -228,13 +240,13 @@ impl Scope {
 /// degrade to the peer address when the request carries credentials.
 pub fn resolve(
     identity: Option<&Identity>,
-    carries_authorization: bool,
+    carries_credential: bool,
     peer: Option<IpAddr>,
     anonymous: Anonymous,
 ) -> Result<Scope, ScopeError> {
     let identity = match identity {
         Some(identity) => identity,
-        None if carries_authorization => return Err(ScopeError::AuthorizationWithoutIdentity),
+        None if carries_credential => return Err(ScopeError::CredentialWithoutIdentity),
         None => &Identity::default(),
     };
     if identity.subject.is_none() && identity.client.is_none() && anonymous == Anonymous::Refuse {
@@ -244,44 +256,179 @@ pub fn resolve(
 }
 
 /// The client's address: the peer, or — when the peer is a trusted proxy — the rightmost
-/// `X-Forwarded-For` entry that is not itself a trusted proxy. Forwarded headers from anyone else
-/// are ignored, since a client can write whatever it likes there.
+/// forwarded hop that is not itself a trusted proxy, read right to left from `X-Forwarded-For`
+/// (or, when the proxy sent none, from the `for=` parameters of RFC 7239 `Forwarded`).
+/// Forwarded headers from anyone else are ignored, since a client can write whatever it likes
+/// there. Addresses are canonical (an IPv4-mapped IPv6 address is its IPv4 address) and a hop's
+/// port and brackets are dropped.
+///
+/// A trusted proxy that gives no usable client address (no header, or a hop such as `unknown`
+/// before any untrusted address) is [`ScopeError::ProxyWithoutClientAddress`]: its own address
+/// would otherwise scope every anonymous client behind it together.
+///
+/// ```
+/// use idempotent_runtime::scope::{client_ip, ScopeError};
+///
+/// let proxies = ["10.0.0.0/8".parse().unwrap()];
+/// let proxy = "::ffff:10.0.0.1".parse().unwrap();
+/// let client = client_ip(proxy, ["[2001:db8::7]:4711, 10.0.0.2"], [], &proxies);
+/// assert_eq!(client, Ok("2001:db8::7".parse().unwrap()));
+/// let by_rfc7239 = client_ip(proxy, [], ["for=192.0.2.60;proto=https"], &proxies);
+/// assert_eq!(by_rfc7239, Ok("192.0.2.60".parse().unwrap()));
+/// assert_eq!(
+///     client_ip(proxy, [], [], &proxies),
+///     Err(ScopeError::ProxyWithoutClientAddress)
+/// );
+/// ```
 pub fn client_ip<'a>(
     peer: IpAddr,
-    forwarded_for: impl IntoIterator<Item = &'a str>,
+    x_forwarded_for: impl IntoIterator<Item = &'a str>,
+    forwarded: impl IntoIterator<Item = &'a str>,
     trusted_proxies: &[IpNet],
-) -> IpAddr {
+) -> Result<IpAddr, ScopeError> {
+    let peer = canonical_ip(peer);
     let trusted = |ip: &IpAddr| trusted_proxies.iter().any(|net| net.contains(ip));
     if !trusted(&peer) {
-        return peer;
+        return Ok(peer);
     }
-    let hops: Vec<&str> = forwarded_for
+    let mut hops: Vec<&str> = x_forwarded_for
         .into_iter()
         .flat_map(|v| v.split(','))
         .map(str::trim)
+        .filter(|h| !h.is_empty())
         .collect();
-    let mut client = peer;
+    if hops.is_empty() {
+        hops = forwarded
+            .into_iter()
+            .flat_map(|v| v.split(','))
+            .filter_map(forwarded_for_param)
+            .collect();
+    }
+    let mut client = None;
     for hop in hops.iter().rev() {
-        match hop.parse::<IpAddr>() {
-            Ok(ip) => {
-                client = ip;
-                if !trusted(&ip) {
-                    break;
-                }
-            }
-            // A malformed hop ends what we can trust; the last trusted address answers for it.
-            Err(_) => break,
+        // A hop that is not an address (`unknown`, an obfuscated name, garbage) ends what can be
+        // trusted, and no address before it is the client's.
+        let ip = parse_hop(hop).ok_or(ScopeError::ProxyWithoutClientAddress)?;
+        client = Some(ip);
+        if !trusted(&ip) {
+            break;
         }
     }
-    client
+    client.ok_or(ScopeError::ProxyWithoutClientAddress)
 }
 
-fn canonical_ip(ip: IpAddr) -> IpAddr {
+/// The `for=` value of one `Forwarded` element (`for=192.0.2.60;proto=http`), unquoted.
+fn forwarded_for_param(element: &str) -> Option<&str> {
+    element.split(';').find_map(|pair| {
+        let (name, value) = pair.trim().split_once('=')?;
+        name.trim()
+            .eq_ignore_ascii_case("for")
+            .then(|| value.trim().trim_matches('"'))
+    })
+}
+
+/// One hop as an address: `1.2.3.4`, `1.2.3.4:5678`, `2001:db8::1`, `[2001:db8::1]`,
+/// `[2001:db8::1]:443`, canonical.
+fn parse_hop(hop: &str) -> Option<IpAddr> {
+    let hop = hop.trim().trim_matches('"');
+    let ip = if let Some(rest) = hop.strip_prefix('[') {
+        let (inside, after) = rest.split_once(']')?;
+        if !(after.is_empty() || after.strip_prefix(':').is_some_and(is_port)) {
+            return None;
+        }
+        IpAddr::V6(inside.parse().ok()?)
+    } else if let Ok(ip) = hop.parse::<IpAddr>() {
+        ip
+    } else {
+        let (addr, port) = hop.rsplit_once(':')?;
+        if !is_port(port) {
+            return None;
+        }
+        IpAddr::V4(addr.parse().ok()?)
+    };
+    Some(canonical_ip(ip))
+}
+
+fn is_port(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 5 && s.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// The canonical form of an address: an IPv4-mapped IPv6 address (`::ffff:10.0.0.1`) is its
+/// IPv4 address, for `trusted_proxies` as for the scope.
+pub fn canonical_ip(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
         v4 => v4,
     }
 }
+
+/// What a [resolver](crate::handle::Builder::resolver) sees of a request: its head, framework-free.
+pub struct RequestHead<'a> {
+    pub(crate) method: &'a str,
+    pub(crate) route: Option<&'a str>,
+    pub(crate) peer: Option<IpAddr>,
+    pub(crate) headers: &'a dyn HeaderLookup,
+}
+
+/// Reads a request's headers for [`RequestHead`].
+pub(crate) trait HeaderLookup {
+    fn first<'a>(&'a self, name: &'a str) -> Option<&'a [u8]>;
+}
+
+impl<'a> RequestHead<'a> {
+    /// The method, e.g. `POST`.
+    pub fn method(&self) -> &str {
+        self.method
+    }
+
+    /// The matched route pattern (with any nest or scope prefix); `None` outside a route.
+    pub fn route(&self) -> Option<&str> {
+        self.route
+    }
+
+    /// The connection's peer address (canonical), before any forwarded header.
+    pub fn peer(&self) -> Option<IpAddr> {
+        self.peer
+    }
+
+    /// The first value of a header (any case), as bytes.
+    pub fn header<'s>(&'s self, name: &'s str) -> Option<&'s [u8]> {
+        self.headers.first(name)
+    }
+
+    /// The first value of a header, when it is UTF-8.
+    pub fn header_str<'s>(&'s self, name: &'s str) -> Option<&'s str> {
+        std::str::from_utf8(self.header(name)?).ok()
+    }
+}
+
+impl fmt::Debug for RequestHead<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RequestHead")
+            .field("method", &self.method)
+            .field("route", &self.route)
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a resolver says about a caller.
+#[derive(Debug, Clone)]
+pub enum Resolution {
+    /// The caller is this identity.
+    Identity(Identity),
+    /// The resolver does not know the caller: the usual rules apply (a request carrying a
+    /// credential header is refused; otherwise it is anonymous).
+    Unknown,
+    /// Refuse the request with this problem before anything is claimed (e.g. a 401 for a
+    /// credential the resolver rejects).
+    Refuse(crate::problem::Problem),
+}
+
+/// A function of the request head that establishes the caller's identity, set on the runtime
+/// with [`Builder::resolver`](crate::handle::Builder::resolver). It runs only when the
+/// application published no [`Identity`] in the request extensions.
+pub type Resolver = std::sync::Arc<dyn Fn(&RequestHead<'_>) -> Resolution + Send + Sync>;
 
 #[cfg(test)]
 mod tests {
@@ -360,7 +507,7 @@ mod tests {
     fn identity_never_silently_degrades() {
         assert_eq!(
             resolve(None, true, peer("127.0.0.1"), Anonymous::PeerIp),
-            Err(ScopeError::AuthorizationWithoutIdentity)
+            Err(ScopeError::CredentialWithoutIdentity)
         );
         assert_eq!(
             resolve(None, false, None, Anonymous::PeerIp),
@@ -389,21 +536,121 @@ mod tests {
         assert_ne!(a.quota_bucket(), c.quota_bucket());
     }
 
-    #[test]
-    fn forwarded_for_is_trusted_only_from_trusted_proxies() {
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn via(peer: &str, xff: &[&str], fwd: &[&str]) -> Result<IpAddr, ScopeError> {
         let proxies: Vec<IpNet> = vec!["10.0.0.0/8".parse().unwrap()];
-        let client: IpAddr = "203.0.113.9".parse().unwrap();
-        let untrusted_peer: IpAddr = "198.51.100.1".parse().unwrap();
+        client_ip(ip(peer), xff.iter().copied(), fwd.iter().copied(), &proxies)
+    }
+
+    #[test]
+    fn forwarded_headers_are_trusted_only_from_trusted_proxies() {
         assert_eq!(
-            client_ip(untrusted_peer, ["203.0.113.9"], &proxies),
-            untrusted_peer
+            via("198.51.100.1", &["203.0.113.9"], &["for=203.0.113.9"]),
+            Ok(ip("198.51.100.1"))
         );
-        let proxy: IpAddr = "10.1.1.1".parse().unwrap();
         assert_eq!(
-            client_ip(proxy, ["1.2.3.4, 203.0.113.9, 10.2.2.2"], &proxies),
-            client
+            via("10.1.1.1", &["1.2.3.4, 203.0.113.9, 10.2.2.2"], &[]),
+            Ok(ip("203.0.113.9"))
         );
-        assert_eq!(client_ip(proxy, ["garbage"], &proxies), proxy);
-        assert_eq!(client_ip(proxy, std::iter::empty(), &proxies), proxy);
+        // Two header lines are one list, in order.
+        assert_eq!(
+            via("10.1.1.1", &["203.0.113.9", "10.2.2.2"], &[]),
+            Ok(ip("203.0.113.9"))
+        );
+        // Every hop a proxy: the leftmost is the client the first proxy saw.
+        assert_eq!(
+            via("10.1.1.1", &["10.3.3.3, 10.2.2.2"], &[]),
+            Ok(ip("10.3.3.3"))
+        );
+    }
+
+    #[test]
+    fn ipv4_mapped_peers_match_ipv4_proxies() {
+        assert_eq!(
+            via("::ffff:10.1.1.1", &["203.0.113.9"], &[]),
+            Ok(ip("203.0.113.9"))
+        );
+        assert_eq!(
+            via("::ffff:198.51.100.1", &["203.0.113.9"], &[]),
+            Ok(ip("198.51.100.1"))
+        );
+        assert_eq!(
+            via("10.1.1.1", &["::ffff:203.0.113.9"], &[]),
+            Ok(ip("203.0.113.9"))
+        );
+    }
+
+    #[test]
+    fn hops_with_ports_and_brackets_are_normalised() {
+        assert_eq!(via("10.1.1.1", &["1.2.3.4:5678"], &[]), Ok(ip("1.2.3.4")));
+        assert_eq!(
+            via("10.1.1.1", &["[2001:db8::1]"], &[]),
+            Ok(ip("2001:db8::1"))
+        );
+        assert_eq!(
+            via("10.1.1.1", &["[2001:db8::1]:443"], &[]),
+            Ok(ip("2001:db8::1"))
+        );
+        assert_eq!(
+            via("10.1.1.1", &["2001:db8::1"], &[]),
+            Ok(ip("2001:db8::1"))
+        );
+        assert_eq!(
+            via("10.1.1.1", &["203.0.113.9, 10.0.0.9:80"], &[]),
+            Ok(ip("203.0.113.9"))
+        );
+    }
+
+    #[test]
+    fn rfc7239_forwarded_for_is_read_when_there_is_no_x_forwarded_for() {
+        assert_eq!(
+            via(
+                "10.1.1.1",
+                &[],
+                &[r#"for=192.0.2.43, For="[2001:db8:cafe::17]:4711";proto=https"#]
+            ),
+            Ok(ip("2001:db8:cafe::17"))
+        );
+        assert_eq!(
+            via("10.1.1.1", &[], &["for=192.0.2.60;proto=http;by=10.0.0.1"]),
+            Ok(ip("192.0.2.60"))
+        );
+        assert_eq!(
+            via("10.1.1.1", &[], &["proto=https;by=10.0.0.1"]),
+            Err(ScopeError::ProxyWithoutClientAddress)
+        );
+    }
+
+    #[test]
+    fn a_trusted_proxy_without_a_usable_client_address_is_refused() {
+        for xff in [
+            &[][..],
+            &["unknown"],
+            &["garbage"],
+            &["203.0.113.9, unknown"],
+            &[" , "],
+        ] {
+            assert_eq!(
+                via("10.1.1.1", xff, &[]),
+                Err(ScopeError::ProxyWithoutClientAddress),
+                "{xff:?}"
+            );
+        }
+        assert_eq!(
+            via("10.1.1.1", &[], &["for=unknown"]),
+            Err(ScopeError::ProxyWithoutClientAddress)
+        );
+        assert_eq!(
+            via("10.1.1.1", &[], &["for=_hidden"]),
+            Err(ScopeError::ProxyWithoutClientAddress)
+        );
+        // An untrusted hop before garbage is still the client.
+        assert_eq!(
+            via("10.1.1.1", &["garbage, 203.0.113.9"], &[]),
+            Ok(ip("203.0.113.9"))
+        );
     }
 }

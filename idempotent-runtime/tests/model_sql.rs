@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use idempotent_runtime::clock::ManualClock;
 use idempotent_runtime::store::contract::model::{Op, check_model};
-use idempotent_runtime::store::memory::MemoryStore;
+use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
 use idempotent_runtime::store::{FencingToken, Store};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -82,7 +82,16 @@ fn runtime() -> tokio::runtime::Runtime {
 fn memory_store_agrees_with_the_model_including_concurrent_claims() {
     let rt = runtime();
     let clock = ManualClock::new();
-    let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+    let store = Arc::new(
+        MemoryStore::builder()
+            .clock(clock.clone())
+            .limits(MemoryLimits {
+                // Many claims of one scope in flight at once.
+                response_headroom: 4 << 10,
+                ..MemoryLimits::default()
+            })
+            .build(),
+    );
     run_model(&rt, store, move |d| clock.advance(d));
 }
 

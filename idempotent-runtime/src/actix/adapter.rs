@@ -57,7 +57,7 @@ impl Head for ActixHead<'_> {
         self.req.uri().query()
     }
 
-    fn header_values<'a>(&'a self, name: &'static str) -> impl Iterator<Item = &'a [u8]> + 'a {
+    fn header_values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
         self.req.headers().get_all(name).map(HeaderValue::as_bytes)
     }
 

@@ -13,7 +13,8 @@ use crate::handle::Idempotency;
 use crate::pipeline::{self, ClaimMode, Claimed, Detached, Ended, Front, Handled, Reply};
 
 /// A request after the steps before the handler.
-// Built once and destructured at once: boxing the large variant would cost an allocation.
+// Moved once, from `prepare` to its caller: boxing the large variant would cost every claimed
+// request an allocation to save a copy of a few hundred bytes.
 #[allow(clippy::large_enum_variant)]
 enum Prepared<H, A> {
     /// No key on an optional endpoint: the extractors' values, from the untouched payload.

@@ -148,7 +148,11 @@ async fn attribute_steps_aside_under_the_middleware() {
     assert_eq!((first.0, first.1), (201, false));
     assert_eq!((again.0, again.1), (201, true));
     assert_eq!(again.2, first.2);
-    assert_eq!(runs.get(), 1, "the keyless request never ran; the keyed one ran once");
+    assert_eq!(
+        runs.get(),
+        1,
+        "the keyless request never ran; the keyed one ran once"
+    );
 }
 
 #[actix_web::test]

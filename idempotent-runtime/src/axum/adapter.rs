@@ -61,7 +61,7 @@ impl Head for AxumHead<'_> {
         self.parts.uri.query()
     }
 
-    fn header_values<'a>(&'a self, name: &'static str) -> impl Iterator<Item = &'a [u8]> + 'a {
+    fn header_values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
         self.parts
             .headers
             .get_all(name)

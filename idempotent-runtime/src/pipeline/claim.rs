@@ -126,13 +126,55 @@ impl ClaimMode for Detached {
     }
 }
 
+/// A claim whose store call is in flight. Dropped armed (the request's future was dropped
+/// mid-call: the client went away, the server is shutting down), it releases whatever the call
+/// may have written under the request's own token, so the key does not stand at 409 for a
+/// whole lease. The token is fresh, so the release can free nothing but this claim's.
+struct InFlight<'a> {
+    store: &'a Arc<dyn crate::store::Store>,
+    claim: &'a ClaimRequest<'a>,
+    armed: bool,
+}
+
+impl InFlight<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, scope, key, token) = (
+            Arc::clone(self.store),
+            *self.claim.scope,
+            self.claim.key.to_owned(),
+            self.claim.token,
+        );
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = store.release(&scope, &key, token).await;
+            });
+        }
+    }
+}
+
 impl Idempotency {
     /// Claims the key and decides: run, replay, or refuse.
     pub async fn begin(&self, req: &BeginRequest<'_>) -> Begin {
         let plan = ClaimPlan::new(req, self.contributor());
         let route = plan.route;
         let store = self.store();
-        match record::claim(&**store, &plan.claim, |f| plan.same_request(f)).await {
+        let in_flight = InFlight {
+            store,
+            claim: &plan.claim,
+            armed: true,
+        };
+        let claimed = record::claim(&**store, &plan.claim, |f| plan.same_request(f)).await;
+        in_flight.disarm();
+        match claimed {
             Ok(claimed) => self.answer(req, claimed, || {
                 Reservation::held(
                     Arc::clone(store),

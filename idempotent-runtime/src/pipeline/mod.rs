@@ -56,7 +56,7 @@ use crate::handle::Idempotency;
 use crate::key::{self, IdempotencyKey};
 use crate::problem::Problem;
 use crate::reservation::{Outcome, Reservation};
-use crate::scope::{self, Identity};
+use crate::scope::{self, Identity, Resolution};
 use crate::store::RecordedResponse;
 
 /// The header that marks a replayed response (`Idempotency-Replayed: true`).
@@ -78,7 +78,7 @@ pub(crate) trait Head {
     /// The raw query string; `None` when the URI has no `?`.
     fn query(&self) -> Option<&str>;
     /// Every value of a header, in order.
-    fn header_values<'a>(&'a self, name: &'static str) -> impl Iterator<Item = &'a [u8]> + 'a;
+    fn header_values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a;
     /// The connection's peer address.
     fn peer(&self) -> Option<IpAddr>;
     /// Calls `f` with the identity the application published in the request extensions.
@@ -171,7 +171,7 @@ pub(crate) fn enlisted_behind_layer<R: Reply>(route: &str) -> R {
     R::internal("an enlisted handler cannot run behind the idempotency layer")
 }
 
-fn first_header<'a, H: Head>(head: &'a H, name: &'static str) -> Option<&'a [u8]> {
+fn first_header<'a, H: Head>(head: &'a H, name: &'a str) -> Option<&'a [u8]> {
     head.header_values(name).next()
 }
 
@@ -208,7 +208,7 @@ pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
 ) -> Front<B> {
     let route = route_of(head);
     let effective = endpoint.resolve(handle.config());
-    let key = match key::parse_header_values(head.header_values(key::HEADER_NAME)) {
+    let key = match key::parse_header_values(head.header_values(handle.config().key_header())) {
         Err(error) => return Front::Refuse(handle.key_invalid(error, route)),
         Ok(None) if effective.require_key => return Front::Refuse(handle.key_missing(route)),
         Ok(None) if !M::BUFFERS_UNKEYED => return Front::Pass(body),
@@ -279,24 +279,9 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
             Err(problem) => Err(R::problem(&problem)),
         };
     };
-    let config = handle.config();
-    let forwarded = head
-        .header_values("x-forwarded-for")
-        .filter_map(|v| std::str::from_utf8(v).ok());
-    let peer = head
-        .peer()
-        .map(|ip| scope::client_ip(ip, forwarded, config.trusted_proxies()));
-    if config.trusted_proxies().is_empty()
-        && let (Some(ip), Some(value)) = (head.peer(), first_header(head, "x-forwarded-for"))
-    {
-        handle.watch().forwarded_untrusted(ip, value, route);
-    }
-    let credential = first_header(head, "authorization").is_some();
-    let resolved = head
-        .with_identity(|identity| scope::resolve(identity, credential, peer, config.anonymous()));
-    let scope = match resolved {
+    let scope = match scope_of(handle, head) {
         Ok(scope) => scope,
-        Err(error) => return Err(R::problem(&handle.scope_unresolved(error, route))),
+        Err(problem) => return Err(R::problem(&problem)),
     };
     let params = head.path_params();
     let request = BeginRequest {
@@ -320,6 +305,67 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
         }
         Begin::Replay(recorded) => Err(R::replay(&recorded)),
         Begin::Refuse(problem) => Err(R::problem(&problem)),
+    }
+}
+
+/// The caller's scope ([the contract](crate::design) §4): the identity the application
+/// published, else the resolver's, else the peer (past trusted proxies) for a request that
+/// carries no credential header.
+fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope::Scope, Problem> {
+    let config = handle.config();
+    let route = route_of(head);
+    let credential = config
+        .credential_headers()
+        .iter()
+        .any(|name| first_header(head, name).is_some());
+    // The forwarded headers are read only when the scope needs the address: an authenticated
+    // caller behind a proxy that forwards nothing is still who it says it is.
+    let peer = || match head.peer() {
+        Some(ip) => {
+            if config.trusted_proxies().is_empty()
+                && let Some(value) = first_header(head, "x-forwarded-for")
+            {
+                handle.watch().forwarded_untrusted(ip, value, route);
+            }
+            let utf8 = |v| std::str::from_utf8(v).ok();
+            let xff = head.header_values("x-forwarded-for").filter_map(utf8);
+            let forwarded = head.header_values("forwarded").filter_map(utf8);
+            scope::client_ip(ip, xff, forwarded, config.trusted_proxies()).map(Some)
+        }
+        None => Ok(None),
+    };
+    let resolve = |identity: Option<&Identity>| {
+        let named = identity.is_some_and(|i| i.subject.is_some() || i.client.is_some());
+        let peer = if named { None } else { peer()? };
+        scope::resolve(identity, credential, peer, config.anonymous())
+    };
+    let unresolved = |error| handle.scope_unresolved(error, route);
+    if let Some(scoped) = head.with_identity(|published| published.map(|i| resolve(Some(i)))) {
+        return scoped.map_err(unresolved);
+    }
+    let Some(resolver) = handle.resolver() else {
+        return resolve(None).map_err(unresolved);
+    };
+    let headers = Headers(head);
+    let request = scope::RequestHead {
+        method: head.method(),
+        route: head.route(),
+        peer: head.peer().map(scope::canonical_ip),
+        headers: &headers,
+    };
+    match resolver(&request) {
+        Resolution::Identity(identity) => resolve(Some(&identity)).map_err(unresolved),
+        Resolution::Unknown => resolve(None).map_err(unresolved),
+        Resolution::Refuse(problem) => Err(handle.resolver_refused(problem, route)),
+    }
+}
+
+/// A [`Head`]'s headers, as a resolver reads them.
+struct Headers<'a, H>(&'a H);
+
+impl<H: Head> scope::HeaderLookup for Headers<'_, H> {
+    fn first<'a>(&'a self, name: &'a str) -> Option<&'a [u8]> {
+        self.0.header_values(name).next()
     }
 }
 

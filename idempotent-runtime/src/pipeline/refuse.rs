@@ -60,6 +60,17 @@ impl Idempotency {
         )
     }
 
+    /// A refusal the identity resolver chose, counted as an unresolved scope.
+    pub(crate) fn resolver_refused(&self, problem: Problem, route: &str) -> Problem {
+        observe::count(Event::ScopeUnresolved, route);
+        tracing::debug!(
+            route,
+            status = problem.status(),
+            "the identity resolver refused the request"
+        );
+        problem
+    }
+
     /// The refusal when the buffer budget is exhausted.
     pub(crate) fn buffers_full(&self, route: &str) -> Problem {
         observe::count(Event::StoreFull, route);

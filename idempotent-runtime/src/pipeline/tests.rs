@@ -57,7 +57,7 @@ impl Head for TestHead {
         None
     }
 
-    fn header_values<'a>(&'a self, name: &'static str) -> impl Iterator<Item = &'a [u8]> + 'a {
+    fn header_values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
         let values = self.headers.iter().filter(move |(n, _)| *n == name);
         values.map(|(_, v)| v.as_slice())
     }
@@ -574,4 +574,205 @@ async fn pending_work_finishes_in_its_task_and_is_recorded() {
     assert_eq!(handle.running(), 0);
     let replay = answer_of(&handle, &head, b"{}").await;
     assert_eq!(&replay.0.body[..], b"later");
+}
+
+fn handle_with(config: Config) -> Idempotency {
+    Idempotency::builder(MemoryStore::default())
+        .config(config)
+        .sweeper(false)
+        .build()
+}
+
+async fn scope_of_claim(handle: &Idempotency, head: &TestHead) -> crate::scope::ScopeHash {
+    let claimed = claimed(handle, head, b"{}").await;
+    let scope = *claimed.context.as_ref().expect("keyed").scope_hash();
+    claimed.held.release().await;
+    scope
+}
+
+#[tokio::test]
+async fn the_key_header_is_a_setting() {
+    let handle = handle_with(Config::builder().key_header("X-Idempotency-Key").build());
+    let custom = TestHead::default()
+        .header("x-idempotency-key", "k")
+        .peer(Ipv4Addr::new(10, 0, 0, 1).into());
+    let claimed = claimed(&handle, &custom, b"{}").await;
+    assert_eq!(claimed.context.as_ref().unwrap().key().as_str(), "k");
+    claimed.held.release().await;
+    // The default name is just another header now.
+    let default_name = TestHead::keyed("k");
+    let step = front::<Detached, _, _>(
+        &handle,
+        &EndpointConfig::REQUIRED,
+        &default_name,
+        TestBody::stalled(),
+    );
+    assert_eq!(refusal(step.await), ProblemCode::KeyRequired);
+    let bad = TestHead::default().header("x-idempotency-key", "a,b");
+    let step = front::<Detached, _, _>(
+        &handle,
+        &EndpointConfig::OPTIONAL,
+        &bad,
+        TestBody::stalled(),
+    );
+    assert_eq!(refusal(step.await), ProblemCode::KeyInvalid);
+}
+
+#[tokio::test]
+async fn a_configured_credential_header_without_identity_is_scope_unresolved() {
+    let head = TestHead::keyed("k").header("cookie", "session=abc");
+    // By default a cookie is no credential: the caller is anonymous.
+    let plain = handle_with(Config::default());
+    let _ = scope_of_claim(&plain, &head).await;
+    let strict = handle_with(
+        Config::builder()
+            .credential_headers(["authorization", "cookie"])
+            .build(),
+    );
+    let answer = answer_of(&strict, &head, b"{}").await;
+    assert_eq!(
+        (answer.0.status, answer.0.code),
+        (500, Some(ProblemCode::ScopeUnresolved))
+    );
+    // Once identified, the same request runs.
+    let mut known = TestHead::keyed("k").header("cookie", "session=abc");
+    known.identity = Some(Identity::subject("t", "u"));
+    let _ = scope_of_claim(&strict, &known).await;
+}
+
+#[tokio::test]
+async fn the_resolver_identifies_callers_the_application_did_not() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use crate::scope::{ClientId, Resolution};
+
+    let asked = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&asked);
+    let handle = Idempotency::builder(MemoryStore::default())
+        .sweeper(false)
+        .resolver(move |head| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            assert_eq!((head.method(), head.route()), ("POST", Some("/orders")));
+            match head.header_str("x-api-key") {
+                Some("") => Resolution::Refuse(Problem::new(
+                    401,
+                    ProblemCode::ScopeUnresolved,
+                    "empty api key",
+                )),
+                Some(id) => Resolution::Identity(Identity::client(ClientId::ApiKey(id.into()))),
+                None => Resolution::Unknown,
+            }
+        })
+        .build();
+    let a = scope_of_claim(&handle, &TestHead::keyed("k").header("x-api-key", "a")).await;
+    let b = scope_of_claim(&handle, &TestHead::keyed("k").header("x-api-key", "b")).await;
+    let anonymous = scope_of_claim(&handle, &TestHead::keyed("k")).await;
+    assert!(
+        a != b && a != anonymous && b != anonymous,
+        "three callers, three scopes"
+    );
+    assert_eq!(asked.load(Ordering::SeqCst), 3);
+
+    // A published identity wins; the resolver is not asked.
+    let mut published = TestHead::keyed("k").header("x-api-key", "a");
+    published.identity = Some(Identity::subject("t", "u"));
+    let _ = scope_of_claim(&handle, &published).await;
+    assert_eq!(asked.load(Ordering::SeqCst), 3);
+
+    // A refusal is answered before anything is claimed.
+    let answer = answer_of(
+        &handle,
+        &TestHead::keyed("r").header("x-api-key", ""),
+        b"{}",
+    )
+    .await;
+    assert_eq!(answer.0.status, 401);
+    let _ = scope_of_claim(&handle, &TestHead::keyed("r").header("x-api-key", "a")).await;
+
+    // Unknown leaves the usual rules: a credential without identity is refused.
+    let answer = answer_of(
+        &handle,
+        &TestHead::keyed("k").header("authorization", "Bearer x"),
+        b"{}",
+    )
+    .await;
+    assert_eq!(answer.0.code, Some(ProblemCode::ScopeUnresolved));
+}
+
+#[tokio::test]
+async fn clients_behind_a_trusted_proxy_are_scoped_by_their_forwarded_address() {
+    let handle = handle_with(
+        Config::builder()
+            .trusted_proxies(["10.0.0.0/8".parse().unwrap()])
+            .build(),
+    );
+    let direct = TestHead::keyed("k").peer("203.0.113.9".parse().unwrap());
+    let direct = scope_of_claim(&handle, &direct).await;
+    for forwarded in [
+        ("x-forwarded-for", "203.0.113.9:4711, 10.0.0.7"),
+        ("x-forwarded-for", "::ffff:203.0.113.9"),
+        ("forwarded", "for=\"203.0.113.9:80\";proto=https"),
+    ] {
+        let via = TestHead::keyed("k").header(forwarded.0, forwarded.1);
+        assert_eq!(scope_of_claim(&handle, &via).await, direct, "{forwarded:?}");
+    }
+    let v6 = TestHead::keyed("k").header("x-forwarded-for", "[2001:db8::1]:443");
+    let v6_direct = TestHead::keyed("k").peer("2001:db8::1".parse().unwrap());
+    assert_eq!(
+        scope_of_claim(&handle, &v6).await,
+        scope_of_claim(&handle, &v6_direct).await
+    );
+    // The proxy's own address never scopes the clients behind it.
+    for nothing in [None, Some("unknown")] {
+        let mut head = TestHead::keyed("k");
+        if let Some(v) = nothing {
+            head = head.header("x-forwarded-for", v);
+        }
+        let answer = answer_of(&handle, &head, b"{}").await;
+        assert_eq!(
+            (answer.0.status, answer.0.code),
+            (500, Some(ProblemCode::ScopeUnresolved)),
+            "{nothing:?}"
+        );
+    }
+    // An authenticated caller needs no address.
+    let mut known = TestHead::keyed("k");
+    known.identity = Some(Identity::subject("t", "u"));
+    let _ = scope_of_claim(&handle, &known).await;
+    // An untrusted peer's header is ignored.
+    let spoofed = TestHead::keyed("k")
+        .peer("198.51.100.1".parse().unwrap())
+        .header("x-forwarded-for", "203.0.113.9");
+    assert_ne!(scope_of_claim(&handle, &spoofed).await, direct);
+}
+
+#[tokio::test]
+async fn a_claim_dropped_while_the_store_call_is_in_flight_leaves_the_key_free() {
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+
+    use crate::reservation::tests::Outage;
+
+    let store = Arc::new(Outage::default());
+    let handle = Idempotency::builder_arc(Arc::clone(&store) as Arc<dyn crate::store::Store>)
+        .sweeper(false)
+        .build();
+    let head = TestHead::keyed("k");
+    store.hang_claims.store(true, Ordering::SeqCst);
+    let first = buffered(&handle, &head, TestBody::of(&[b"{}"])).await;
+    let gone = tokio::time::timeout(
+        Duration::from_millis(50),
+        claim::<Detached, _, Sent>(&handle, &head, first),
+    )
+    .await;
+    assert!(
+        gone.is_err(),
+        "the claim was still in flight when its client left"
+    );
+    store.hang_claims.store(false, Ordering::SeqCst);
+    // The release runs in the background, at once.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let retry = claimed(&handle, &head, b"{}").await;
+    retry.held.release().await;
 }

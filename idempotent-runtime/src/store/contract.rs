@@ -33,6 +33,7 @@ pub async fn run<S: Store + ?Sized>(store: Arc<S>, advance: impl Fn(Duration) + 
     let s = &*store;
     first_claim_acquires_and_a_second_sees_it_running(s).await;
     completed_record_is_reported_with_its_response(s).await;
+    a_resent_completion_that_finds_its_own_record_succeeds(s).await;
     wrong_token_can_neither_complete_release_nor_renew(s).await;
     release_frees_the_key(s).await;
     concurrent_claims_acquire_exactly_once(Arc::clone(&store)).await;
@@ -130,6 +131,30 @@ async fn first_claim_acquires_and_a_second_sees_it_running<S: Store + ?Sized>(s:
         Claim::Acquired,
         "the same key in another scope is another record"
     );
+}
+
+/// A completion sent again (its first answer was lost with the connection) finds the record it
+/// wrote: that is success, not a lost lease. Another token still cannot complete it.
+async fn a_resent_completion_that_finds_its_own_record_succeeds<S: Store + ?Sized>(s: &S) {
+    let scope = fresh_scope();
+    let first = req(&scope, "k", 1, 30 * SECOND);
+    assert_eq!(claim(s, &first).await, Claim::Acquired);
+    let resp = response(r#"{"id":7}"#);
+    for attempt in 0..2 {
+        let done = s
+            .complete(&scope, "k", first.token, &resp, 10 * SECOND)
+            .await;
+        assert!(done.unwrap(), "completion {attempt} refused");
+    }
+    let other = FencingToken::mint();
+    let stolen = s
+        .complete(&scope, "k", other, &response("{}"), 10 * SECOND)
+        .await;
+    assert!(!stolen.unwrap(), "another token completed the record");
+    match claim(s, &req(&scope, "k", 1, 30 * SECOND)).await {
+        Claim::Standing(st) => assert_eq!(st.state, StandingState::Completed(Arc::new(resp))),
+        Claim::Acquired => panic!("a completed key was acquired again"),
+    }
 }
 
 async fn completed_record_is_reported_with_its_response<S: Store + ?Sized>(s: &S) {

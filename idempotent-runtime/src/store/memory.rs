@@ -36,6 +36,15 @@ pub struct MemoryLimits {
     pub max_bytes: usize,
     /// Most records one scope may hold (default 10,000; IPv6 peers counted per /64).
     pub max_records_per_scope: usize,
+    /// Most bytes one scope may hold, the headroom of its claimed requests included (default
+    /// 64 MiB; IPv6 peers counted per /64): one caller flooding large answers is refused alone.
+    pub max_bytes_per_scope: usize,
+    /// Bytes set aside when a request is claimed for the answer it will record (default 1 MiB,
+    /// the default `max_response`; set it to the largest `max_response` in use). Room is
+    /// checked when claiming, so a claimed request's answer up to this size is never refused
+    /// for room, least of all because of another scope. Each request in flight holds this
+    /// much of `max_bytes` and of its scope's `max_bytes_per_scope` until it completes.
+    pub response_headroom: usize,
 }
 
 impl Default for MemoryLimits {
@@ -44,6 +53,8 @@ impl Default for MemoryLimits {
             max_records: 1_000_000,
             max_bytes: 256 << 20,
             max_records_per_scope: 10_000,
+            max_bytes_per_scope: 64 << 20,
+            response_headroom: 1 << 20,
         }
     }
 }
@@ -107,6 +118,13 @@ impl Entry {
 
 type Shard = HashTable<Slot>;
 
+/// What one quota bucket holds.
+#[derive(Debug, Default, Clone, Copy)]
+struct Share {
+    records: usize,
+    bytes: usize,
+}
+
 /// The in-memory store. Cheap to share behind an `Arc`; see [`MemoryStore::builder`].
 ///
 /// ```
@@ -119,7 +137,7 @@ type Shard = HashTable<Slot>;
 /// ```
 pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
-    quotas: Box<[Mutex<HashMap<u64, usize>>]>,
+    quotas: Box<[Mutex<HashMap<u64, Share>>]>,
     hasher: hashbrown::DefaultHashBuilder,
     records: AtomicUsize,
     bytes: AtomicUsize,
@@ -226,7 +244,7 @@ impl MemoryStore {
         (hash, &self.shards[shard])
     }
 
-    fn quota_shard(&self, bucket: u64) -> &Mutex<HashMap<u64, usize>> {
+    fn quota_shard(&self, bucket: u64) -> &Mutex<HashMap<u64, Share>> {
         &self.quotas[bucket as usize & (self.quotas.len() - 1)]
     }
 
@@ -235,20 +253,29 @@ impl MemoryStore {
             self.records.fetch_sub(1, Ordering::AcqRel);
             return Err(StoreError::Full);
         }
-        if self.bytes.fetch_add(weight, Ordering::AcqRel) + weight > self.limits.max_bytes {
-            self.bytes.fetch_sub(weight, Ordering::AcqRel);
-            self.records.fetch_sub(1, Ordering::AcqRel);
-            return Err(StoreError::Full);
-        }
         let mut quotas = lock(self.quota_shard(bucket));
-        let used = quotas.entry(bucket).or_insert(0);
-        if *used >= self.limits.max_records_per_scope {
+        let share = quotas.entry(bucket).or_default();
+        if share.records >= self.limits.max_records_per_scope
+            || share.bytes.saturating_add(weight) > self.limits.max_bytes_per_scope
+        {
+            if share.records == 0 {
+                quotas.remove(&bucket);
+            }
             drop(quotas);
-            self.bytes.fetch_sub(weight, Ordering::AcqRel);
             self.records.fetch_sub(1, Ordering::AcqRel);
             return Err(StoreError::QuotaExceeded);
         }
-        *used += 1;
+        if self.bytes.fetch_add(weight, Ordering::AcqRel) + weight > self.limits.max_bytes {
+            self.bytes.fetch_sub(weight, Ordering::AcqRel);
+            if share.records == 0 {
+                quotas.remove(&bucket);
+            }
+            drop(quotas);
+            self.records.fetch_sub(1, Ordering::AcqRel);
+            return Err(StoreError::Full);
+        }
+        share.records += 1;
+        share.bytes += weight;
         Ok(())
     }
 
@@ -256,26 +283,36 @@ impl MemoryStore {
         self.bytes.fetch_sub(weight, Ordering::AcqRel);
         self.records.fetch_sub(1, Ordering::AcqRel);
         let mut quotas = lock(self.quota_shard(bucket));
-        if let Some(used) = quotas.get_mut(&bucket) {
-            *used -= 1;
-            if *used == 0 {
+        if let Some(share) = quotas.get_mut(&bucket) {
+            share.records -= 1;
+            share.bytes -= weight;
+            if share.records == 0 {
                 quotas.remove(&bucket);
             }
         }
     }
 
-    /// Adjusts the byte charge of an entry that stays, e.g. when its response is recorded.
-    fn recharge(&self, from: usize, to: usize) -> bool {
+    /// Adjusts the byte charge of an entry that stays (its response recorded, a takeover), in
+    /// the store and in its scope's share. Shrinking always succeeds; growing fails (and
+    /// changes nothing) past either bound.
+    fn recharge(&self, bucket: u64, from: usize, to: usize) -> Result<(), StoreError> {
+        let mut quotas = lock(self.quota_shard(bucket));
+        let share = quotas.entry(bucket).or_default();
         if to <= from {
             self.bytes.fetch_sub(from - to, Ordering::AcqRel);
-            return true;
+            share.bytes -= from - to;
+            return Ok(());
         }
         let extra = to - from;
+        if share.bytes.saturating_add(extra) > self.limits.max_bytes_per_scope {
+            return Err(StoreError::QuotaExceeded);
+        }
         if self.bytes.fetch_add(extra, Ordering::AcqRel) + extra > self.limits.max_bytes {
             self.bytes.fetch_sub(extra, Ordering::AcqRel);
-            return false;
+            return Err(StoreError::Full);
         }
-        true
+        share.bytes += extra;
+        Ok(())
     }
 
     fn reservation(&self, req: &ClaimRequest<'_>, now: Millis) -> Entry {
@@ -288,7 +325,8 @@ impl MemoryStore {
             state: EntryState::Reserved { lease_until },
             expires_at: lease_until.saturating_add(retention),
             retention,
-            weight: ENTRY_OVERHEAD + req.key.len(),
+            // The answer's room is set aside now, so completing never needs more.
+            weight: ENTRY_OVERHEAD + req.key.len() + self.limits.response_headroom,
         }
     }
 
@@ -318,13 +356,18 @@ impl MemoryStore {
     }
 
     /// Replaces a takeable entry in place with a fresh reservation.
-    fn take_over(&self, entry: &mut Entry, req: &ClaimRequest<'_>, now: Millis) -> Claim {
-        // Same slot, same scope, so the same quota bucket: only the byte charge changes, and it
-        // can only shrink (a reservation weighs less than any record it replaces).
+    fn take_over(
+        &self,
+        entry: &mut Entry,
+        req: &ClaimRequest<'_>,
+        now: Millis,
+    ) -> Result<Claim, StoreError> {
+        // Same slot, same scope, so the same quota bucket: only the byte charge changes (a
+        // reservation with its headroom may outweigh the small record it replaces).
         let fresh = self.reservation(req, now);
-        self.recharge(entry.weight, fresh.weight);
+        self.recharge(entry.quota_bucket, entry.weight, fresh.weight)?;
         *entry = fresh;
-        Claim::Acquired
+        Ok(Claim::Acquired)
     }
 
     fn evict_expired(&self, shard: &mut Shard, now: Millis, limit: usize) -> usize {
@@ -352,12 +395,12 @@ fn matches<'a>(hash: u64, scope: &'a ScopeHash, key: &'a str) -> impl Fn(&Slot) 
 #[async_trait]
 impl Store for MemoryStore {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        let now = self.clock.now_millis();
+        let now = self.clock.monotonic_millis();
         let (hash, shard) = self.locate(req.scope, req.key);
         let mut shard = lock(shard);
         match shard.find_mut(hash, matches(hash, req.scope, req.key)) {
             Some(Slot { record: r, .. }) if now >= r.entry.expires_at => {
-                Ok(self.take_over(&mut r.entry, req, now))
+                self.take_over(&mut r.entry, req, now)
             }
             Some(Slot { record: r, .. }) => Ok(Claim::Standing(r.entry.standing(now))),
             None => self.insert_new(&mut shard, hash, req, now),
@@ -369,7 +412,7 @@ impl Store for MemoryStore {
         req: &ClaimRequest<'_>,
         stale: FencingToken,
     ) -> Result<Claim, StoreError> {
-        let now = self.clock.now_millis();
+        let now = self.clock.monotonic_millis();
         let (hash, shard) = self.locate(req.scope, req.key);
         let mut shard = lock(shard);
         match shard.find_mut(hash, matches(hash, req.scope, req.key)) {
@@ -377,7 +420,7 @@ impl Store for MemoryStore {
                 if now >= r.entry.expires_at
                     || (r.entry.token == stale && r.entry.takeable(now)) =>
             {
-                Ok(self.take_over(&mut r.entry, req, now))
+                self.take_over(&mut r.entry, req, now)
             }
             Some(Slot { record: r, .. }) => Ok(Claim::Standing(r.entry.standing(now))),
             None => self.insert_new(&mut shard, hash, req, now),
@@ -392,20 +435,24 @@ impl Store for MemoryStore {
         response: &RecordedResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let now = self.clock.now_millis();
+        let now = self.clock.monotonic_millis();
         let (hash, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
         let Some(Slot { record, .. }) = shard.find_mut(hash, matches(hash, scope, key)) else {
             return Ok(false);
         };
         let entry = &mut record.entry;
-        if entry.token != token || !matches!(entry.state, EntryState::Reserved { .. }) {
+        if entry.token != token {
             return Ok(false);
         }
-        let weight = ENTRY_OVERHEAD + key.len() + response.weight();
-        if !self.recharge(entry.weight, weight) {
-            return Err(StoreError::Full);
+        if let EntryState::Completed(recorded) = &entry.state {
+            // A resent completion that finds its own record: it is done.
+            return Ok(**recorded == *response);
         }
+        let weight = ENTRY_OVERHEAD + key.len() + response.weight();
+        // Within the headroom set aside at the claim this only shrinks; an answer larger than
+        // the headroom may be refused here, and the runtime then releases the key.
+        self.recharge(entry.quota_bucket, entry.weight, weight)?;
         entry.weight = weight;
         entry.state = EntryState::Completed(Arc::new(response.clone()));
         entry.expires_at = now.saturating_add(millis(retention));
@@ -440,7 +487,7 @@ impl Store for MemoryStore {
         token: FencingToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let now = self.clock.now_millis();
+        let now = self.clock.monotonic_millis();
         let (hash, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
         match shard.find_mut(hash, matches(hash, scope, key)) {
@@ -460,7 +507,7 @@ impl Store for MemoryStore {
     }
 
     async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
-        let now = self.clock.now_millis();
+        let now = self.clock.monotonic_millis();
         let mut deleted = 0;
         for shard in self.shards.iter() {
             if deleted >= batch {
@@ -481,7 +528,16 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn memory_store_meets_the_store_contract() {
         let clock = ManualClock::new();
-        let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+        let store = Arc::new(
+            MemoryStore::builder()
+                .clock(clock.clone())
+                .limits(MemoryLimits {
+                    // Many claims of one scope in flight at once.
+                    response_headroom: 4 << 10,
+                    ..MemoryLimits::default()
+                })
+                .build(),
+        );
         contract::run(store, move |d| clock.advance(d)).await;
     }
 
@@ -537,6 +593,7 @@ mod tests {
         let store = MemoryStore::builder()
             .limits(MemoryLimits {
                 max_bytes: 10 * (ENTRY_OVERHEAD + 4),
+                response_headroom: 0,
                 ..MemoryLimits::default()
             })
             .build();
@@ -606,7 +663,14 @@ mod tests {
     #[tokio::test]
     async fn accounting_returns_to_zero_after_release_and_sweep() {
         let clock = ManualClock::new();
-        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .limits(MemoryLimits {
+                // Many claims of one scope in flight at once.
+                response_headroom: 4 << 10,
+                ..MemoryLimits::default()
+            })
+            .build();
         let scope = [6; 32];
         let a = claim_req(&scope, "a", 6);
         let b = claim_req(&scope, "b", 6);
@@ -629,6 +693,203 @@ mod tests {
         assert_eq!((store.len(), store.bytes()), (0, 0));
         assert!(store.quotas.iter().all(|q| lock(q).is_empty()));
     }
+
+    fn answer(bytes: usize) -> RecordedResponse {
+        RecordedResponse {
+            status: 200,
+            headers: vec![],
+            body: bytes::Bytes::from(vec![b'a'; bytes]),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_scope_over_its_byte_quota_is_refused_at_the_claim_alone() {
+        let store = MemoryStore::builder()
+            .limits(MemoryLimits {
+                max_bytes_per_scope: 10_000,
+                response_headroom: 2_000,
+                ..MemoryLimits::default()
+            })
+            .build();
+        let (flood, other) = ([8; 32], [9; 32]);
+        let mut recorded = 0;
+        for i in 0..20 {
+            let key = format!("big{i}");
+            let req = claim_req(&flood, &key, 8);
+            match store.claim(&req).await {
+                Ok(Claim::Acquired) => {}
+                Err(StoreError::QuotaExceeded) => break,
+                other => panic!("{other:?}"),
+            }
+            // Every claimed answer within the headroom is recorded: the room was set aside.
+            let done = store
+                .complete(
+                    &flood,
+                    &key,
+                    req.token,
+                    &answer(1_500),
+                    Duration::from_secs(60),
+                )
+                .await;
+            assert!(done.unwrap(), "claimed answer {i} refused");
+            recorded += 1;
+        }
+        assert!((4..20).contains(&recorded), "{recorded}");
+        // The other scope is untouched by the flood.
+        let req = claim_req(&other, "small", 9);
+        assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+        let done = store
+            .complete(
+                &other,
+                "small",
+                req.token,
+                &answer(1_500),
+                Duration::from_secs(60),
+            )
+            .await;
+        assert!(done.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_claimed_answer_is_recorded_though_the_store_filled_after_its_claim() {
+        let headroom = 5_000;
+        let store = MemoryStore::builder()
+            .limits(MemoryLimits {
+                max_bytes: 4 * (ENTRY_OVERHEAD + 2 + headroom),
+                response_headroom: headroom,
+                ..MemoryLimits::default()
+            })
+            .build();
+        let honest = [10; 32];
+        let mine = claim_req(&honest, "me", 10);
+        assert_eq!(store.claim(&mine).await.unwrap(), Claim::Acquired);
+        // Others fill the rest of the store with large answers, up to refusals.
+        let mut others = 0;
+        for i in 0..10u8 {
+            let scope = [20 + i; 32];
+            let req = claim_req(&scope, "kk", 20 + u64::from(i));
+            match store.claim(&req).await {
+                Ok(Claim::Acquired) => {
+                    let done = store
+                        .complete(
+                            &scope,
+                            "kk",
+                            req.token,
+                            &answer(headroom),
+                            Duration::from_secs(60),
+                        )
+                        .await;
+                    assert!(done.unwrap());
+                    others += 1;
+                }
+                Err(StoreError::Full) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(others, 3, "the store filled");
+        let done = store
+            .complete(
+                &honest,
+                "me",
+                mine.token,
+                &answer(headroom),
+                Duration::from_secs(60),
+            )
+            .await;
+        assert!(done.unwrap(), "a claimed answer was refused for room");
+        assert!(store.bytes() <= 4 * (ENTRY_OVERHEAD + 2 + headroom));
+    }
+
+    #[tokio::test]
+    async fn an_answer_over_the_headroom_that_does_not_fit_is_refused_not_lost() {
+        let store = MemoryStore::builder()
+            .limits(MemoryLimits {
+                max_bytes_per_scope: 4_000,
+                response_headroom: 1_000,
+                ..MemoryLimits::default()
+            })
+            .build();
+        let scope = [11; 32];
+        let req = claim_req(&scope, "k", 11);
+        store.claim(&req).await.unwrap();
+        let refused = store
+            .complete(
+                &scope,
+                "k",
+                req.token,
+                &answer(10_000),
+                Duration::from_secs(60),
+            )
+            .await;
+        assert!(matches!(refused, Err(StoreError::QuotaExceeded)));
+        // The reservation still stands, its charge unchanged: the runtime releases it.
+        assert!(store.release(&scope, "k", req.token).await.unwrap());
+        assert_eq!((store.len(), store.bytes()), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn leases_ignore_a_wall_clock_step() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let scope = [12; 32];
+        let first = claim_req(&scope, "k", 12);
+        assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
+        // NTP steps the wall clock two hours ahead while the handler runs.
+        clock.step_wall(Duration::from_secs(7_200), true);
+        let again = claim_req(&scope, "k", 12);
+        match store.claim(&again).await.unwrap() {
+            Claim::Standing(Standing {
+                state: StandingState::Running { lease_left },
+                ..
+            }) => assert_eq!(lease_left, Duration::from_secs(60)),
+            other => panic!("a wall-clock step made a live lease look abandoned: {other:?}"),
+        }
+        assert!(
+            !store
+                .reclaim(&again, first.token)
+                .await
+                .unwrap()
+                .eq(&Claim::Acquired)
+        );
+        // And back: the lease does not stretch either.
+        clock.step_wall(Duration::from_secs(7_200 + 3_600), false);
+        clock.advance(Duration::from_secs(61));
+        match store.claim(&again).await.unwrap() {
+            Claim::Standing(Standing {
+                state: StandingState::Abandoned,
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_resent_completion_that_finds_its_own_record_succeeds() {
+        let store = MemoryStore::default();
+        let scope = [13; 32];
+        let req = claim_req(&scope, "k", 13);
+        store.claim(&req).await.unwrap();
+        let retention = Duration::from_secs(60);
+        assert!(
+            store
+                .complete(&scope, "k", req.token, &answer(10), retention)
+                .await
+                .unwrap()
+        );
+        assert!(
+            store
+                .complete(&scope, "k", req.token, &answer(10), retention)
+                .await
+                .unwrap()
+        );
+        let other = FencingToken::mint();
+        assert!(
+            !store
+                .complete(&scope, "k", other, &answer(10), retention)
+                .await
+                .unwrap()
+        );
+    }
 }
 
 #[cfg(test)]
@@ -637,7 +898,7 @@ mod model_tests {
 
     use proptest::prelude::*;
 
-    use super::MemoryStore;
+    use super::{MemoryLimits, MemoryStore};
     use crate::clock::ManualClock;
     use crate::store::contract::model::{Op, check_model};
 
@@ -658,7 +919,14 @@ mod model_tests {
         fn memory_store_agrees_with_the_reference_model(ops in proptest::collection::vec(op(), 1..60)) {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             let clock = ManualClock::new();
-            let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+            let store = Arc::new(MemoryStore::builder()
+            .clock(clock.clone())
+            .limits(MemoryLimits {
+                // Many claims of one scope in flight at once.
+                response_headroom: 4 << 10,
+                ..MemoryLimits::default()
+            })
+            .build());
             rt.block_on(check_model(store, move |d| clock.advance(d), &ops));
         }
     }

@@ -336,10 +336,19 @@ mod tests {
     async fn sweeper_empties_full_batches_at_once_and_stops_with_its_store() {
         use crate::clock::ManualClock;
         use crate::fingerprint::Fingerprint;
-        use crate::store::memory::MemoryStore;
+        use crate::store::memory::{MemoryLimits, MemoryStore};
 
         let clock = ManualClock::new();
-        let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+        let store = Arc::new(
+            MemoryStore::builder()
+                .clock(clock.clone())
+                .limits(MemoryLimits {
+                    // Many claims of one scope in flight at once.
+                    response_headroom: 4 << 10,
+                    ..MemoryLimits::default()
+                })
+                .build(),
+        );
         let scope = [7u8; 32];
         for i in 0..1_200 {
             let key = format!("k{i}");

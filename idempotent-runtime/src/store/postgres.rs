@@ -231,9 +231,11 @@ struct Statements {
     sweep: Arc<str>,
 }
 
-/// `now()` moved by the test clock offset, bound as the parameter `$n` (milliseconds).
+/// The statement's clock (`statement_timestamp()`, not the transaction's start: inside an
+/// enlisted transaction the two differ) moved by the test clock offset, bound as the parameter
+/// `$n` (milliseconds).
 fn now(n: usize) -> String {
-    format!("(now() + ${n}::bigint * interval '1 millisecond')")
+    format!("(statement_timestamp() + ${n}::bigint * interval '1 millisecond')")
 }
 
 /// The columns a standing row is reported with, from row `r` and the clock `clock.now`.
@@ -289,7 +291,8 @@ impl Statements {
         let complete = format!(
             "UPDATE {t} SET state = 1, status = $4, headers = $5, body = $6, \
                  lease_until = {n}, expires_at = {n} + $7::bigint * interval '1 millisecond' \
-             WHERE scope = $1 AND key = $2 AND token = $3 AND state = 0",
+             WHERE scope = $1 AND key = $2 AND token = $3 \
+               AND (state = 0 OR (status = $4 AND headers = $5 AND body = $6))",
             n = now(8)
         );
         let release =

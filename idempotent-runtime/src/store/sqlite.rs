@@ -221,11 +221,13 @@ impl Statements {
                    AND (expires_at <= ?8 OR (token = ?9 AND state = 0 AND lease_until <= ?8))"
             )
             .into(),
-            // ?4 status, ?5 headers, ?6 body, ?7 now, ?8 expires_at.
+            // ?4 status, ?5 headers, ?6 body, ?7 now, ?8 expires_at. A resent completion that
+            // finds its own completed record (same token, same answer) succeeds again.
             complete: format!(
                 "UPDATE {t} SET state = 1, status = ?4, headers = ?5, body = ?6, \
                      lease_until = ?7, expires_at = ?8 \
-                 WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 0"
+                 WHERE scope = ?1 AND key = ?2 AND token = ?3 \
+                   AND (state = 0 OR (status = ?4 AND headers = ?5 AND body = ?6))"
             )
             .into(),
             release: format!(

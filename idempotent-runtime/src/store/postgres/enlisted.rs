@@ -87,6 +87,31 @@ impl PostgresStore {
         }
     }
 
+    /// One statement on the open transaction, to learn whether it is still alive before the
+    /// commit: an aborted transaction answers it with an error [`is_aborted`](Self::is_aborted)
+    /// recognises, where its COMMIT would silently roll back.
+    pub(crate) async fn enlisted_probe(&self, conn: &mut PgConnection) -> Result<(), StoreError> {
+        self.count();
+        sqlx::query("SELECT 1")
+            .execute(&mut *conn)
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    /// Whether a statement failed because its transaction was already aborted (SQLSTATE 25P02,
+    /// `in_failed_sql_transaction`): an earlier statement failed and the handler went on.
+    pub(crate) fn is_aborted(error: &StoreError) -> bool {
+        let StoreError::Unavailable(source) = error else {
+            return false;
+        };
+        source
+            .downcast_ref::<sqlx::Error>()
+            .and_then(|e| e.as_database_error())
+            .and_then(|e| e.code())
+            .is_some_and(|code| code == "25P02")
+    }
+
     /// Completes the reservation held by `token` in the open transaction on `conn`. `Ok(false)`
     /// when the token no longer holds it (it cannot happen while the transaction holds the
     /// row, but the write stays conditional like every other).
