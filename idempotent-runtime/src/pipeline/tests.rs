@@ -182,6 +182,20 @@ impl Reply for Sent {
         Self(head, rest)
     }
 
+    fn build<'a>(
+        status: u16,
+        headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        body: Bytes,
+    ) -> Self {
+        let (mut reply, _) = TestReply::new(status, b"");
+        reply.headers = headers
+            .into_iter()
+            .map(|(n, v)| (n.to_owned(), v.to_vec()))
+            .collect();
+        reply.body = body;
+        Self(reply, TestBody::default())
+    }
+
     fn problem(problem: &Problem) -> Self {
         let (mut reply, _) = TestReply::new(problem.status(), b"");
         reply.code = Some(problem.code());
