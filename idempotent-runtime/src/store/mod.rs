@@ -15,6 +15,7 @@ use bytes::Bytes;
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 
+pub mod cache;
 pub mod memory;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
