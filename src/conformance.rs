@@ -44,6 +44,8 @@ pub struct Options {
     pub key_header: String,
     /// Credential headers beside `authorization` (`--credential-header NAME`, repeatable).
     pub credential_headers: Vec<String>,
+    /// `--local-cache`: completed records kept in this process in front of a shared store.
+    pub local_cache: bool,
 }
 
 impl Default for Options {
@@ -62,6 +64,7 @@ impl Default for Options {
             trusted_proxies: Vec::new(),
             key_header: "Idempotency-Key".into(),
             credential_headers: Vec::new(),
+            local_cache: false,
         }
     }
 }
@@ -70,7 +73,7 @@ const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite --
 --lease SECS --retention SECS --max-body BYTES --max-response BYTES --body-timeout SECS \
 --reuse-status 422|409 \
 --missing-status 400|428 --trusted-proxy CIDR (repeatable) --key-header NAME \
---credential-header NAME (repeatable)";
+--credential-header NAME (repeatable) --local-cache";
 
 impl Options {
     /// Parses `std::env::args()`.
@@ -85,6 +88,10 @@ impl Options {
         while let Some(flag) = args.next() {
             if flag == "--help" || flag == "-h" {
                 return Err(USAGE.into());
+            }
+            if flag == "--local-cache" {
+                o.local_cache = true;
+                continue;
             }
             let value = args
                 .next()
@@ -203,7 +210,12 @@ impl Options {
                     .ok_or("--store postgres needs --database-url or DATABASE_URL")?;
                 let store = idempotent_runtime::store::postgres::PostgresStore::connect(url).await?;
                 store.migrate().await?;
-                Ok(Idempotency::builder(store)
+                let builder = if self.local_cache {
+                    Idempotency::builder(idempotent_runtime::store::cache::CachedStore::new(store))
+                } else {
+                    Idempotency::builder(store)
+                };
+                Ok(builder
                     .config(self.config())
                     .resolver(Self::resolver)
                     .build())
@@ -341,7 +353,7 @@ mod tests {
     fn parses_every_option() {
         let o = Options::parse(
             "--addr 127.0.0.1:0 --store sqlite --database-url x.db --lease 0.5 --retention 10 \
-             --max-body 10 --max-response 20 --reuse-status 409 --missing-status 428"
+             --max-body 10 --max-response 20 --reuse-status 409 --local-cache --missing-status 428"
                 .split(' ')
                 .map(String::from),
         )
@@ -352,6 +364,8 @@ mod tests {
         assert_eq!((o.max_body, o.max_response), (10, 20));
         assert_eq!(o.reuse_status, ReuseStatus::Conflict);
         assert_eq!(o.missing_status, MissingKeyStatus::PreconditionRequired);
+        assert!(o.local_cache);
+        assert!(!Options::parse([]).unwrap().local_cache);
         assert!(Options::parse(["--store".into(), "redis".into()]).is_err());
         assert!(Options::parse(["--bogus".into(), "1".into()]).is_err());
         let o = Options::parse(

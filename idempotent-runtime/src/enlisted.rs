@@ -225,7 +225,10 @@ impl fmt::Debug for Held {
 /// The PostgreSQL store behind `handle`, if that is what it is.
 pub(crate) fn postgres(store: &Arc<dyn Store>) -> Option<&PostgresStore> {
     let any: &dyn std::any::Any = &**store;
-    any.downcast_ref::<PostgresStore>()
+    any.downcast_ref::<PostgresStore>().or_else(|| {
+        any.downcast_ref::<crate::store::cache::CachedStore<PostgresStore>>()
+            .map(|cached| cached.inner())
+    })
 }
 
 /// The refusal when the store is not PostgreSQL: a setup mistake, logged with its fix.

@@ -143,6 +143,25 @@ async fn passes_the_store_contract() {
     contract::run(store, move |d| clock.advance_clock_for_tests(d)).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cache_in_front_of_it_passes_the_store_contract() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    // The cache judges its copies by a clock that moves with the database's test offset.
+    let clock = idempotent_runtime::clock::ManualClock::new();
+    let store = Arc::new(
+        idempotent_runtime::store::cache::CachedStore::new(db.store().await).clock(clock.clone()),
+    );
+    let inner = Arc::clone(&store);
+    contract::run(Arc::clone(&store), move |d| {
+        inner.inner().advance_clock_for_tests(d);
+        clock.advance(d);
+    })
+    .await;
+    assert!(store.hits() > 0, "no replay of the contract met the cache");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_is_idempotent_and_safe_from_several_replicas_at_once() {
     let Some(db) = TestDb::new().await else {

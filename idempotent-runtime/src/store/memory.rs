@@ -5,6 +5,8 @@
 //! new claims are refused (503 `IDEMPOTENCY_STORE_FULL`) rather than evicting a live record,
 //! since evicting one would let its retry run the handler again.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -116,7 +118,55 @@ impl Entry {
     }
 }
 
-type Shard = HashTable<Slot>;
+/// A shard: its records, and a queue of when they expire so the sweeper finds expired records
+/// without visiting live ones.
+///
+/// The queue holds `(expires_at, hash)` for every record's current expiry (pushed on every change
+/// of it) and stale pairs left by earlier changes and removals; a popped pair evicts only records
+/// that are expired now, so a stale pair is harmless. The queue is rebuilt from the table when
+/// stale pairs outnumber records, so it stays within twice the table plus a constant and each
+/// rebuild's cost is paid for by the pushes since the last one. The shard derefs to its table,
+/// where every lookup happens.
+#[derive(Default)]
+struct Shard {
+    table: HashTable<Slot>,
+    expiry: BinaryHeap<Reverse<(Millis, u64)>>,
+}
+
+impl std::ops::Deref for Shard {
+    type Target = HashTable<Slot>;
+    fn deref(&self) -> &Self::Target {
+        &self.table
+    }
+}
+
+impl std::ops::DerefMut for Shard {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.table
+    }
+}
+
+impl Shard {
+    /// Records that the record at `hash` now expires at `expires_at`.
+    fn queue(&mut self, hash: u64, expires_at: Millis) {
+        self.expiry.push(Reverse((expires_at, hash)));
+        if self.expiry.len() > 2 * self.table.len() + 64 {
+            let pairs: Vec<_> = self
+                .table
+                .iter()
+                .map(|s| Reverse((s.record.entry.expires_at, s.hash)))
+                .collect();
+            self.expiry = BinaryHeap::from(pairs);
+        }
+    }
+}
+
+/// Most queue pairs one call pops per eviction it may make: bounds how long a shard lock is held
+/// when the front of the queue is stale pairs.
+const POPS_PER_EVICTION: usize = 4;
+
+/// Most records a claim that found the store full frees from its own shard before retrying.
+const EVICT_WHEN_FULL: usize = 64;
 
 /// What one quota bucket holds.
 #[derive(Debug, Default, Clone, Copy)]
@@ -143,6 +193,10 @@ pub struct MemoryStore {
     bytes: AtomicUsize,
     limits: MemoryLimits,
     clock: Arc<dyn Clock>,
+    /// Slots the expiry code has looked at, so a test can tell a sweep that visits only what
+    /// expires from one that scans the shard.
+    #[cfg(test)]
+    slot_visits: AtomicUsize,
 }
 
 impl std::fmt::Debug for MemoryStore {
@@ -195,6 +249,8 @@ impl MemoryStoreBuilder {
             bytes: AtomicUsize::new(0),
             limits: self.limits,
             clock: self.clock,
+            #[cfg(test)]
+            slot_visits: AtomicUsize::new(0),
         }
     }
 }
@@ -341,11 +397,12 @@ impl MemoryStore {
     ) -> Result<Claim, StoreError> {
         let entry = self.reservation(req, now);
         if let Err(full) = self.charge(entry.weight, entry.quota_bucket) {
-            if self.evict_expired(shard, now, usize::MAX) == 0 {
+            if self.evict_expired(shard, now, EVICT_WHEN_FULL) == 0 {
                 return Err(full);
             }
             self.charge(entry.weight, entry.quota_bucket)?;
         }
+        shard.queue(hash, entry.expires_at);
         let record = Box::new(Record {
             scope: *req.scope,
             key: req.key.into(),
@@ -355,36 +412,53 @@ impl MemoryStore {
         Ok(Claim::Acquired)
     }
 
-    /// Replaces a takeable entry in place with a fresh reservation.
+    /// Replaces a takeable entry in place with a fresh reservation; returns its new expiry, for
+    /// the shard's queue.
     fn take_over(
         &self,
         entry: &mut Entry,
         req: &ClaimRequest<'_>,
         now: Millis,
-    ) -> Result<Claim, StoreError> {
+    ) -> Result<Millis, StoreError> {
         // Same slot, same scope, so the same quota bucket: only the byte charge changes (a
         // reservation with its headroom may outweigh the small record it replaces).
         let fresh = self.reservation(req, now);
         self.recharge(entry.quota_bucket, entry.weight, fresh.weight)?;
         *entry = fresh;
-        Ok(Claim::Acquired)
+        Ok(entry.expires_at)
     }
 
+    /// Frees up to `limit` records expired at `now`, in expiry order, visiting only queue pairs
+    /// that are due (at most [`POPS_PER_EVICTION`] per record it may free) and the slots they
+    /// name: the work is proportional to what expires, not to what the shard holds.
     fn evict_expired(&self, shard: &mut Shard, now: Millis, limit: usize) -> usize {
-        let mut freed = Vec::new();
-        shard.retain(|Slot { record, .. }| {
-            let e = &record.entry;
-            if freed.len() < limit && now >= e.expires_at {
-                freed.push((e.weight, e.quota_bucket));
-                false
-            } else {
-                true
+        let mut freed = 0;
+        let mut pops = limit.saturating_mul(POPS_PER_EVICTION);
+        while freed < limit && pops > 0 {
+            let Some(&Reverse((due, hash))) = shard.expiry.peek() else {
+                break;
+            };
+            if due > now {
+                break;
             }
-        });
-        for (weight, bucket) in &freed {
-            self.discharge(*weight, *bucket);
+            shard.expiry.pop();
+            pops -= 1;
+            // Another record may share the hash; each is judged by its own expiry.
+            while freed < limit {
+                #[cfg(test)]
+                self.slot_visits.fetch_add(1, Ordering::Relaxed);
+                let Ok(found) = shard
+                    .table
+                    .find_entry(hash, |s| s.hash == hash && now >= s.record.entry.expires_at)
+                else {
+                    break;
+                };
+                let (Slot { record, .. }, _) = found.remove();
+                self.discharge(record.entry.weight, record.entry.quota_bucket);
+                freed += 1;
+            }
         }
-        freed.len()
+        freed
     }
 }
 
@@ -400,7 +474,9 @@ impl Store for MemoryStore {
         let mut shard = lock(shard);
         match shard.find_mut(hash, matches(hash, req.scope, req.key)) {
             Some(Slot { record: r, .. }) if now >= r.entry.expires_at => {
-                self.take_over(&mut r.entry, req, now)
+                let expires_at = self.take_over(&mut r.entry, req, now)?;
+                shard.queue(hash, expires_at);
+                Ok(Claim::Acquired)
             }
             Some(Slot { record: r, .. }) => Ok(Claim::Standing(r.entry.standing(now))),
             None => self.insert_new(&mut shard, hash, req, now),
@@ -420,7 +496,9 @@ impl Store for MemoryStore {
                 if now >= r.entry.expires_at
                     || (r.entry.token == stale && r.entry.takeable(now)) =>
             {
-                self.take_over(&mut r.entry, req, now)
+                let expires_at = self.take_over(&mut r.entry, req, now)?;
+                shard.queue(hash, expires_at);
+                Ok(Claim::Acquired)
             }
             Some(Slot { record: r, .. }) => Ok(Claim::Standing(r.entry.standing(now))),
             None => self.insert_new(&mut shard, hash, req, now),
@@ -456,6 +534,8 @@ impl Store for MemoryStore {
         entry.weight = weight;
         entry.state = EntryState::Completed(Arc::new(response.clone()));
         entry.expires_at = now.saturating_add(millis(retention));
+        let expires_at = entry.expires_at;
+        shard.queue(hash, expires_at);
         Ok(true)
     }
 
@@ -497,6 +577,8 @@ impl Store for MemoryStore {
                     EntryState::Reserved { lease_until } => {
                         *lease_until = now.saturating_add(millis(lease));
                         e.expires_at = lease_until.saturating_add(e.retention);
+                        let expires_at = e.expires_at;
+                        shard.queue(hash, expires_at);
                         Ok(true)
                     }
                     EntryState::Completed(_) => Ok(false),
@@ -889,6 +971,135 @@ mod tests {
                 .await
                 .unwrap()
         );
+    }
+}
+
+#[cfg(test)]
+mod sweep_tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    fn claim_req<'a>(scope: &'a ScopeHash, key: &'a str, secs: u64) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope,
+            key,
+            quota_bucket: 9,
+            fingerprint: Fingerprint {
+                version: 1,
+                digest: [0; 32],
+            },
+            token: FencingToken::mint(),
+            lease: Duration::from_secs(secs),
+            retention: Duration::from_secs(secs),
+        }
+    }
+
+    /// `expiring` records that expire in 2 s beside `live` ones that outlive the test.
+    async fn store_with(clock: &ManualClock, expiring: usize, live: usize) -> MemoryStore {
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(4)
+            .limits(MemoryLimits {
+                max_records_per_scope: usize::MAX,
+                ..MemoryLimits::default()
+            })
+            .build();
+        let scope = [9; 32];
+        let resp = RecordedResponse {
+            status: 201,
+            headers: vec![],
+            body: bytes::Bytes::from_static(b"{}"),
+        };
+        for i in 0..expiring + live {
+            let key = format!("k{i}");
+            let secs = if i < expiring { 1 } else { 3600 };
+            let req = claim_req(&scope, &key, secs);
+            assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+            if i % 2 == 0 {
+                // Completing moves the expiry, leaving a stale pair in the queue.
+                let retention = Duration::from_secs(secs);
+                assert!(
+                    store
+                        .complete(&scope, &key, req.token, &resp, retention)
+                        .await
+                        .unwrap()
+                );
+            }
+        }
+        store
+    }
+
+    #[tokio::test]
+    async fn sweep_visits_what_expires_not_what_the_store_holds() {
+        let clock = ManualClock::new();
+        let store = store_with(&clock, 1_000, 50_000).await;
+        clock.advance(Duration::from_secs(3));
+        let mut deleted = 0;
+        loop {
+            let n = store.sweep(500).await.unwrap();
+            deleted += n;
+            if n < 500 {
+                break;
+            }
+        }
+        assert_eq!(deleted, 1_000);
+        assert_eq!(store.len(), 50_000, "every live record stays");
+        let visits = store.slot_visits.load(Ordering::Relaxed);
+        // A scan per batch would visit every slot of every shard each time: 51,000 at least.
+        assert!(
+            visits <= 3 * 1_000,
+            "{visits} slot visits to free 1,000 records among 51,000"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_full_store_frees_room_without_scanning_its_shard() {
+        let clock = ManualClock::new();
+        let store = store_with(&clock, 10, 20_000).await;
+        let full = MemoryLimits {
+            max_records: store.len(),
+            max_records_per_scope: usize::MAX,
+            ..MemoryLimits::default()
+        };
+        let store = MemoryStore {
+            limits: full,
+            ..store
+        };
+        clock.advance(Duration::from_secs(3));
+        let scope = [9; 32];
+        let mut acquired = 0;
+        for i in 0..40 {
+            let key = format!("new{i}");
+            if let Ok(Claim::Acquired) = store.claim(&claim_req(&scope, &key, 3600)).await {
+                acquired += 1;
+            }
+        }
+        assert_eq!(acquired, 10, "each expired record makes room for one claim");
+        let visits = store.slot_visits.load(Ordering::Relaxed);
+        assert!(visits <= 200, "{visits} slot visits to free 10 records");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn the_sweeper_yields_between_batches() {
+        let clock = ManualClock::new();
+        let store = Arc::new(store_with(&clock, 5_000, 10).await);
+        clock.advance(Duration::from_secs(3));
+        let dyn_store: Arc<dyn Store> = store.clone();
+        let _sweeper =
+            super::super::spawn_sweeper(Arc::downgrade(&dyn_store), Duration::from_secs(1), 500);
+        // On one thread, this task runs only when the sweeper yields: it must see the store
+        // part-swept, not only before and after.
+        let mut seen = std::collections::BTreeSet::new();
+        while store.len() > 10 {
+            seen.insert(store.len());
+            tokio::task::yield_now().await;
+        }
+        let part_swept = seen.iter().filter(|&&n| n > 10 && n < 5_010).count();
+        assert!(
+            part_swept >= 5,
+            "the sweeper held the thread through its batches: saw only {seen:?}"
+        );
+        drop(dyn_store);
     }
 }
 

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 
+pub mod cache;
 pub mod memory;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
@@ -276,8 +277,10 @@ impl fmt::Debug for dyn Store {
 }
 
 /// Runs [`Store::sweep`] on a cadence of `min(retention, 1 h)`, sweeping again at once while
-/// batches come back full. The task holds the store weakly and ends when the store is dropped
-/// (or when the returned handle is aborted). Must be called inside a Tokio runtime.
+/// batches come back full, yielding to the runtime between batches (a store whose sweep never
+/// suspends, like the in-memory one, would otherwise hold a worker thread until the last batch).
+/// The task holds the store weakly and ends when the store is dropped (or when the returned
+/// handle is aborted). Must be called inside a Tokio runtime.
 pub fn spawn_sweeper(
     store: std::sync::Weak<dyn Store>,
     retention: Duration,
@@ -294,7 +297,7 @@ pub fn spawn_sweeper(
             let Some(store) = store.upgrade() else { return };
             loop {
                 match store.sweep(batch).await {
-                    Ok(n) if n >= batch => continue,
+                    Ok(n) if n >= batch => tokio::task::yield_now().await,
                     Ok(n) => {
                         if n > 0 {
                             tracing::debug!(deleted = n, "idempotency sweep");

@@ -1,0 +1,616 @@
+//! A cache of completed records in front of a shared store ([the contract](crate::design) §5).
+//!
+//! A completed record never changes until it expires, so a process may keep the records it
+//! completed and answer a claim that meets one with the replay, without a round trip to the
+//! store. The cache is bounded in bytes, never answers past a record's `expires_at`, and never
+//! holds a reservation: a claim that finds nothing here (or a reservation, or an expired copy)
+//! goes to the store, and every conditional write (complete, release, renew, reclaim) always
+//! does. The fingerprint is kept with the response, so a different request under a cached key
+//! is still refused (422).
+//!
+//! What the cache knows of a record's expiry is this process's clock at the moment it sent the
+//! completion, plus the retention: the store's own `expires_at` is that or later, as long as the
+//! two clocks agree. A copy is also re-checked with the store once it is
+//! [`max_age`](CachedStore::max_age) old (default 60 s), which bounds how long a record deleted
+//! elsewhere (by another process's admin `forget`) may still be replayed here.
+
+use std::collections::VecDeque;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use hashbrown::{HashMap, HashTable};
+
+use super::{
+    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
+};
+use crate::clock::{Clock, Millis, SystemClock, millis};
+use crate::fingerprint::Fingerprint;
+use crate::scope::ScopeHash;
+
+/// Bytes charged per cached record beyond its key and response weight.
+const ENTRY_OVERHEAD: usize = 160;
+
+/// Most claims a shard remembers between their claim and their completion (the fingerprint a
+/// completion is cached with); past it, a completion is simply not cached.
+const PENDING_PER_SHARD: usize = 4096;
+
+const SHARDS: usize = 16;
+
+struct Cached {
+    hash: u64,
+    scope: ScopeHash,
+    key: Box<str>,
+    token: FencingToken,
+    fingerprint: Fingerprint,
+    response: Arc<RecordedResponse>,
+    /// This process's clock when the completion was sent, plus the retention.
+    expires_at: Millis,
+    /// When to check with the store again that the record still stands.
+    fresh_until: Millis,
+    weight: usize,
+    /// Insertion number, naming this entry in the shard's eviction order.
+    seq: u64,
+}
+
+#[derive(Default)]
+struct Shard {
+    records: HashTable<Cached>,
+    /// `(hash, seq)` in insertion order: the oldest is evicted first. Pairs of entries already
+    /// gone are skipped, and dropped when they outnumber the entries.
+    order: VecDeque<(u64, u64)>,
+    /// Claims acquired through this cache and not yet settled: token → fingerprint.
+    pending: HashMap<u64, Fingerprint>,
+    bytes: usize,
+    next_seq: u64,
+}
+
+impl Shard {
+    fn remove(&mut self, hash: u64, matches: impl Fn(&Cached) -> bool) -> bool {
+        match self
+            .records
+            .find_entry(hash, |c| c.hash == hash && matches(c))
+        {
+            Ok(found) => {
+                let (gone, _) = found.remove();
+                self.bytes -= gone.weight;
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    fn insert(&mut self, mut entry: Cached, max_bytes: usize) {
+        let (hash, scope, key) = (entry.hash, entry.scope, entry.key.clone());
+        self.remove(hash, |c| c.scope == scope && c.key == key);
+        entry.seq = self.next_seq;
+        self.next_seq += 1;
+        self.bytes += entry.weight;
+        self.order.push_back((hash, entry.seq));
+        self.records.insert_unique(hash, entry, |c| c.hash);
+        while self.bytes > max_bytes {
+            let Some((hash, seq)) = self.order.pop_front() else {
+                break;
+            };
+            self.remove(hash, |c| c.seq == seq);
+        }
+        if self.order.len() > 2 * self.records.len() + 64 {
+            let records = &self.records;
+            self.order
+                .retain(|&(hash, seq)| records.find(hash, |c| c.seq == seq).is_some());
+        }
+    }
+}
+
+/// A [`Store`] that answers replays of records it completed from memory, and sends everything
+/// else to `inner`.
+///
+/// ```
+/// use idempotent_runtime::store::cache::CachedStore;
+/// use idempotent_runtime::store::memory::MemoryStore;
+///
+/// // In production `inner` is a shared store (PostgreSQL, Redis); any store works.
+/// let store = CachedStore::new(MemoryStore::default()).max_bytes(16 << 20);
+/// assert_eq!(store.cached_bytes(), 0);
+/// ```
+pub struct CachedStore<S> {
+    inner: S,
+    shards: Box<[Mutex<Shard>]>,
+    hasher: hashbrown::DefaultHashBuilder,
+    max_bytes: usize,
+    max_age: Millis,
+    clock: Arc<dyn Clock>,
+    hits: AtomicUsize,
+}
+
+impl<S> std::fmt::Debug for CachedStore<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachedStore")
+            .field("cached_bytes", &self.cached_bytes())
+            .field("max_bytes", &self.max_bytes)
+            .field("max_age_ms", &self.max_age)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every mutation of a shard completes before anything that could panic runs.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<S> CachedStore<S> {
+    /// A cache of at most 64 MiB, re-checking copies older than 60 s, in front of `inner`.
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            hasher: Default::default(),
+            max_bytes: 64 << 20,
+            max_age: 60_000,
+            clock: Arc::new(SystemClock),
+            hits: AtomicUsize::new(0),
+        }
+    }
+
+    /// Most bytes of records kept (responses, keys and bookkeeping), across all shards.
+    #[must_use]
+    pub fn max_bytes(mut self, bytes: usize) -> Self {
+        self.max_bytes = bytes;
+        self
+    }
+
+    /// How long a copy is answered from before the store is asked again whether the record
+    /// still stands: the longest a record deleted by another process is replayed here.
+    #[must_use]
+    pub fn max_age(mut self, age: Duration) -> Self {
+        self.max_age = millis(age);
+        self
+    }
+
+    /// The clock copies are judged by (tests inject a [`ManualClock`](crate::clock::ManualClock)
+    /// that moves with the store's).
+    #[must_use]
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The store behind the cache.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// Bytes of records held.
+    pub fn cached_bytes(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).bytes).sum()
+    }
+
+    /// Claims answered from the cache so far.
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::Relaxed)
+    }
+
+    /// Drops the copy of `(scope, key)`, e.g. after the record was deleted through this process.
+    pub fn evict(&self, scope: &ScopeHash, key: &str) {
+        let (hash, shard) = self.locate(scope, key);
+        lock(shard).remove(hash, |c| c.scope == *scope && *c.key == *key);
+    }
+
+    fn locate(&self, scope: &ScopeHash, key: &str) -> (u64, &Mutex<Shard>) {
+        let hash = self.hasher.hash_one((scope, key));
+        (hash, &self.shards[(hash >> 48) as usize % SHARDS])
+    }
+
+    fn shard_budget(&self) -> usize {
+        self.max_bytes / SHARDS
+    }
+
+    /// The cached copy, if it may be answered from at `now`; `Err(token)` when a copy is held
+    /// but due for a re-check with the store.
+    fn lookup(
+        &self,
+        req: &ClaimRequest<'_>,
+        now: Millis,
+    ) -> Result<Standing, Option<FencingToken>> {
+        let (hash, shard) = self.locate(req.scope, req.key);
+        let mut shard = lock(shard);
+        let same = |c: &Cached| c.hash == hash && c.scope == *req.scope && *c.key == *req.key;
+        let Some(c) = shard.records.find(hash, same) else {
+            return Err(None);
+        };
+        if now >= c.expires_at {
+            shard.remove(hash, same);
+            return Err(None);
+        }
+        if now >= c.fresh_until {
+            return Err(Some(c.token));
+        }
+        Ok(Standing {
+            token: c.token,
+            fingerprint: c.fingerprint,
+            state: StandingState::Completed(Arc::clone(&c.response)),
+        })
+    }
+
+    fn note_pending(&self, req: &ClaimRequest<'_>) {
+        let (_, shard) = self.locate(req.scope, req.key);
+        let mut shard = lock(shard);
+        if shard.pending.len() < PENDING_PER_SHARD {
+            shard.pending.insert(req.token.0, req.fingerprint);
+        }
+    }
+
+    fn take_pending(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+    ) -> Option<Fingerprint> {
+        let (_, shard) = self.locate(scope, key);
+        lock(shard).pending.remove(&token.0)
+    }
+
+    /// After the store answered a claim that found a copy due for a re-check: keep the copy
+    /// fresh for another `max_age` if the same record (same token) still stands completed, drop
+    /// it otherwise.
+    fn recheck(&self, req: &ClaimRequest<'_>, held: FencingToken, claim: &Claim, now: Millis) {
+        let (hash, shard) = self.locate(req.scope, req.key);
+        let mut shard = lock(shard);
+        let same = |c: &Cached| c.hash == hash && c.scope == *req.scope && *c.key == *req.key;
+        let still = matches!(claim, Claim::Standing(s)
+            if s.token == held && matches!(s.state, StandingState::Completed(_)));
+        if still {
+            if let Some(c) = shard.records.find_mut(hash, |c| same(c) && c.token == held) {
+                c.fresh_until = now.saturating_add(self.max_age).min(c.expires_at);
+            }
+        } else {
+            shard.remove(hash, |c| same(c) && c.token == held);
+        }
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for CachedStore<S> {
+    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let now = self.clock.now_millis();
+        let held = match self.lookup(req, now) {
+            Ok(standing) => {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(Claim::Standing(standing));
+            }
+            Err(held) => held,
+        };
+        let claim = self.inner.claim(req).await?;
+        match (&claim, held) {
+            (Claim::Acquired, _) => {
+                if let Some(held) = held {
+                    self.recheck(req, held, &claim, now);
+                }
+                self.note_pending(req);
+            }
+            (Claim::Standing(_), Some(held)) => self.recheck(req, held, &claim, now),
+            (Claim::Standing(_), None) => {}
+        }
+        Ok(claim)
+    }
+
+    async fn reclaim(
+        &self,
+        req: &ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> Result<Claim, StoreError> {
+        let claim = self.inner.reclaim(req, stale).await?;
+        if claim == Claim::Acquired {
+            // Whatever copy was held is of a record that is gone now.
+            self.evict(req.scope, req.key);
+            self.note_pending(req);
+        }
+        Ok(claim)
+    }
+
+    async fn complete(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+        response: &RecordedResponse,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let fingerprint = self.take_pending(scope, key, token);
+        // Taken before the store stamps its own `expires_at`, so the copy never outlives it.
+        let sent_at = self.clock.now_millis();
+        let done = self
+            .inner
+            .complete(scope, key, token, response, retention)
+            .await?;
+        let weight = ENTRY_OVERHEAD + key.len() + response.weight();
+        if let (true, Some(fingerprint)) = (done, fingerprint)
+            && weight <= self.shard_budget()
+        {
+            let expires_at = sent_at.saturating_add(millis(retention));
+            let (hash, shard) = self.locate(scope, key);
+            let entry = Cached {
+                hash,
+                scope: *scope,
+                key: key.into(),
+                token,
+                fingerprint,
+                response: Arc::new(response.clone()),
+                expires_at,
+                fresh_until: sent_at.saturating_add(self.max_age).min(expires_at),
+                weight,
+                seq: 0,
+            };
+            lock(shard).insert(entry, self.shard_budget());
+        }
+        Ok(done)
+    }
+
+    async fn release(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+    ) -> Result<bool, StoreError> {
+        self.take_pending(scope, key, token);
+        self.inner.release(scope, key, token).await
+    }
+
+    async fn renew(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(scope, key, token, lease).await
+    }
+
+    async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
+        self.inner.sweep(batch).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::store::contract;
+    use crate::store::memory::MemoryStore;
+
+    fn cached(clock: &ManualClock) -> CachedStore<MemoryStore> {
+        let inner = MemoryStore::builder().clock(clock.clone()).build();
+        CachedStore::new(inner).clock(clock.clone())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cache_over_memory_meets_the_store_contract() {
+        let clock = ManualClock::new();
+        let store = Arc::new(cached(&clock));
+        contract::run(Arc::clone(&store), move |d| clock.advance(d)).await;
+        assert!(
+            store.hits() > 0,
+            "the contract's replays never met the cache"
+        );
+    }
+
+    fn req<'a>(scope: &'a ScopeHash, key: &'a str, fp: u8) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope,
+            key,
+            quota_bucket: 1,
+            fingerprint: Fingerprint {
+                version: 1,
+                digest: [fp; 32],
+            },
+            token: FencingToken::mint(),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(10),
+        }
+    }
+
+    fn response(body: &'static [u8]) -> RecordedResponse {
+        RecordedResponse {
+            status: 201,
+            headers: vec![],
+            body: bytes::Bytes::from_static(body),
+        }
+    }
+
+    /// Counts the claims that reach the store behind the cache.
+    struct Counting {
+        inner: MemoryStore,
+        claims: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl Store for Counting {
+        async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            self.claims.fetch_add(1, Ordering::Relaxed);
+            self.inner.claim(req).await
+        }
+        async fn reclaim(
+            &self,
+            req: &ClaimRequest<'_>,
+            stale: FencingToken,
+        ) -> Result<Claim, StoreError> {
+            self.inner.reclaim(req, stale).await
+        }
+        async fn complete(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            response: &RecordedResponse,
+            retention: Duration,
+        ) -> Result<bool, StoreError> {
+            self.inner
+                .complete(scope, key, token, response, retention)
+                .await
+        }
+        async fn release(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+        ) -> Result<bool, StoreError> {
+            self.inner.release(scope, key, token).await
+        }
+        async fn renew(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            lease: Duration,
+        ) -> Result<bool, StoreError> {
+            self.inner.renew(scope, key, token, lease).await
+        }
+        async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
+            self.inner.sweep(batch).await
+        }
+    }
+
+    fn counting(clock: &ManualClock) -> CachedStore<Counting> {
+        let inner = Counting {
+            inner: MemoryStore::builder().clock(clock.clone()).build(),
+            claims: AtomicUsize::new(0),
+        };
+        CachedStore::new(inner).clock(clock.clone())
+    }
+
+    async fn completed<S: Store>(
+        store: &CachedStore<S>,
+        scope: &ScopeHash,
+        key: &str,
+    ) -> FencingToken {
+        let first = req(scope, key, 1);
+        assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
+        assert!(
+            store
+                .complete(scope, key, first.token, &response(b"{}"), first.retention)
+                .await
+                .unwrap()
+        );
+        first.token
+    }
+
+    fn standing(c: Claim) -> Standing {
+        match c {
+            Claim::Standing(s) => s,
+            Claim::Acquired => panic!("acquired a completed key"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cached_replay_makes_no_round_trip_and_keeps_the_fingerprint() {
+        let clock = ManualClock::new();
+        let store = counting(&clock);
+        let scope = [1; 32];
+        let token = completed(&store, &scope, "k").await;
+        let before = store.inner().claims.load(Ordering::Relaxed);
+        let replay = standing(store.claim(&req(&scope, "k", 1)).await.unwrap());
+        assert_eq!(replay.token, token);
+        assert_eq!(
+            replay.state,
+            StandingState::Completed(Arc::new(response(b"{}")))
+        );
+        let reused = standing(store.claim(&req(&scope, "k", 2)).await.unwrap());
+        assert_eq!(
+            reused.fingerprint.digest, [1; 32],
+            "the cached fingerprint is the first request's, so a different request is 422"
+        );
+        assert_eq!(
+            store.inner().claims.load(Ordering::Relaxed),
+            before,
+            "a cached replay reached the store"
+        );
+        assert_eq!(store.hits(), 2);
+    }
+
+    #[tokio::test]
+    async fn never_answers_past_expiry_and_never_caches_a_reservation() {
+        let clock = ManualClock::new();
+        let store = cached(&clock);
+        let scope = [2; 32];
+        let running = req(&scope, "running", 1);
+        assert_eq!(store.claim(&running).await.unwrap(), Claim::Acquired);
+        assert!(matches!(
+            store.claim(&req(&scope, "running", 1)).await.unwrap(),
+            Claim::Standing(Standing {
+                state: StandingState::Running { .. },
+                ..
+            })
+        ));
+        assert_eq!(store.hits(), 0, "a reservation was answered from the cache");
+
+        completed(&store, &scope, "done").await;
+        clock.advance(Duration::from_secs(11));
+        assert_eq!(
+            store.claim(&req(&scope, "done", 1)).await.unwrap(),
+            Claim::Acquired,
+            "past its retention the key runs again"
+        );
+        assert_eq!(store.hits(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_copy_older_than_max_age_is_checked_with_the_store() {
+        let clock = ManualClock::new();
+        let inner = MemoryStore::builder().clock(clock.clone()).build();
+        let store = CachedStore::new(inner)
+            .clock(clock.clone())
+            .max_age(Duration::from_secs(2));
+        let scope = [3; 32];
+        let first = req(&scope, "k", 1);
+        store.claim(&first).await.unwrap();
+        store
+            .complete(&scope, "k", first.token, &response(b"1"), first.retention)
+            .await
+            .unwrap();
+        store.claim(&req(&scope, "k", 1)).await.unwrap();
+        assert_eq!(store.hits(), 1);
+        clock.advance(Duration::from_secs(3));
+        // Re-checked with the store (still there, same token): answered, and fresh again.
+        assert!(matches!(
+            store.claim(&req(&scope, "k", 1)).await.unwrap(),
+            Claim::Standing(s) if s.token == first.token
+        ));
+        assert_eq!(
+            store.hits(),
+            1,
+            "a stale copy was answered without asking the store"
+        );
+        store.claim(&req(&scope, "k", 1)).await.unwrap();
+        assert_eq!(store.hits(), 2, "the re-checked copy is answered again");
+    }
+
+    #[tokio::test]
+    async fn stays_within_its_byte_bound() {
+        let clock = ManualClock::new();
+        let inner = MemoryStore::builder()
+            .clock(clock.clone())
+            .limits(crate::store::memory::MemoryLimits {
+                max_records_per_scope: usize::MAX,
+                ..Default::default()
+            })
+            .build();
+        let store = CachedStore::new(inner)
+            .clock(clock.clone())
+            .max_bytes(SHARDS * 4 * (ENTRY_OVERHEAD + 1_100));
+        let scope = [4; 32];
+        static BODY: [u8; 1024] = [b'x'; 1024];
+        for i in 0..2_000 {
+            let key = format!("k{i}");
+            let r = req(&scope, &key, 1);
+            store.claim(&r).await.unwrap();
+            store
+                .complete(&scope, &key, r.token, &response(&BODY), r.retention)
+                .await
+                .unwrap();
+        }
+        assert!(store.cached_bytes() <= SHARDS * 4 * (ENTRY_OVERHEAD + 1_100));
+        assert!(store.cached_bytes() > 0);
+    }
+}
