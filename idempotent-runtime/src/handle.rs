@@ -39,6 +39,10 @@ struct Inner {
     running: Running,
     budget: Arc<BufferBudget>,
     sweeper: Option<tokio::task::JoinHandle<()>>,
+    /// The keys enlisted requests of this process hold now, so a duplicate is answered 409
+    /// without the database.
+    #[cfg(feature = "postgres")]
+    enlisted_in_flight: crate::enlisted::InFlight,
 }
 
 impl Drop for Inner {
@@ -120,6 +124,8 @@ impl Builder {
                 running: Running::default(),
                 budget: BufferBudget::new(self.max_buffered),
                 sweeper,
+                #[cfg(feature = "postgres")]
+                enlisted_in_flight: crate::enlisted::InFlight::default(),
             }),
         }
     }
@@ -186,6 +192,12 @@ impl Idempotency {
     #[cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
     pub(crate) fn budget(&self) -> &Arc<BufferBudget> {
         &self.inner.budget
+    }
+
+    /// The keys this process's enlisted requests hold now.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn enlisted_in_flight(&self) -> &crate::enlisted::InFlight {
+        &self.inner.enlisted_in_flight
     }
 
     pub(crate) fn audit(&self) -> &dyn AuditSink {
