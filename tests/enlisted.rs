@@ -925,12 +925,20 @@ async fn replay_is_one_round_trip_and_a_local_duplicate_none() {
     let replay = server.order("k-trips", &body).await;
     assert!(replay.replayed, "{replay:?}");
     assert_eq!(replay.body, first.body);
-    assert_eq!(typed.statements_executed() - before, 1, "a replay is one read");
+    assert_eq!(
+        typed.statements_executed() - before,
+        1,
+        "a replay is one read"
+    );
 
     let before = typed.statements_executed();
     let other = server.order("k-trips", &json!({ "item": "pen" })).await;
     assert_eq!(other.code().as_deref(), Some("IDEMPOTENCY_KEY_REUSED"));
-    assert_eq!(typed.statements_executed() - before, 1, "a reused key is one read");
+    assert_eq!(
+        typed.statements_executed() - before,
+        1,
+        "a reused key is one read"
+    );
 
     let waiting = json!({ "item": "book", "first_run": "wait" });
     let client = server.client.clone();

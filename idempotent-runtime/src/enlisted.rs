@@ -300,7 +300,9 @@ pub(crate) async fn begin_unkeyed(handle: &Idempotency, route: &str) -> Result<H
 /// begins until it ended: a duplicate of one is in progress, known without the database (whose
 /// pool the running requests may all hold).
 #[derive(Debug, Default)]
-pub(crate) struct InFlight(Arc<Mutex<HashSet<(ScopeHash, Box<str>)>>>);
+pub(crate) struct InFlight(Arc<Mutex<HashSet<InFlightKey>>>);
+
+type InFlightKey = (ScopeHash, Box<str>);
 
 impl InFlight {
     fn contains(&self, scope: &ScopeHash, key: &str) -> bool {
@@ -310,9 +312,9 @@ impl InFlight {
 
     /// Marks the key held until the guard drops; `None` if it already is.
     fn enter(&self, scope: &ScopeHash, key: &str) -> Option<InFlightGuard> {
-        let entry = (*scope, Box::from(key));
+        let entry = Box::new((*scope, Box::from(key)));
         let mut set = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        set.insert(entry.clone()).then(|| InFlightGuard {
+        set.insert((*entry).clone()).then(|| InFlightGuard {
             set: Arc::clone(&self.0),
             entry,
         })
@@ -321,14 +323,15 @@ impl InFlight {
 
 /// Holds a key in [`InFlight`]; dropped once the request's transaction ended.
 struct InFlightGuard {
-    set: Arc<Mutex<HashSet<(ScopeHash, Box<str>)>>>,
-    entry: (ScopeHash, Box<str>),
+    set: Arc<Mutex<HashSet<InFlightKey>>>,
+    // Boxed: it travels in every enlisted request's `Settle`, which stays small.
+    entry: Box<InFlightKey>,
 }
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
         let mut set = self.set.lock().unwrap_or_else(|p| p.into_inner());
-        set.remove(&self.entry);
+        set.remove(&*self.entry);
     }
 }
 
