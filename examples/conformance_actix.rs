@@ -146,6 +146,54 @@ async fn search(state: web::Data<AppState>, req: HttpRequest) -> HttpResponse {
     HttpResponse::Ok().json(json!({"query": req.query_string(), "execution": n}))
 }
 
+/// `POST /ledger?ms=N` and `GET /ledger` (PostgreSQL store only): an enlisted handler writing a
+/// row through the request's transaction, and the committed rows.
+#[cfg(feature = "postgres")]
+mod ledger {
+    use super::*;
+    use idempotent_examples::conformance::ledger;
+    use idempotent_runtime::enlisted::EnlistedTx;
+
+    /// The pool `GET /ledger` reads with; `None` unless the store is PostgreSQL.
+    pub(super) struct LedgerPool(pub(super) Option<sqlx::PgPool>);
+
+    #[idempotent(require_key, enlisted)]
+    async fn write(
+        state: web::Data<AppState>,
+        tx: &mut EnlistedTx,
+        hold: web::Query<Slow>,
+    ) -> HttpResponse {
+        let n = state.executions.next("/ledger");
+        if let Err(error) = ledger::insert(tx.conn(), n).await {
+            return HttpResponse::InternalServerError()
+                .json(json!({"error": error.to_string(), "execution": n}));
+        }
+        tokio::time::sleep(Duration::from_millis(hold.ms)).await;
+        HttpResponse::Created().json(json!({"execution": n}))
+    }
+
+    async fn rows(pool: web::Data<LedgerPool>) -> HttpResponse {
+        let Some(pool) = &pool.0 else {
+            return HttpResponse::NotFound().finish();
+        };
+        match ledger::rows(pool).await {
+            Ok(rows) => HttpResponse::Ok().json(rows),
+            Err(error) => HttpResponse::ServiceUnavailable().body(error.to_string()),
+        }
+    }
+
+    pub(super) fn routes(pool: web::Data<LedgerPool>) -> impl FnOnce(&mut web::ServiceConfig) {
+        move |config| {
+            config.service(
+                web::resource("/ledger")
+                    .app_data(pool)
+                    .route(web::post().to(write))
+                    .route(web::get().to(rows)),
+            );
+        }
+    }
+}
+
 #[get("/executions")]
 async fn executions(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(state.executions.snapshot())
@@ -192,11 +240,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // actix's own JSON limit is a second cap beside max_body; keep it above, so max_body wins.
     let json_limit = options.max_body.max(2 << 20);
 
+    #[cfg(feature = "postgres")]
+    let ledger_pool = web::Data::new(ledger::LedgerPool(
+        idempotent_examples::conformance::ledger::open(&options).await?,
+    ));
+
     let grace = idempotency.config().shutdown_grace().as_secs();
     let server = {
         let idempotency = idempotency.clone();
         HttpServer::new(move || {
-            App::new()
+            let app = App::new()
                 .app_data(idempotency.clone())
                 .app_data(state.clone())
                 .app_data(web::JsonConfig::default().limit(json_limit))
@@ -222,7 +275,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     web::scope("/shops")
                         .wrap(IdempotencyMiddleware::new().require_key())
                         .route("/{shop}/orders", web::post().to(create_shop_order)),
-                )
+                );
+            #[cfg(feature = "postgres")]
+            let app = app.configure(ledger::routes(ledger_pool.clone()));
+            app
         })
         .workers(2)
         .shutdown_timeout(grace)

@@ -177,6 +177,59 @@ async fn search(State(state): State<AppState>, RawQuery(query): RawQuery) -> Jso
     Json(json!({"query": query.unwrap_or_default(), "execution": n}))
 }
 
+/// `POST /ledger?ms=N` and `GET /ledger` (PostgreSQL store only): an enlisted handler writing a
+/// row through the request's transaction, and the committed rows.
+#[cfg(feature = "postgres")]
+mod ledger {
+    use super::*;
+    use idempotent_examples::conformance::ledger;
+    use idempotent_runtime::enlisted::EnlistedTx;
+
+    #[derive(Clone)]
+    pub(super) struct LedgerState {
+        pub(super) idempotency: Idempotency,
+        pub(super) executions: Arc<Executions>,
+        pub(super) pool: Option<sqlx::PgPool>,
+    }
+
+    impl FromRef<LedgerState> for Idempotency {
+        fn from_ref(state: &LedgerState) -> Self {
+            state.idempotency.clone()
+        }
+    }
+
+    #[idempotent(require_key, enlisted)]
+    async fn write(
+        State(state): State<LedgerState>,
+        tx: &mut EnlistedTx,
+        Query(slow): Query<Slow>,
+    ) -> Response {
+        let n = state.executions.next("/ledger");
+        if let Err(error) = ledger::insert(tx.conn(), n).await {
+            let body = json!({"error": error.to_string(), "execution": n});
+            return (StatusCode::INTERNAL_SERVER_ERROR, Json(body)).into_response();
+        }
+        tokio::time::sleep(Duration::from_millis(slow.ms)).await;
+        (StatusCode::CREATED, Json(json!({"execution": n}))).into_response()
+    }
+
+    async fn rows(State(state): State<LedgerState>) -> Response {
+        let Some(pool) = &state.pool else {
+            return StatusCode::NOT_FOUND.into_response();
+        };
+        match ledger::rows(pool).await {
+            Ok(rows) => Json(rows).into_response(),
+            Err(error) => (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response(),
+        }
+    }
+
+    pub(super) fn routes<S>(state: LedgerState) -> Router<S> {
+        Router::new()
+            .route("/ledger", post(write).get(rows))
+            .with_state(state)
+    }
+}
+
 async fn executions(State(state): State<AppState>) -> Json<Value> {
     Json(state.executions.snapshot())
 }
@@ -216,6 +269,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         executions: Arc::default(),
         orders: Arc::default(),
     };
+    #[cfg(feature = "postgres")]
+    let ledger = ledger::routes(ledger::LedgerState {
+        idempotency: idempotency.clone(),
+        executions: Arc::clone(&state.executions),
+        pool: idempotent_examples::conformance::ledger::open(&options).await?,
+    });
+    #[cfg(not(feature = "postgres"))]
+    let ledger = Router::new();
     let layered = Router::new()
         .route("/search", post(search))
         .route("/big", post(big))
@@ -230,6 +291,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/panic", post(panic))
         .route("/executions", get(executions))
         .merge(layered)
+        .merge(ledger)
         .layer(Extension(idempotency.clone()))
         .layer(middleware::from_fn(authenticate))
         .with_state(state);

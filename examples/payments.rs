@@ -37,20 +37,23 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 
 /// A stand-in for a payment provider's API client. Like real providers, it de-duplicates
-/// authorizations by the idempotency key it is given.
+/// authorizations by the idempotency key it is given, and its charge ids are its own: derived
+/// from that key here, so they never collide across restarts (of this example, or of a
+/// provider's counter) the way a local sequence would.
 #[derive(Default)]
 pub struct FakeProvider {
     charges: Mutex<HashMap<String, String>>,
 }
 
 impl FakeProvider {
-    /// Authorizes `amount_cents`; the same `idempotency_key` always yields the same charge.
+    /// Authorizes `amount_cents`; the same `idempotency_key` always yields the same charge, in
+    /// this process or the next.
     pub fn authorize(&self, idempotency_key: &str, amount_cents: i64) -> String {
         let mut charges = self.charges.lock().expect("provider lock");
-        let next = charges.len() + 1;
+        let prefix = idempotency_key.get(..24).unwrap_or(idempotency_key);
         charges
             .entry(idempotency_key.to_owned())
-            .or_insert_with(|| format!("ch_{next}_{amount_cents}"))
+            .or_insert_with(|| format!("ch_{prefix}_{amount_cents}"))
             .clone()
     }
 
@@ -112,18 +115,39 @@ async fn create_payment(
         .provider
         .authorize(&context.derived_key("authorize"), new.amount_cents);
     // The provider's charge id is unique here too: a retry that lost our response (but not the
-    // provider's) finds the row instead of inserting a second one.
-    let (id, status): (i64, String) = sqlx::query_as(
+    // provider's) finds the row instead of inserting a second one. A row found is only ever this
+    // request's own payment: the charge id comes from the derived key (this caller, this key),
+    // and the amount must match too; anything else is refused, never merged into the row.
+    let inserted: Option<(i64, String)> = sqlx::query_as(
         "INSERT INTO payments (amount_cents, status, provider_charge_id)
          VALUES ($1, 'Authorized', $2)
-         ON CONFLICT (provider_charge_id) DO UPDATE SET provider_charge_id = EXCLUDED.provider_charge_id
+         ON CONFLICT (provider_charge_id) DO NOTHING
          RETURNING id, status",
     )
     .bind(new.amount_cents)
     .bind(&charge)
-    .fetch_one(&state.db)
+    .fetch_optional(&state.db)
     .await
     .map_err(internal)?;
+    let (id, status) = match inserted {
+        Some(row) => row,
+        None => {
+            let (id, status, amount): (i64, String, i64) = sqlx::query_as(
+                "SELECT id, status, amount_cents FROM payments WHERE provider_charge_id = $1",
+            )
+            .bind(&charge)
+            .fetch_one(&state.db)
+            .await
+            .map_err(internal)?;
+            if amount != new.amount_cents {
+                return Err((
+                    StatusCode::CONFLICT,
+                    format!("charge {charge} is already a payment of another amount"),
+                ));
+            }
+            (id, status)
+        }
+    };
     let body =
         json!({"id": id, "status": status, "charge": charge, "amount_cents": new.amount_cents});
     Ok((
@@ -268,7 +292,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     println!("capture (twice: captured once): curl -si -X POST {url}/payments/1/capture");
     println!(
-        "webhook (twice: applied once): curl -si -X POST {url}/webhooks/provider -H 'Content-Type: application/json' -d '{{\"event_id\":\"evt_1\",\"charge\":\"ch_1_1250\"}}'"
+        "webhook (twice: applied once): curl -si -X POST {url}/webhooks/provider -H 'Content-Type: application/json' -d '{{\"event_id\":\"evt_1\",\"charge\":\"<charge from the authorization>\"}}'"
     );
     std::io::stdout().flush()?;
     axum::serve(

@@ -226,11 +226,9 @@ impl Options {
                     .database_url
                     .as_deref()
                     .ok_or("--store sqlite needs --database-url PATH (a database file)")?;
-                let path = url
-                    .strip_prefix("sqlite://")
-                    .or_else(|| url.strip_prefix("sqlite:"))
-                    .unwrap_or(url);
-                let store = idempotent_runtime::store::sqlite::SqliteStore::open(path).await?;
+                let store = idempotent_runtime::store::sqlite::SqliteStore::builder()
+                    .connect_with(sqlite_options(url)?)
+                    .await?;
                 store.migrate().await?;
                 Ok(Idempotency::builder(store)
                     .config(self.config())
@@ -255,6 +253,71 @@ fn cidr(v: &str) -> Option<IpNet> {
 fn header_name(v: &str) -> Option<String> {
     let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
     (!v.is_empty() && v.bytes().all(token)).then(|| v.to_ascii_lowercase())
+}
+
+/// The SQLite database `url` names: a `sqlite:` URL, parsed by sqlx itself (so a query such as
+/// `?mode=rwc` is an option, never part of the file name), or a plain file path. The file is
+/// created if missing either way, so both forms of one path open one database.
+#[cfg(feature = "sqlite")]
+pub fn sqlite_options(url: &str) -> Result<sqlx::sqlite::SqliteConnectOptions, sqlx::Error> {
+    use std::str::FromStr as _;
+    let options = if url.starts_with("sqlite:") {
+        sqlx::sqlite::SqliteConnectOptions::from_str(url)?
+    } else {
+        sqlx::sqlite::SqliteConnectOptions::new().filename(url)
+    };
+    Ok(options.create_if_missing(true))
+}
+
+/// The `ledger` table behind `POST /ledger` and `GET /ledger` (PostgreSQL store only): rows the
+/// enlisted handler inserts in the request's transaction, so a checker can compare committed
+/// rows with executions.
+#[cfg(feature = "postgres")]
+pub mod ledger {
+    use sqlx::PgPool;
+    use sqlx::postgres::PgPoolOptions;
+
+    use super::{Options, StoreKind};
+
+    /// A small pool of its own for `GET /ledger` and the table's creation, so the store's pool
+    /// keeps its default size and its connections only serve requests. `None` unless the
+    /// store is PostgreSQL.
+    pub async fn open(options: &Options) -> Result<Option<PgPool>, Box<dyn std::error::Error>> {
+        let (StoreKind::Postgres, Some(url)) = (options.store, options.database_url.as_deref())
+        else {
+            return Ok(None);
+        };
+        let pool = PgPoolOptions::new().max_connections(2).connect(url).await?;
+        // Replicas start together: serialise the creation, as `migrate()` does.
+        let mut tx = pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idempotent-conformance-ledger'))")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS ledger (id bigserial PRIMARY KEY, execution bigint NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Some(pool))
+    }
+
+    /// Inserts the row of execution `n` through the enlisted transaction's connection.
+    pub async fn insert(conn: &mut sqlx::PgConnection, n: u64) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO ledger (execution) VALUES ($1)")
+            .bind(i64::try_from(n).unwrap_or(i64::MAX))
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Committed rows: `{"rows": n}`.
+    pub async fn rows(pool: &PgPool) -> Result<serde_json::Value, sqlx::Error> {
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")
+            .fetch_one(pool)
+            .await?;
+        Ok(serde_json::json!({ "rows": rows }))
+    }
 }
 
 fn secs(v: &str) -> Option<Duration> {
@@ -297,7 +360,7 @@ pub fn identity(
 pub struct Executions(Mutex<BTreeMap<&'static str, u64>>);
 
 /// Every route pattern the servers expose, for `GET /executions`.
-pub const ROUTES: [&str; 9] = [
+pub const ROUTES: [&str; 10] = [
     "/orders",
     "/notes",
     "/shops/{shop}/orders",
@@ -306,6 +369,7 @@ pub const ROUTES: [&str; 9] = [
     "/big",
     "/panic",
     "/search",
+    "/ledger",
     "/orders/{id}",
 ];
 
@@ -322,7 +386,7 @@ impl Executions {
     pub fn snapshot(&self) -> serde_json::Value {
         let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = serde_json::Map::new();
-        for route in &ROUTES[..8] {
+        for route in &ROUTES[..9] {
             out.insert((*route).into(), map.get(route).copied().unwrap_or(0).into());
         }
         serde_json::Value::Object(out)
@@ -385,6 +449,15 @@ mod tests {
         );
         assert!(Options::parse(["--trusted-proxy".into(), "nope".into()]).is_err());
         assert!(Options::parse(["--key-header".into(), "bad header".into()]).is_err());
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn sqlite_url_and_plain_path_name_one_file() {
+        let url = sqlite_options("sqlite:///tmp/dir/x.db?mode=rwc").unwrap();
+        let plain = sqlite_options("/tmp/dir/x.db").unwrap();
+        assert_eq!(url.get_filename(), std::path::Path::new("/tmp/dir/x.db"));
+        assert_eq!(url.get_filename(), plain.get_filename());
     }
 
     #[test]

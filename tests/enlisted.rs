@@ -901,3 +901,67 @@ async fn sigkilled_process_leaves_nothing_and_the_retry_commits_once() {
     assert_eq!(count("SELECT count(*) FROM orders").await, 1);
     drop(example);
 }
+
+/// What an enlisted request costs before any transaction: a replay and a reused key are one
+/// statement (the read on the store's reserved connections), and a duplicate of a request this
+/// process is running is none at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_is_one_round_trip_and_a_local_duplicate_none() {
+    let Some(schema) = Schema::new("trips").await else {
+        return;
+    };
+    let store = Arc::new(postgres_store(&schema, 4).await);
+    let typed = Arc::clone(&store);
+    let mut server = serve(
+        Idempotency::builder_arc(store).sweeper(false).build(),
+        Duration::ZERO,
+    )
+    .await;
+    let body = json!({ "item": "book" });
+    let first = server.order("k-trips", &body).await;
+    assert_eq!(first.status, 201, "{first:?}");
+
+    let before = typed.statements_executed();
+    let replay = server.order("k-trips", &body).await;
+    assert!(replay.replayed, "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        typed.statements_executed() - before,
+        1,
+        "a replay is one read"
+    );
+
+    let before = typed.statements_executed();
+    let other = server.order("k-trips", &json!({ "item": "pen" })).await;
+    assert_eq!(other.code().as_deref(), Some("IDEMPOTENCY_KEY_REUSED"));
+    assert_eq!(
+        typed.statements_executed() - before,
+        1,
+        "a reused key is one read"
+    );
+
+    let waiting = json!({ "item": "book", "first_run": "wait" });
+    let client = server.client.clone();
+    let url = format!("{}/orders", server.url);
+    let running = {
+        let waiting = waiting.clone();
+        tokio::spawn(async move { post_json(&client, &url, Some("k-local"), &waiting).await })
+    };
+    tokio::time::timeout(Duration::from_secs(10), server.pids.recv())
+        .await
+        .expect("the first request is running")
+        .expect("pid");
+    let before = typed.statements_executed();
+    let duplicate = server.order("k-local", &waiting).await;
+    assert_eq!(duplicate.status, 409, "{duplicate:?}");
+    assert_eq!(duplicate.code().as_deref(), Some("IDEMPOTENCY_IN_PROGRESS"));
+    assert_eq!(
+        typed.statements_executed() - before,
+        0,
+        "a duplicate held by this process needs no database"
+    );
+    server.gate.notify_one();
+    assert_eq!(running.await.expect("first").status, 201);
+    assert_eq!(server.runs("k-local"), 1);
+    assert_eq!(server.runs("k-trips"), 1);
+}

@@ -123,3 +123,111 @@ async fn payments_are_idempotent_by_key_by_guard_and_by_natural_key() {
         .await
         .unwrap();
 }
+
+/// The example restarted between two clients (a new process: the provider's memory is gone,
+/// the `payments` table stays): the second client's new key is a new payment with a charge of
+/// its own, never the first client's payment, and the first client's retry still replays.
+#[tokio::test]
+async fn a_restart_never_hands_a_new_client_another_clients_payment() {
+    let Some(url) = idempotent_examples::testkit::database_url() else {
+        return;
+    };
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    let schema = format!("payments_restart_{}_{nanos}", std::process::id());
+    let start = |state: payments::AppState| async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = payments::app(state).into_make_service_with_connect_info::<SocketAddr>();
+        let server = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (format!("http://{addr}"), server)
+    };
+    let client_a = reqwest::Client::new();
+    let client_b = reqwest::Client::builder()
+        .local_address(std::net::IpAddr::from([127, 0, 0, 2]))
+        .build()
+        .unwrap();
+    let amount = json!({"amount_cents": 1250});
+
+    // Client A authorizes and captures.
+    let first = payments::state(&url, &schema).await.unwrap();
+    let db = first.db.clone();
+    let (base, server) = start(first).await;
+    let (s, h, a) = post(
+        &client_a,
+        &format!("{base}/payments"),
+        &[("idempotency-key", "a-1")],
+        amount.clone(),
+    )
+    .await;
+    assert_eq!(s, 201, "{a}");
+    assert!(h.get("idempotency-replayed").is_none());
+    assert_eq!(a["status"], "Authorized");
+    let a_id = a["id"].as_i64().unwrap();
+    let capture = format!("{base}/payments/{a_id}/capture");
+    let (c, _, captured) = post(&client_a, &capture, &[], Value::Null).await;
+    assert_eq!((c, &captured["status"]), (200, &json!("Captured")));
+
+    // Restart: a new process over the same database.
+    server.abort();
+    let _ = server.await;
+    let second = payments::state(&url, &schema).await.unwrap();
+    let provider = second.provider.clone();
+    let (base, _server) = start(second).await;
+
+    // Client B, another caller with a new key and the same amount: its own payment.
+    let (s, h, b) = post(
+        &client_b,
+        &format!("{base}/payments"),
+        &[("idempotency-key", "b-1")],
+        amount.clone(),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+    assert!(h.get("idempotency-replayed").is_none());
+    assert_eq!(b["status"], "Authorized", "B got A's captured payment: {b}");
+    assert_ne!(b["id"], a["id"], "B's payment merged into A's: {b}");
+    assert_ne!(
+        b["charge"], a["charge"],
+        "the provider reused A's charge id"
+    );
+    assert_eq!(
+        provider.charges(),
+        1,
+        "B's authorization reached the provider"
+    );
+
+    // Client A's retry after the restart replays its own answer; the provider is not called.
+    let (s, h, again) = post(
+        &client_a,
+        &format!("{base}/payments"),
+        &[("idempotency-key", "a-1")],
+        amount,
+    )
+    .await;
+    assert_eq!(s, 201, "{again}");
+    assert_eq!(h.get("idempotency-replayed").unwrap(), "true");
+    assert_eq!(again, a);
+    assert_eq!(provider.charges(), 1);
+
+    let rows: Vec<(i64, String, i64)> =
+        sqlx::query_as("SELECT id, status, amount_cents FROM payments ORDER BY id")
+            .fetch_all(&db)
+            .await
+            .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            (a_id, "Captured".to_owned(), 1250),
+            (b["id"].as_i64().unwrap(), "Authorized".to_owned(), 1250)
+        ],
+        "one payment each"
+    );
+
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&db)
+        .await
+        .unwrap();
+}

@@ -78,6 +78,8 @@ fn main() {
             max_records: usize::MAX,
             max_bytes: usize::MAX,
             max_records_per_scope: usize::MAX,
+            max_bytes_per_scope: usize::MAX,
+            ..MemoryLimits::default()
         };
         let store = Arc::new(
             MemoryStore::builder()

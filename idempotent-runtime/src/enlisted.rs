@@ -56,10 +56,11 @@
 // The pipeline half is driven by the framework integrations only.
 #![cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
 
+use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sqlx::Transaction;
@@ -74,7 +75,7 @@ use crate::problem::{Problem, ProblemCode};
 use crate::record::{self, Claimed};
 use crate::reservation::RunningGuard;
 use crate::scope::ScopeHash;
-use crate::store::postgres::PostgresStore;
+use crate::store::postgres::{Glanced, PostgresStore};
 use crate::store::{FencingToken, RecordedResponse, Store, StoreError};
 
 /// The transaction an enlisted handler writes through: take it as `tx: &mut EnlistedTx`.
@@ -202,6 +203,8 @@ pub(crate) struct Settle {
     route: Arc<str>,
     back: Back,
     _running: RunningGuard,
+    /// Keeps the key in [`InFlight`] until the transaction ended (dropped after it, with this).
+    _in_flight: Option<InFlightGuard>,
 }
 
 /// The receiving end of [`EnlistedTx`]'s hand-back, set when the transaction goes to the
@@ -274,6 +277,7 @@ fn settle_for(
         route: route.into(),
         back: None,
         _running: handle.enter_running(),
+        _in_flight: None,
     }
 }
 
@@ -295,13 +299,89 @@ pub(crate) async fn begin_unkeyed(handle: &Idempotency, route: &str) -> Result<H
     })
 }
 
-/// Opens the transaction, takes the key's try-lock and claims the key in it.
+/// The `(scope, key)`s held by this process's enlisted requests, from before their transaction
+/// begins until it ended: a duplicate of one is in progress, known without the database (whose
+/// pool the running requests may all hold).
+#[derive(Debug, Default)]
+pub(crate) struct InFlight(Arc<Mutex<HashSet<InFlightKey>>>);
+
+type InFlightKey = (ScopeHash, Box<str>);
+
+impl InFlight {
+    fn contains(&self, scope: &ScopeHash, key: &str) -> bool {
+        let set = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        set.contains(&(*scope, Box::from(key)))
+    }
+
+    /// Marks the key held until the guard drops; `None` if it already is.
+    fn enter(&self, scope: &ScopeHash, key: &str) -> Option<InFlightGuard> {
+        let entry = Box::new((*scope, Box::from(key)));
+        let mut set = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        set.insert((*entry).clone()).then(|| InFlightGuard {
+            set: Arc::clone(&self.0),
+            entry,
+        })
+    }
+}
+
+/// Holds a key in [`InFlight`]; dropped once the request's transaction ended.
+struct InFlightGuard {
+    set: Arc<Mutex<HashSet<InFlightKey>>>,
+    // Boxed: it travels in every enlisted request's `Settle`, which stays small.
+    entry: Box<InFlightKey>,
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        let mut set = self.set.lock().unwrap_or_else(|p| p.into_inner());
+        set.remove(&*self.entry);
+    }
+}
+
+/// 409 for a key another enlisted request holds.
+fn in_progress(handle: &Idempotency, req: &BeginRequest<'_>, lease: Duration) -> Begin<Held> {
+    let claimed = Claimed::InProgress { lease_left: lease };
+    handle.answer(req, claimed, || {
+        unreachable!("an in-progress key is not held")
+    })
+}
+
+/// Answers what needs no transaction, then opens the transaction, takes the key's try-lock
+/// and claims the key in it. A duplicate held by this process is 409 without the database; a
+/// replay, a reused key and a duplicate held by another replica are answered by one read on
+/// the store's reserved connections; only a request that may run waits for a pooled
+/// connection to begin its transaction.
 async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
     let plan = ClaimPlan::new(req, handle.contributor());
     let route = plan.route;
     let store = Arc::clone(handle.store());
     let Some(pg) = postgres(&store) else {
         return Begin::Refuse(not_postgres(route));
+    };
+    let (scope, key) = (req.input.scope.hash(), req.key.as_str());
+    let in_flight = handle.enlisted_in_flight();
+    if in_flight.contains(scope, key) {
+        return in_progress(handle, req, plan.claim.lease);
+    }
+    match pg.enlisted_glance(&plan.claim).await {
+        Ok(Glanced::Completed {
+            fingerprint,
+            response,
+        }) => {
+            let claimed = if plan.same_request(&fingerprint) {
+                Claimed::Replay(response)
+            } else {
+                Claimed::KeyReused
+            };
+            return handle.answer(req, claimed, || unreachable!("a decided key is not held"));
+        }
+        Ok(Glanced::Held) => return in_progress(handle, req, plan.claim.lease),
+        Ok(Glanced::Open) => {}
+        Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
+    }
+    // Entered only now, so concurrent replays of a completed key all read it (none is 409).
+    let Some(guard) = in_flight.enter(scope, key) else {
+        return in_progress(handle, req, plan.claim.lease);
     };
     let mut tx = match pg.enlisted_begin().await {
         Ok(tx) => tx,
@@ -327,9 +407,8 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
         }
         Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
     };
-    handle.answer(req, claimed, || Held {
-        tx: EnlistedTx::new(tx),
-        settle: settle_for(
+    handle.answer(req, claimed, || {
+        let mut settle = settle_for(
             handle,
             store,
             Some(Reserved {
@@ -340,7 +419,12 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
             req.endpoint.retention,
             req.endpoint.max_response,
             route,
-        ),
+        );
+        settle._in_flight = Some(guard);
+        Held {
+            tx: EnlistedTx::new(tx),
+            settle,
+        }
     })
 }
 

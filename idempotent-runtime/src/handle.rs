@@ -43,6 +43,10 @@ struct Inner {
     budget: Arc<BufferBudget>,
     watch: Watch,
     sweeper: Option<tokio::task::JoinHandle<()>>,
+    /// The keys enlisted requests of this process hold now, so a duplicate is answered 409
+    /// without the database.
+    #[cfg(feature = "postgres")]
+    enlisted_in_flight: crate::enlisted::InFlight,
 }
 
 impl Drop for Inner {
@@ -155,6 +159,8 @@ impl Builder {
                 budget: BufferBudget::new(self.max_buffered),
                 watch,
                 sweeper,
+                #[cfg(feature = "postgres")]
+                enlisted_in_flight: crate::enlisted::InFlight::default(),
             }),
         }
     }
@@ -231,6 +237,12 @@ impl Idempotency {
 
     pub(crate) fn watch(&self) -> &Watch {
         &self.inner.watch
+    }
+
+    /// The keys this process's enlisted requests hold now.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn enlisted_in_flight(&self) -> &crate::enlisted::InFlight {
+        &self.inner.enlisted_in_flight
     }
 
     pub(crate) fn audit(&self) -> &dyn AuditSink {

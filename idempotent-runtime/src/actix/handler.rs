@@ -119,7 +119,14 @@ where
                 };
                 Ok((response, ()))
             };
-            let work = pipeline::work(handle.clone(), held, permit, route.clone(), run);
+            let work = pipeline::work(
+                handle.clone(),
+                held,
+                permit,
+                route.clone(),
+                pipeline::Served::ByHandler,
+                run,
+            );
             answer(adapter::drive(&handle, &route, work).await)
         }
     }

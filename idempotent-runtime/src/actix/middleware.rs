@@ -14,7 +14,7 @@ use futures_util::future::LocalBoxFuture;
 
 use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
 use crate::config::EndpointConfig;
-use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch, Reply};
+use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch, Reply, Served};
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
 /// with the same semantics as `#[idempotent]` on each handler (runtime checks only).
@@ -221,7 +221,14 @@ where
                 let (req, response) = inner.await?.into_parts();
                 Ok((response.map_into_boxed_body(), req))
             };
-            let work = pipeline::work(handle.clone(), held, permit, route.clone(), handler);
+            let work = pipeline::work(
+                handle.clone(),
+                held,
+                permit,
+                route.clone(),
+                Served::ThroughRouter,
+                handler,
+            );
             match adapter::drive(&handle, &route, work).await {
                 Ended::Answered(response, req) => Ok(ServiceResponse::new(req, response)),
                 Ended::Failed(error) => Err(error),

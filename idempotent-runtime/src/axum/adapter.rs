@@ -18,7 +18,7 @@ use http_body::Body as _;
 
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, ClaimMode, Claimed, Ended, Front, Head, Reply};
+use crate::pipeline::{self, ClaimMode, Claimed, Ended, Front, Head, Reply, Served};
 use crate::reservation::Reservation;
 use crate::scope::Identity;
 
@@ -205,6 +205,7 @@ where
 pub(crate) async fn run_claimed<F>(
     handle: Idempotency,
     claimed: Claimed<Reservation>,
+    served: Served,
     handler: F,
 ) -> Response
 where
@@ -217,7 +218,7 @@ where
         ..
     } = claimed;
     let handler = handler.map(|response| Ok((response, ())));
-    let work = pipeline::work(handle.clone(), held, permit, route.clone(), handler);
+    let work = pipeline::work(handle.clone(), held, permit, route.clone(), served, handler);
     drive(&handle, &route, work).await
 }
 

@@ -14,7 +14,7 @@ use super::adapter::{self, Prepared, STORE_MISSING_FIX};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Claimed, Detached, Handled};
+use crate::pipeline::{self, Claimed, Detached, Handled, Served};
 use crate::reservation::Reservation;
 
 /// Where the extractor finds the [`Idempotency`].
@@ -116,7 +116,7 @@ impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR
         match self.session {
             None => future.await,
             Some(Session { handle, claimed }) => {
-                adapter::run_claimed(handle, claimed, future).await
+                adapter::run_claimed(handle, claimed, Served::ByHandler, future).await
             }
         }
     }

@@ -14,7 +14,7 @@ use tower_service::Service;
 use super::adapter::{self, Prepared};
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
-use crate::pipeline::{Detached, Handled, LayerWatch};
+use crate::pipeline::{Detached, Handled, LayerWatch, Served};
 
 /// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
 /// checks only). It applies to POST and PATCH by default and passes other methods, HEAD,
@@ -136,15 +136,17 @@ where
             }
             request.extensions_mut().insert(Handled);
             let handle = &shared.store;
-            let response =
-                match adapter::prepare::<Detached>(handle, &shared.endpoint, request).await {
-                    Err(answer) => answer,
-                    Ok(Prepared::Pass(request)) => inner.call(request).await.into_response(),
-                    Ok(Prepared::Claimed(request, claimed)) => {
-                        let handler = async move { inner.call(request).await.into_response() };
-                        adapter::run_claimed(handle.clone(), claimed, handler).await
-                    }
-                };
+            let response = match adapter::prepare::<Detached>(handle, &shared.endpoint, request)
+                .await
+            {
+                Err(answer) => answer,
+                Ok(Prepared::Pass(request)) => inner.call(request).await.into_response(),
+                Ok(Prepared::Claimed(request, claimed)) => {
+                    let handler = async move { inner.call(request).await.into_response() };
+                    adapter::run_claimed(handle.clone(), claimed, Served::ThroughRouter, handler)
+                        .await
+                }
+            };
             Ok(response)
         })
     }

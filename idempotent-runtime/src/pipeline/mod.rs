@@ -29,6 +29,7 @@ mod refuse;
 #[cfg(test)]
 mod tests;
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::net::IpAddr;
 use std::panic::{self, AssertUnwindSafe};
@@ -175,6 +176,22 @@ fn first_header<'a, H: Head>(head: &'a H, name: &'a str) -> Option<&'a [u8]> {
     head.header_values(name).next()
 }
 
+/// The field value of every line of header `name`, combined as HTTP combines them (RFC 9110
+/// §5.3: joined by `, `, in order): two lines are one value, never just the first.
+fn combined_header<'a, H: Head>(head: &'a H, name: &'static str) -> Option<Cow<'a, [u8]>> {
+    let mut values = head.header_values(name);
+    let first = values.next()?;
+    let Some(second) = values.next() else {
+        return Some(Cow::Borrowed(first));
+    };
+    let mut combined = first.to_vec();
+    for value in std::iter::once(second).chain(values) {
+        combined.extend_from_slice(b", ");
+        combined.extend_from_slice(value);
+    }
+    Some(Cow::Owned(combined))
+}
+
 fn route_of<H: Head>(head: &H) -> &str {
     head.route().unwrap_or("")
 }
@@ -284,6 +301,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
         Err(problem) => return Err(R::problem(&problem)),
     };
     let params = head.path_params();
+    let content_type = combined_header(head, "content-type");
     let request = BeginRequest {
         key: &key,
         input: FingerprintInput {
@@ -292,7 +310,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
             path_params: &params,
             query: head.query(),
             scope: &scope,
-            content_type: first_header(head, "content-type"),
+            content_type: content_type.as_deref(),
             body: &body,
         },
         endpoint: &effective,
@@ -379,6 +397,38 @@ pub(crate) enum Ended<R, T, E> {
     Panicked(R),
 }
 
+/// What answered a claimed request: the handler itself (the attribute), or a router the
+/// layer or middleware sits in front of, which may refuse a request no handler serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Served {
+    /// The handler's own answer: settled as it is.
+    ByHandler,
+    /// Through a router: its refusals (see [`routing_refusal`]) release the key unrecorded.
+    ThroughRouter,
+}
+
+/// Whether `response` is how a router refuses a request it routes to no handler: 404, 405 or
+/// 501 with no body and no `content-type` (axum's method fallback, actix's resource and
+/// default services). A layer or middleware sits in front of the router and cannot ask it in
+/// advance which methods a route serves, so such an answer releases the key instead of
+/// recording it: the client's correct request with the same key then runs
+/// ([the contract](crate::design) §1 passes requests no route executes through untouched). A
+/// handler's own empty 404/405/501 is left unrecorded too, which costs only a re-run of a
+/// refusal.
+pub(crate) fn routing_refusal<R: Reply>(response: R) -> Result<R, R> {
+    if !matches!(response.status(), 404 | 405 | 501)
+        || response
+            .headers()
+            .any(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+    {
+        return Err(response);
+    }
+    let (head, body) = response.into_parts();
+    let empty = body.exact_len() == Some(0);
+    let response = R::from_parts(head, body);
+    if empty { Ok(response) } else { Err(response) }
+}
+
 /// A claimed handler's whole run: the handler under the renewed lease, then its response
 /// recorded or the key released. `handler` yields the response and whatever travels beside it.
 pub(crate) async fn work<R, T, E>(
@@ -386,6 +436,7 @@ pub(crate) async fn work<R, T, E>(
     mut reservation: Reservation,
     permit: BufferPermit,
     route: String,
+    served: Served,
     handler: impl Future<Output = Result<(R, T), E>>,
 ) -> Ended<R, T, E>
 where
@@ -400,6 +451,20 @@ where
         Outcome::Returned(Ok((response, extra))) => {
             // The handler is done with the request's body.
             drop(permit);
+            let response = match served {
+                Served::ByHandler => response,
+                Served::ThroughRouter => match routing_refusal(response) {
+                    Ok(refusal) => {
+                        tracing::debug!(
+                            route,
+                            "the router refused the request (no handler serves it): key released"
+                        );
+                        reservation.release().await;
+                        return Ended::Answered(refusal, extra);
+                    }
+                    Err(response) => response,
+                },
+            };
             Ended::Answered(settle(&handle, reservation, response).await, extra)
         }
     }

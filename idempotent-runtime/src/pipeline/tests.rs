@@ -206,6 +206,44 @@ impl Reply for Sent {
     }
 }
 
+#[test]
+fn only_a_routers_empty_404_405_501_is_a_routing_refusal() {
+    let empty = |status, headers: Vec<(String, Vec<u8>)>| {
+        let (mut reply, _) = TestReply::new(status, b"");
+        reply.headers = headers;
+        Sent(reply, TestBody::sized(b""))
+    };
+    for status in [404, 405, 501] {
+        assert!(routing_refusal(empty(status, vec![])).is_ok(), "{status}");
+    }
+    let typed = vec![("content-type".into(), b"application/json".to_vec())];
+    assert!(routing_refusal(empty(405, typed)).is_err());
+    assert!(routing_refusal(empty(400, vec![])).is_err());
+    let (mut reply, body) = TestReply::new(404, b"{}");
+    reply.headers.clear();
+    assert!(
+        routing_refusal(Sent(reply, body)).is_err(),
+        "a body is a handler's"
+    );
+}
+
+#[tokio::test]
+async fn content_type_lines_are_fingerprinted_as_one_combined_value() {
+    let handle = Idempotency::memory();
+    let head = |second: &str| {
+        TestHead::keyed("k-types")
+            .header("content-type", "application/json")
+            .header("content-type", second)
+    };
+    let first = claimed(&handle, &head("text/plain"), b"{}").await;
+    let (reply, body) = TestReply::new(201, b"{}");
+    settle(&handle, first.held, Sent(reply, body)).await;
+    let other = answer_of(&handle, &head("application/xml"), b"{}").await;
+    assert_eq!(other.0.code, Some(ProblemCode::KeyReused));
+    let again = answer_of(&handle, &head("text/plain"), b"{}").await;
+    assert!(again.0.replayed, "{again:?}");
+}
+
 const ALL_CODES: [ProblemCode; 13] = [
     ProblemCode::InProgress,
     ProblemCode::KeyReused,
@@ -537,6 +575,7 @@ async fn a_panicking_handler_answers_500_and_releases_its_key() {
         claimed.held,
         claimed.permit,
         claimed.route,
+        Served::ByHandler,
         handler,
     );
     let ended = drive(&handle, "/orders", work, tokio::spawn).await;
@@ -565,6 +604,7 @@ async fn pending_work_finishes_in_its_task_and_is_recorded() {
         claimed.held,
         claimed.permit,
         claimed.route,
+        Served::ByHandler,
         handler,
     );
     match drive(&handle, "/orders", work, tokio::spawn).await {

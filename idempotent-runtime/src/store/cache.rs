@@ -381,7 +381,14 @@ mod tests {
     use crate::store::memory::MemoryStore;
 
     fn cached(clock: &ManualClock) -> CachedStore<MemoryStore> {
-        let inner = MemoryStore::builder().clock(clock.clone()).build();
+        let inner = MemoryStore::builder()
+            .clock(clock.clone())
+            .limits(crate::store::memory::MemoryLimits {
+                // Many claims of one scope in flight at once, as in the memory store's own run.
+                response_headroom: 4 << 10,
+                ..Default::default()
+            })
+            .build();
         CachedStore::new(inner).clock(clock.clone())
     }
 

@@ -1001,6 +1001,8 @@ mod sweep_tests {
             .shards(4)
             .limits(MemoryLimits {
                 max_records_per_scope: usize::MAX,
+                max_bytes_per_scope: usize::MAX,
+                response_headroom: 0,
                 ..MemoryLimits::default()
             })
             .build();
@@ -1059,6 +1061,8 @@ mod sweep_tests {
         let full = MemoryLimits {
             max_records: store.len(),
             max_records_per_scope: usize::MAX,
+            max_bytes_per_scope: usize::MAX,
+            response_headroom: 0,
             ..MemoryLimits::default()
         };
         let store = MemoryStore {

@@ -43,6 +43,8 @@ use crate::scope::ScopeHash;
 
 mod enlisted;
 
+pub(crate) use enlisted::Glanced;
+
 /// The versioned DDL shipped with the crate, in order. `{table}` is replaced by the quoted,
 /// qualified table name and `{name}` by the bare one. Never edit a shipped migration: add one.
 const MIGRATIONS: &[(i64, &str, &str)] = &[(
@@ -75,6 +77,7 @@ pub struct PostgresStoreBuilder {
     acquire_timeout: Duration,
     max_connections: u32,
     application_name: Option<String>,
+    reserved_connections: u32,
 }
 
 impl PostgresStoreBuilder {
@@ -117,6 +120,16 @@ impl PostgresStoreBuilder {
     /// Size of the pool the store opens (default 10).
     pub fn max_connections(mut self, max: u32) -> Self {
         self.max_connections = max.max(1);
+        self
+    }
+
+    /// Connections kept apart from the pool for the one read that answers an enlisted replay
+    /// or a duplicate held by another replica (default 2): enlisted handlers hold pooled
+    /// connections for their whole transaction, and these answers must not wait behind them
+    /// ([the contract](crate::design) §5). They come on top of
+    /// [`max_connections`](Self::max_connections), opened on first use with the same settings.
+    pub fn reserved_connections(mut self, n: u32) -> Self {
+        self.reserved_connections = n.max(1);
         self
     }
 
@@ -164,7 +177,9 @@ impl PostgresStoreBuilder {
             // connection fails its statement instead (503) and is not reused.
             .test_before_acquire(false)
             .connect_lazy_with(options);
-        Ok(PostgresStore::with_table(pool, table))
+        let mut store = PostgresStore::with_table(pool, table);
+        store.glance = enlisted::Glance::new(&store.table.qualified, self.reserved_connections);
+        Ok(store)
     }
 
     /// Builds the store over an existing pool. The pool's connections should set
@@ -173,7 +188,9 @@ impl PostgresStoreBuilder {
     /// this builder do not apply.
     pub fn build(self, pool: PgPool) -> Result<PostgresStore, sqlx::Error> {
         let table = TableName::new(self.schema.as_deref(), &self.table)?;
-        Ok(PostgresStore::with_table(pool, table))
+        let mut store = PostgresStore::with_table(pool, table);
+        store.glance = enlisted::Glance::new(&store.table.qualified, self.reserved_connections);
+        Ok(store)
     }
 }
 
@@ -333,6 +350,8 @@ pub struct PostgresStore {
     sql: Statements,
     clock_offset_ms: AtomicI64,
     statements: AtomicU64,
+    /// The enlisted mode's read before any transaction, on connections of its own.
+    glance: enlisted::Glance,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -445,6 +464,7 @@ impl PostgresStore {
             acquire_timeout: Duration::from_secs(2),
             max_connections: 10,
             application_name: None,
+            reserved_connections: enlisted::RESERVED_CONNECTIONS,
         }
     }
 
@@ -472,6 +492,7 @@ impl PostgresStore {
     fn with_table(pool: PgPool, table: TableName) -> Self {
         Self {
             sql: Statements::new(&table.qualified),
+            glance: enlisted::Glance::new(&table.qualified, enlisted::RESERVED_CONNECTIONS),
             pool,
             table,
             clock_offset_ms: AtomicI64::new(0),

@@ -7,21 +7,130 @@
 //! at once, whatever their body. The lock goes with the transaction (commit, rollback, or the
 //! connection's death), so a crash leaves neither the reservation nor the lock behind.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use sha2::{Digest, Sha256};
-use sqlx::postgres::{PgConnection, Postgres};
-use sqlx::{AssertSqlSafe, Transaction};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, Postgres};
+use sqlx::{AssertSqlSafe, Row as _, Transaction};
 
-use super::{On, PostgresStore, millis_i64, unavailable};
+use super::{On, PostgresStore, corrupt, millis_i64, now, unavailable};
 use crate::fingerprint::Fingerprint;
 use crate::record::{self, ClaimOps, Claimed};
 use crate::scope::ScopeHash;
 use crate::store::{Claim, ClaimRequest, FencingToken, RecordedResponse, StoreError};
 
+/// Default size of the pool kept apart for [`PostgresStore::enlisted_glance`].
+pub(super) const RESERVED_CONNECTIONS: u32 = 2;
+
+/// The read an enlisted request makes before it begins a transaction, and the connections it
+/// makes it on: a pool of their own, so enlisted handlers holding every pooled connection in
+/// their transactions never make a replay or a duplicate wait (or fail) for one.
+pub(super) struct Glance {
+    sql: Arc<str>,
+    size: u32,
+    /// Opened on first use, with the store pool's connect options (a pool spawns its upkeep
+    /// tasks, and a store may be built outside a runtime).
+    pool: OnceLock<PgPool>,
+}
+
+impl Glance {
+    pub(super) fn new(table: &str, size: u32) -> Self {
+        // One row whatever the table holds. The try-lock is the enlisted claim's own: taken in
+        // this statement's implicit transaction, it is released as the statement ends, and it
+        // fails only while another transaction holds the key. Advisory locks write no WAL, so
+        // a replay still writes nothing.
+        let sql = format!(
+            "WITH clock AS (SELECT {now} AS now) \
+             SELECT pg_try_advisory_xact_lock($3 # '{table}'::regclass::oid::bigint), \
+                    r.fingerprint, r.fp_version, r.status, r.headers, r.body \
+             FROM clock LEFT JOIN {table} r \
+               ON r.scope = $1 AND r.key = $2 AND r.state = 1 AND r.expires_at > clock.now",
+            now = now(4)
+        );
+        Self {
+            sql: sql.into(),
+            size,
+            pool: OnceLock::new(),
+        }
+    }
+}
+
+/// What the read before the transaction found.
+#[derive(Debug)]
+pub(crate) enum Glanced {
+    /// A completed, unexpired record: replay it (or refuse a different request).
+    Completed {
+        fingerprint: Fingerprint,
+        response: Arc<RecordedResponse>,
+    },
+    /// Another transaction (on any replica) holds the key's try-lock: it is in progress.
+    Held,
+    /// Neither: begin the transaction and claim.
+    Open,
+}
+
 impl PostgresStore {
+    /// The reserved pool (see [`PostgresStoreBuilder::reserved_connections`](super::PostgresStoreBuilder::reserved_connections)).
+    fn glance_pool(&self) -> &PgPool {
+        self.glance.pool.get_or_init(|| {
+            let options = self.pool.options();
+            PgPoolOptions::new()
+                .max_connections(self.glance.size)
+                .acquire_timeout(options.get_acquire_timeout())
+                .test_before_acquire(false)
+                .connect_lazy_with((*self.pool.connect_options()).clone())
+        })
+    }
+
+    /// One read on the reserved connections, before any transaction: a completed record of
+    /// `req`'s key, or whether another transaction holds the key. One round trip; it writes
+    /// nothing.
+    pub(crate) async fn enlisted_glance(
+        &self,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Glanced, StoreError> {
+        self.count();
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.glance.sql)))
+            .bind(&req.scope[..])
+            .bind(req.key)
+            .bind(self.enlisted_lock_key(req.scope, req.key))
+            .bind(self.offset())
+            .fetch_one(self.glance_pool())
+            .await
+            .map_err(unavailable)?;
+        let free: bool = row.try_get(0).map_err(unavailable)?;
+        let digest: Option<Vec<u8>> = row.try_get(1).map_err(unavailable)?;
+        let Some(digest) = digest else {
+            return Ok(if free { Glanced::Open } else { Glanced::Held });
+        };
+        let version: i16 = row.try_get(2).map_err(unavailable)?;
+        let status: Option<i16> = row.try_get(3).map_err(unavailable)?;
+        let headers: Option<Vec<u8>> = row.try_get(4).map_err(unavailable)?;
+        let body: Option<Vec<u8>> = row.try_get(5).map_err(unavailable)?;
+        let fingerprint = Fingerprint {
+            version: version as u16,
+            digest: digest
+                .try_into()
+                .map_err(|_| corrupt("fingerprint is not 32 bytes"))?,
+        };
+        let status = status
+            .and_then(|s| u16::try_from(s).ok())
+            .ok_or_else(|| corrupt("completed without a status"))?;
+        let headers = RecordedResponse::decode_headers(headers.as_deref().unwrap_or_default())
+            .ok_or_else(|| corrupt("headers do not decode"))?;
+        Ok(Glanced::Completed {
+            fingerprint,
+            response: Arc::new(RecordedResponse {
+                status,
+                headers,
+                body: Bytes::from(body.unwrap_or_default()),
+            }),
+        })
+    }
+
     /// Opens the transaction an enlisted request runs in, on one of the store's connections
     /// (so its `lock_timeout` and `statement_timeout` apply to the handler's statements too).
     pub(crate) async fn enlisted_begin(
