@@ -8,6 +8,7 @@ use crate::scope::Anonymous;
 
 /// Status for a key reused with a different request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum ReuseStatus {
     /// 422 Unprocessable Content (the IETF draft's choice; default).
     #[default]
@@ -28,6 +29,7 @@ impl ReuseStatus {
 
 /// Status for a missing key on a `require_key` endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum MissingKeyStatus {
     /// 400 Bad Request (the IETF draft's choice; default).
     #[default]
@@ -48,6 +50,7 @@ impl MissingKeyStatus {
 
 /// What happens when the store cannot be reached while claiming.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum FailureMode {
     /// Refuse with 503 `IDEMPOTENCY_STORE_UNAVAILABLE` (default): nothing runs unprotected.
     #[default]

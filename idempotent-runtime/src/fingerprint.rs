@@ -65,6 +65,7 @@ pub struct FingerprintInput<'a> {
 /// The segments a [`FingerprintContributor`] may replace. Tenant, subject and client id
 /// (segments 5–7) are deliberately missing: they are the scope and must never be changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Segment {
     /// 1: method.
     Method,

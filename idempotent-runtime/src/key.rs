@@ -42,6 +42,7 @@ impl fmt::Debug for IdempotencyKey {
 /// Why a present `Idempotency-Key` was refused. Every variant answers 400
 /// `IDEMPOTENCY_KEY_INVALID`; the variant only shapes the problem's `detail`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyError {
     /// The header was present but empty (or `""`).
     Empty,

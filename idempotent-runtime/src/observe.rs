@@ -103,6 +103,7 @@ pub fn count(event: Event, route: &str) {
 
 /// A decision reported to the [`AuditSink`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum AuditDecision {
     /// A recorded response was replayed.
     Replayed,

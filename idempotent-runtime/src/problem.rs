@@ -79,21 +79,22 @@ impl ProblemCode {
         }
     }
 
-    fn slug(self) -> &'static str {
+    /// The rustdoc anchor of this code's variant, so a problem's `type` lands on its docs.
+    fn anchor(self) -> &'static str {
         match self {
-            Self::InProgress => "in-progress",
-            Self::KeyReused => "key-reused",
-            Self::KeyRequired => "key-required",
-            Self::KeyInvalid => "key-invalid",
-            Self::PayloadTooLarge => "payload-too-large",
-            Self::BodyTimeout => "body-timeout",
-            Self::BodyInvalid => "body-invalid",
-            Self::ScopeUnresolved => "scope-unresolved",
-            Self::StoreUnavailable => "store-unavailable",
-            Self::StoreFull => "store-full",
-            Self::HandlerPanicked => "handler-panicked",
-            Self::NotRecorded => "not-recorded",
-            Self::StoreNotEnlistable => "store-not-enlistable",
+            Self::InProgress => "variant.InProgress",
+            Self::KeyReused => "variant.KeyReused",
+            Self::KeyRequired => "variant.KeyRequired",
+            Self::KeyInvalid => "variant.KeyInvalid",
+            Self::PayloadTooLarge => "variant.PayloadTooLarge",
+            Self::BodyTimeout => "variant.BodyTimeout",
+            Self::BodyInvalid => "variant.BodyInvalid",
+            Self::ScopeUnresolved => "variant.ScopeUnresolved",
+            Self::StoreUnavailable => "variant.StoreUnavailable",
+            Self::StoreFull => "variant.StoreFull",
+            Self::HandlerPanicked => "variant.HandlerPanicked",
+            Self::NotRecorded => "variant.NotRecorded",
+            Self::StoreNotEnlistable => "variant.StoreNotEnlistable",
         }
     }
 }
@@ -163,12 +164,45 @@ impl Problem {
     /// The JSON document.
     pub fn body(&self) -> Bytes {
         let doc = serde_json::json!({
-            "type": format!("https://docs.rs/idempotent-runtime/latest/idempotent_runtime/problem/enum.ProblemCode.html#{}", self.code.slug()),
+            "type": format!("https://docs.rs/idempotent-runtime/latest/idempotent_runtime/problem/enum.ProblemCode.html#{}", self.code.anchor()),
             "title": self.code.title(),
             "status": self.status,
             "detail": self.detail,
             "code": self.code.as_str(),
         });
         Bytes::from(serde_json::to_vec(&doc).expect("a JSON value always serializes"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_type_uri_names_its_variant_in_the_rendered_docs() {
+        use ProblemCode::*;
+        let all = [
+            InProgress,
+            KeyReused,
+            KeyRequired,
+            KeyInvalid,
+            PayloadTooLarge,
+            BodyTimeout,
+            BodyInvalid,
+            ScopeUnresolved,
+            StoreUnavailable,
+            StoreFull,
+            HandlerPanicked,
+            NotRecorded,
+            StoreNotEnlistable,
+        ];
+        for code in all {
+            // rustdoc's anchor for an enum variant is `variant.<Name>`.
+            assert_eq!(code.anchor(), format!("variant.{code:?}"));
+            let doc: serde_json::Value =
+                serde_json::from_slice(&Problem::new(400, code, "d").body()).unwrap();
+            let uri = doc["type"].as_str().unwrap();
+            assert!(uri.ends_with(&format!("enum.ProblemCode.html#variant.{code:?}")), "{uri}");
+        }
     }
 }

@@ -72,6 +72,7 @@ pub enum ClientId {
 
 /// What to do with a caller that has neither a subject nor a client id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Anonymous {
     /// Scope it by the connection's peer IP address (`peer:<ip>`).
     #[default]
@@ -83,6 +84,7 @@ pub enum Anonymous {
 /// Why no scope could be established. Every variant answers 500 `IDEMPOTENCY_SCOPE_UNRESOLVED`:
 /// it is a setup mistake of the service, not of the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ScopeError {
     /// The request carries a credential header (`Authorization`, or one configured with
     /// [`credential_headers`](crate::config::ConfigBuilder::credential_headers)) but no

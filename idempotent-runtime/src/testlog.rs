@@ -1,3 +1,5 @@
+#![cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
+
 //! Captures what the runtime logs while a test runs on this thread.
 
 use std::io::Write;

@@ -177,6 +177,7 @@ pub enum StandingState {
 
 /// Why a store operation failed.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum StoreError {
     /// The store could not be reached or answered with an error; the outcome is unknown.
     Unavailable(Box<dyn std::error::Error + Send + Sync>),
