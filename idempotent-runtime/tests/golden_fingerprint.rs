@@ -58,8 +58,7 @@ fn the_first_golden_vector_follows_the_frame_table() {
     bytes(&mut m, &Sha256::digest(body)); // 9 SHA-256 of the body
     let by_hand = hex(&Sha256::digest(&m));
     assert_eq!(
-        by_hand,
-        "a0c65f2ea52cbd3ed6bb4a76565ffe710c112dc96f99f00e5692bcd5245bf80b",
+        by_hand, "a0c65f2ea52cbd3ed6bb4a76565ffe710c112dc96f99f00e5692bcd5245bf80b",
         "the hand encoding disagrees with the golden vector"
     );
 
@@ -91,8 +90,7 @@ fn the_second_golden_vector_follows_the_frame_table() {
     bytes(&mut m, &Sha256::digest(b"")); // 9 the empty body hashes as the empty string
     let by_hand = hex(&Sha256::digest(&m));
     assert_eq!(
-        by_hand,
-        "81b62ccd701e34b24d0673ad8f82792379ee3b68a0ea694dff1b974de58c03be",
+        by_hand, "81b62ccd701e34b24d0673ad8f82792379ee3b68a0ea694dff1b974de58c03be",
         "the hand encoding disagrees with the golden vector"
     );
 
