@@ -22,15 +22,15 @@ use actix_web::http::{StatusCode, header};
 use actix_web::{
     App, HttpMessage, HttpRequest, HttpResponse, HttpServer, Responder, get, post, web,
 };
-use idempotent_examples::conformance::{Executions, Options, identity};
+use idempotent_examples::conformance::{Executions, Options, RunLog, identity, init_logging};
 use idempotent_runtime::IdempotencyContext;
 use idempotent_runtime::actix::{IdempotencyMiddleware, idempotent};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-#[derive(Default)]
 struct AppState {
     executions: Executions,
+    run_log: RunLog,
     orders: Mutex<HashMap<u64, Value>>,
 }
 
@@ -48,6 +48,7 @@ async fn create_order(
     order: web::Json<NewOrder>,
 ) -> HttpResponse {
     let n = state.executions.next("/orders");
+    state.run_log.record(context.key().as_str());
     tracing::debug!(derived_key = %context.derived_key("orders"), "creating an order");
     if order.quantity < 1 {
         return HttpResponse::UnprocessableEntity()
@@ -228,6 +229,7 @@ async fn authenticate(
 
 #[actix_web::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    init_logging();
     let options = match Options::from_env() {
         Ok(options) => options,
         Err(usage) => {
@@ -236,7 +238,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     let idempotency = web::Data::new(options.idempotency().await?);
-    let state = web::Data::new(AppState::default());
+    let state = web::Data::new(AppState {
+        executions: Executions::default(),
+        run_log: RunLog::from_env(),
+        orders: Mutex::default(),
+    });
     // actix's own JSON limit is a second cap beside max_body; keep it above, so max_body wins.
     let json_limit = options.max_body.max(2 << 20);
 

@@ -23,7 +23,9 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use idempotent_examples::conformance::{Executions, Options, identity, shutdown_signal};
+use idempotent_examples::conformance::{
+    Executions, Options, RunLog, identity, init_logging, shutdown_signal,
+};
 use idempotent_runtime::axum::{IdempotencyLayer, idempotent};
 use idempotent_runtime::{Idempotency, IdempotencyContext};
 use serde::Deserialize;
@@ -33,6 +35,7 @@ use serde_json::{Value, json};
 struct AppState {
     idempotency: Idempotency,
     executions: Arc<Executions>,
+    run_log: Arc<RunLog>,
     orders: Arc<Mutex<HashMap<u64, Value>>>,
 }
 
@@ -55,6 +58,7 @@ async fn create_order(
     Json(order): Json<NewOrder>,
 ) -> Response {
     let n = state.executions.next("/orders");
+    state.run_log.record(context.key().as_str());
     tracing::debug!(derived_key = %context.derived_key("orders"), "creating an order");
     if order.quantity < 1 {
         let body = json!({"error": "quantity must be positive", "execution": n});
@@ -256,6 +260,7 @@ async fn authenticate(headers: HeaderMap, mut request: Request, next: Next) -> R
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    init_logging();
     let options = match Options::from_env() {
         Ok(options) => options,
         Err(usage) => {
@@ -267,6 +272,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let state = AppState {
         idempotency: idempotency.clone(),
         executions: Arc::default(),
+        run_log: Arc::new(RunLog::from_env()),
         orders: Arc::default(),
     };
     #[cfg(feature = "postgres")]

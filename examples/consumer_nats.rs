@@ -22,7 +22,7 @@
 //!
 //! The broker test (tests/consumer_nats.rs) runs this same code under unique names.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -86,7 +86,11 @@ pub async fn setup_database(
          CREATE TABLE IF NOT EXISTS {s}.stock (
              sku text PRIMARY KEY, available int NOT NULL, reserved int NOT NULL DEFAULT 0);
          CREATE TABLE IF NOT EXISTS {s}.reservations (
-             order_id text PRIMARY KEY, sku text NOT NULL, qty int NOT NULL);"
+             order_id text PRIMARY KEY, sku text NOT NULL, qty int NOT NULL);
+         -- One row per committed handler run, with no key of any kind: a message processed twice
+         -- shows twice here, where the reservations' primary key would make it impossible.
+         CREATE TABLE IF NOT EXISTS {s}.attempts (
+             message_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());"
     )))
     .execute(pool)
     .await?;
@@ -97,9 +101,11 @@ pub async fn setup_database(
     .bind(available)
     .execute(pool)
     .await?;
-    sqlx::query(AssertSqlSafe(format!("TRUNCATE {s}.reservations")))
-        .execute(pool)
-        .await?;
+    sqlx::query(AssertSqlSafe(format!(
+        "TRUNCATE {s}.reservations, {s}.attempts"
+    )))
+    .execute(pool)
+    .await?;
     let inbox = PgInbox::builder(pool.clone(), names.durable.clone())
         .schema(s.clone())
         .build()?;
@@ -166,12 +172,29 @@ pub async fn publish(
 
 /// The handler: reserves the stock and records the reservation, in the inbox's transaction.
 /// Returns the units left, or `None` when there were not enough (also a final answer: ack).
+/// Each entry into the handler is counted in `entries` (rolled back or not), and each committed
+/// run leaves a row in `attempts`.
 fn reserve(
     schema: String,
+    message_id: String,
     order: ReserveStock,
+    entries: Arc<Shared>,
 ) -> impl for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<Option<i32>, sqlx::Error>> {
     move |conn| {
         Box::pin(async move {
+            *entries
+                .report
+                .lock()
+                .unwrap()
+                .handler_entries
+                .entry(message_id.clone())
+                .or_default() += 1;
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {schema}.attempts (message_id) VALUES ($1)"
+            )))
+            .bind(&message_id)
+            .execute(&mut *conn)
+            .await?;
             let left = sqlx::query(AssertSqlSafe(format!(
                 "UPDATE {schema}.stock SET available = available - $2, reserved = reserved + $2 \
                  WHERE sku = $1 AND available >= $2 RETURNING available"
@@ -211,6 +234,8 @@ pub struct Report {
     pub crashed_before_ack: usize,
     /// Nak'd before processing (simulated transient failure).
     pub nakked_first: usize,
+    /// Entries into the handler per message id, committed or not.
+    pub handler_entries: BTreeMap<String, usize>,
 }
 
 /// The consumer: the inbox, plus the faults it is told to simulate.
@@ -324,7 +349,15 @@ impl StockConsumer {
 
         let outcome = self
             .inbox
-            .process(&message_id, reserve(self.schema.clone(), order.clone()))
+            .process(
+                &message_id,
+                reserve(
+                    self.schema.clone(),
+                    message_id.clone(),
+                    order.clone(),
+                    self.shared.clone(),
+                ),
+            )
             .await;
         match outcome {
             Ok(Processed::Done(left)) => {
@@ -407,6 +440,16 @@ impl StockConsumer {
         }
         Ok(())
     }
+}
+
+/// Committed handler runs per message id (the `attempts` table).
+pub async fn attempts(pool: &PgPool, schema: &str) -> Result<BTreeMap<String, i64>, Error> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT message_id, count(*) FROM {schema}.attempts GROUP BY message_id"
+    )))
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().collect())
 }
 
 /// Units of `apple` reserved so far, and how many reservations were recorded.

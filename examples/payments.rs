@@ -43,12 +43,15 @@ use sqlx::{AssertSqlSafe, PgPool};
 #[derive(Default)]
 pub struct FakeProvider {
     charges: Mutex<HashMap<String, String>>,
+    /// Every `authorize` call, whatever it answered: how often a handler reached the provider.
+    calls: std::sync::atomic::AtomicUsize,
 }
 
 impl FakeProvider {
     /// Authorizes `amount_cents`; the same `idempotency_key` always yields the same charge, in
     /// this process or the next.
     pub fn authorize(&self, idempotency_key: &str, amount_cents: i64) -> String {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let mut charges = self.charges.lock().expect("provider lock");
         let prefix = idempotency_key.get(..24).unwrap_or(idempotency_key);
         charges
@@ -61,6 +64,13 @@ impl FakeProvider {
     #[allow(dead_code)] // read by the example's test
     pub fn charges(&self) -> usize {
         self.charges.lock().expect("provider lock").len()
+    }
+
+    /// How many times `authorize` was called (a second call with the same key counts, though
+    /// it yields the same charge): the handler runs that reached the provider.
+    #[allow(dead_code)] // read by the example's test
+    pub fn calls(&self) -> usize {
+        self.calls.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The idempotency keys the provider has seen.

@@ -2,9 +2,11 @@
 //! store they select, the caller-identity rules and the per-route execution counters.
 
 use std::collections::BTreeMap;
+use std::io::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotent_runtime::Idempotency;
 use idempotent_runtime::config::{Config, MissingKeyStatus, ReuseStatus};
@@ -390,6 +392,78 @@ impl Executions {
             out.insert((*route).into(), map.get(route).copied().unwrap_or(0).into());
         }
         serde_json::Value::Object(out)
+    }
+}
+
+/// Installs a `tracing` subscriber that writes every event and span of the process to stderr,
+/// at the level named by `IDEMPOTENT_LOG` (`trace`, `debug`, `info`, `warn`, `error`); none when
+/// it is unset, so benchmarks pay nothing. The hostile suite runs the servers with
+/// `IDEMPOTENT_LOG=trace` and reads their stderr: no line may carry a raw key (DESIGN §7).
+pub fn init_logging() {
+    let Ok(level) = std::env::var("IDEMPOTENT_LOG") else {
+        return;
+    };
+    let level: tracing::Level = match level.parse() {
+        Ok(level) => level,
+        Err(_) => {
+            eprintln!("IDEMPOTENT_LOG={level}: not a level (trace, debug, info, warn, error)");
+            std::process::exit(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::FULL)
+        .init();
+}
+
+/// A server-side log of handler runs, for the soak and any checker that counts runs where they
+/// happen: with `IDEMPOTENT_RUN_LOG=PATH`, each run appends one line `key<TAB>run id<TAB>unix
+/// ms` to `PATH` before the handler answers. The file has no uniqueness of any kind, so a key
+/// that ran twice shows twice, even across replicas and restarts (the run id is
+/// `<server>:<pid>:<n>`). Each line is one `write` on a file opened for appending, so replicas
+/// may share a file, and a line survives a SIGKILL right after it.
+#[derive(Debug)]
+pub struct RunLog {
+    file: Option<Mutex<std::fs::File>>,
+    server: String,
+    runs: AtomicU64,
+}
+
+impl RunLog {
+    /// The log named by `IDEMPOTENT_RUN_LOG`, or one that records nothing.
+    pub fn from_env() -> Self {
+        let file = std::env::var_os("IDEMPOTENT_RUN_LOG").map(|path| {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .unwrap_or_else(|e| panic!("IDEMPOTENT_RUN_LOG={path:?}: {e}"));
+            Mutex::new(file)
+        });
+        let server = std::env::current_exe()
+            .ok()
+            .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "server".into());
+        Self {
+            file,
+            server,
+            runs: AtomicU64::new(0),
+        }
+    }
+
+    /// Appends one run of `key` (no-op without a log file).
+    pub fn record(&self, key: &str) {
+        let Some(file) = &self.file else { return };
+        let n = self.runs.fetch_add(1, Ordering::Relaxed) + 1;
+        let ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        let line = format!("{key}\t{}:{}:{n}\t{ms}\n", self.server, std::process::id());
+        let mut file = file.lock().unwrap_or_else(|p| p.into_inner());
+        file.write_all(line.as_bytes())
+            .expect("append to IDEMPOTENT_RUN_LOG");
     }
 }
 

@@ -47,7 +47,7 @@ conformance! {
     query_order_is_irrelevant_but_raw_pairs_matter,
     client_disconnect_does_not_cancel_the_handler,
     panic_frees_the_key,
-    server_errors_and_429_are_not_recorded,
+    server_errors_and_non_replayable_statuses_are_not_recorded,
     client_errors_are_recorded,
     framework_rejection_of_malformed_json_is_recorded,
     response_over_max_response_is_sent_and_not_recorded,
@@ -467,10 +467,12 @@ mod cases {
         }
     }
 
-    pub async fn server_errors_and_429_are_not_recorded(name: &'static str) {
+    /// 5xx is never recorded, nor are the default non-replayable statuses (401, 403, 408, 412,
+    /// 429: the caller may fix its token, be granted access, change its precondition or wait).
+    pub async fn server_errors_and_non_replayable_statuses_are_not_recorded(name: &'static str) {
         let s = Server::start(name, &[]);
         let mut runs = 0;
-        for code in [500, 503, 429, 401] {
+        for code in [500, 503, 429, 401, 403, 408, 412] {
             let key = format!("k-status-{code}");
             for _ in 0..2 {
                 let r = s
@@ -555,15 +557,31 @@ mod cases {
         assert_eq!(s.runs("/big").await, 3);
     }
 
+    /// Renewal keeps the key for the whole run, not for one probe: a 0.5 s lease is renewed
+    /// every third of it while the 2.5 s handler lives, and a probe every 100 ms until 2.1 s
+    /// must see 409 each time (a renewal loop that died after a few ticks would let a probe
+    /// reclaim the key and run the handler again).
     pub async fn lease_is_renewed_while_the_handler_runs(name: &'static str) {
         let s = Server::start(name, &["--lease", "0.5"]);
         let first = tokio::spawn(s.post("/slow?ms=2500").key("k-lease").send());
         s.wait_runs("/slow", 1).await;
-        // Well past the 0.5 s lease: a live handler keeps its key.
-        tokio::time::sleep(Duration::from_millis(900)).await;
-        let during = s.post("/slow?ms=2500").key("k-lease").send().await;
-        during.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
-        assert_eq!(during.header("retry-after"), Some("1"));
+        let running = std::time::Instant::now();
+        let mut probes = 0;
+        while running.elapsed() < Duration::from_millis(2100) {
+            let during = s.post("/slow?ms=2500").key("k-lease").send().await;
+            let at = running.elapsed();
+            assert_eq!(
+                during.status, 409,
+                "probe {probes} at {at:?} into a 2.5 s handler with a 0.5 s lease: the key was \
+                 not held ({:?})",
+                during.body
+            );
+            during.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
+            assert_eq!(during.header("retry-after"), Some("1"));
+            probes += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(probes >= 10, "only {probes} probes in 2.1 s");
         let first = first.await.unwrap();
         assert_eq!(first.status, 201);
         let after = s.post("/slow?ms=2500").key("k-lease").send().await;
@@ -572,8 +590,12 @@ mod cases {
         assert_eq!(s.runs("/slow").await, 1);
     }
 
-    /// A crash (SIGKILL mid-handler) leaves a reservation nobody renews: once its lease lapsed,
-    /// the same request reclaims the key and runs. Needs a store that outlives the process.
+    /// A crash (SIGKILL mid-handler) leaves a reservation nobody renews: the restarted server
+    /// answers 409 for it until its lease lapses, then the same request reclaims the key and
+    /// runs. Timed both ways: the key must not come free before the lease (less the third a
+    /// renewal may have taken off it, less a margin), which a reservation that was never
+    /// stored would, and must come free within the lease plus slack. Needs a store that
+    /// outlives the process.
     pub async fn abandoned_reservation_is_reclaimed_after_its_lease_lapses(name: &'static str) {
         if !cfg!(feature = "sqlite") {
             eprintln!("skipped: needs the sqlite feature");
@@ -585,19 +607,46 @@ mod cases {
             .as_nanos();
         let db = std::env::temp_dir().join(format!("idempotent-lapse-{name}-{nanos}.db"));
         let db = db.to_str().unwrap().to_owned();
-        let options = ["--store", "sqlite", "--database-url", &db, "--lease", "0.5"];
+        let lease = Duration::from_millis(1500);
+        let options = ["--store", "sqlite", "--database-url", &db, "--lease", "1.5"];
         let crashed = Server::start(name, &options);
         let first = tokio::spawn(crashed.post("/slow?ms=1500").key("k-crash").try_send());
         crashed.wait_runs("/slow", 1).await;
         drop(crashed);
+        let killed = std::time::Instant::now();
         assert!(
             first.await.unwrap().is_err(),
             "the server was killed mid-handler"
         );
 
         let s = Server::start(name, &options);
-        tokio::time::sleep(Duration::from_millis(700)).await;
-        let retry = s.post("/slow?ms=1500").key("k-crash").send().await;
+        let mut probes = 0;
+        let (retry, freed) = loop {
+            let sent = killed.elapsed();
+            let r = s.post("/slow?ms=1500").key("k-crash").send().await;
+            if r.status != 409 {
+                break (r, sent);
+            }
+            r.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
+            probes += 1;
+            assert!(
+                killed.elapsed() < lease + Duration::from_secs(2),
+                "the abandoned key was still held {:?} after the kill (lease {lease:?})",
+                killed.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        eprintln!("{name}: reclaimed {freed:?} after the kill, after {probes} x 409");
+        assert!(
+            freed >= lease * 2 / 3 - Duration::from_millis(100),
+            "reclaimed {freed:?} after the kill, before a {lease:?} lease could have lapsed: \
+             was the reservation stored?"
+        );
+        assert!(
+            freed <= lease + Duration::from_secs(1),
+            "reclaimed only {freed:?} after the kill (lease {lease:?})"
+        );
+        assert!(probes > 0, "the restarted server never saw the reservation");
         assert_eq!(retry.status, 201, "{:?}", retry.body);
         assert!(!retry.replayed(), "the abandoned request never finished");
         assert_eq!(retry.json(), json!({"execution": 1}));

@@ -116,6 +116,7 @@ async fn redelivered_messages_reserve_stock_once() {
     let report = a.report();
     let acked = a.acked();
     let (units, reservations) = example::reserved(&pool, &names.schema).await.unwrap();
+    let attempts = example::attempts(&pool, &names.schema).await.unwrap();
     let markers: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM {}",
         inbox.qualified_table()
@@ -141,6 +142,24 @@ async fn redelivered_messages_reserve_stock_once() {
         "a repeated message changed the stock twice (or one never did): {report:?}"
     );
     assert_eq!(markers, 4, "one marker per distinct message");
+    // Counted where the handler runs, not by rows a unique key protects.
+    let once: std::collections::BTreeMap<String, usize> =
+        ["order-1", "order-2", "order-3", "order-4"]
+            .into_iter()
+            .map(|id| (id.to_owned(), 1))
+            .collect();
+    assert_eq!(
+        report.handler_entries, once,
+        "each message entered the handler once, over both replicas: {report:?}"
+    );
+    let committed: std::collections::BTreeMap<String, usize> = attempts
+        .into_iter()
+        .map(|(id, n)| (id, n as usize))
+        .collect();
+    assert_eq!(
+        committed, once,
+        "each message committed one handler run (the attempts table has no key)"
+    );
     assert_eq!(report.done, 4, "{report:?}");
     // 10 publishes of 4 distinct messages, plus the redelivery of the unacked order-2: at least
     // 7 copies are duplicates, acked without running (more if the broker redelivered others).

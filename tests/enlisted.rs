@@ -202,6 +202,29 @@ async fn postgres_store(schema: &Schema, connections: u32) -> PostgresStore {
     store
 }
 
+/// A store whose connections would wait a minute on a row lock (the default is 1 s): the
+/// duplicate tests use it, so that a claim that waited on the first request's lock instead of
+/// trying it would show as a wait, not as a quick 409 after the default `lock_timeout`.
+async fn patient_store(schema: &Schema, connections: u32) -> PostgresStore {
+    let store = PostgresStore::builder()
+        .max_connections(connections)
+        .lock_timeout(Duration::from_secs(60))
+        .connect(&schema.url())
+        .await
+        .expect("connect the store");
+    store.migrate().await.expect("migrate");
+    sqlx::raw_sql(TABLES)
+        .execute(store.pool())
+        .await
+        .expect("create the orders table");
+    store
+}
+
+/// The slowest a duplicate may answer 409 while the first transaction stays open (until the
+/// test opens its gate): far under the store's 60 s `lock_timeout`, and over the default 1 s one
+/// that a lock wait would otherwise end at, with room for a loaded 2-core machine.
+const DUPLICATE_BOUND: Duration = Duration::from_secs(2);
+
 async fn serve(idempotency: Idempotency, hold: Duration) -> TestServer {
     let (pids_tx, pids) = mpsc::unbounded_channel();
     let runs = Arc::new(Mutex::new(HashMap::new()));
@@ -440,15 +463,16 @@ async fn killed_connection_leaves_neither_order_nor_record() {
 
 /// While the first request's transaction is open (it waits on a gate the test opens only
 /// afterwards), 15 duplicates are 409 at once, whatever their body (the reservation is
-/// invisible): a duplicate that waited on the first one's lock would never answer, and the
-/// test would time out. Once the first committed, the same body replays and another is 422.
+/// invisible). The store's `lock_timeout` is 60 s, so a duplicate that waited on the first
+/// one's row lock would not answer before the test's bound: the warm wave must answer within
+/// [`DUPLICATE_BOUND`]. Once the first committed, the same body replays and another is 422.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_during_open_transaction_is_409_whatever_its_body() {
     let Some(schema) = Schema::new("inflight").await else {
         return;
     };
     let mut server = serve(
-        Idempotency::new(postgres_store(&schema, 20).await),
+        Idempotency::new(patient_store(&schema, 20).await),
         Duration::ZERO,
     )
     .await;
@@ -500,6 +524,18 @@ async fn duplicate_during_open_transaction_is_409_whatever_its_body() {
             latencies[latencies.len() / 2],
             latencies[latencies.len() - 1]
         );
+        // The cold wave also opens connections; a lock wait would last until the gate opens.
+        let bound = if wave == "cold" {
+            Duration::from_secs(3)
+        } else {
+            DUPLICATE_BOUND
+        };
+        assert!(
+            latencies[latencies.len() - 1] < bound,
+            "a duplicate ({wave}) took {:?} to answer 409 (bound {bound:?}): did it wait on the \
+             open transaction's lock?",
+            latencies[latencies.len() - 1]
+        );
     }
     server.gate.notify_one();
     let first = first.await.expect("first");
@@ -514,9 +550,11 @@ async fn duplicate_during_open_transaction_is_409_whatever_its_body() {
     assert_eq!(server.runs("k-open"), 1);
 }
 
-/// 500 keys, each sent 16 times at once while its handler holds the transaction for 200 ms:
+/// 500 keys, each sent 16 times at once while its handler holds the transaction for 1 s:
 /// exactly one order per key, and every answer is the original, an identical replay, or 409.
-/// The 409s' latencies are printed: a lock wait would show as ~200 ms.
+/// The store's `lock_timeout` is 60 s, and every copy of a key sent with its original must have
+/// been answered before the original was: a duplicate that waited on the first one's lock would
+/// answer only once it committed, a second later, as a 409 or a replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_duplicates_run_each_key_once_and_never_wait_on_a_lock() {
     let Some(schema) = Schema::new("dups").await else {
@@ -524,17 +562,19 @@ async fn concurrent_duplicates_run_each_key_once_and_never_wait_on_a_lock() {
     };
     const KEYS: usize = 500;
     const SENDS: usize = 16;
-    const KEYS_AT_ONCE: usize = 8;
-    let hold = Duration::from_millis(200);
-    let server = Arc::new(serve(Idempotency::new(postgres_store(&schema, 40).await), hold).await);
+    const KEYS_AT_ONCE: usize = 12;
+    let hold = Duration::from_secs(1);
+    let server = Arc::new(serve(Idempotency::new(patient_store(&schema, 40).await), hold).await);
     let pool = checking_pool(&schema).await;
 
     let mut in_progress: Vec<Duration> = Vec::new();
     let mut originals: Vec<Duration> = Vec::new();
-    let mut replays = 0usize;
+    let mut replays: Vec<Duration> = Vec::new();
     let started = Instant::now();
     let keys: Vec<usize> = (0..KEYS).collect();
+    let mut late: Vec<String> = Vec::new();
     for batch in keys.chunks(KEYS_AT_ONCE) {
+        let batch_start = Instant::now();
         let mut sends = Vec::new();
         for &k in batch {
             for _ in 0..SENDS {
@@ -544,16 +584,23 @@ async fn concurrent_duplicates_run_each_key_once_and_never_wait_on_a_lock() {
                     let body = json!({ "item": format!("item-{k}") });
                     let t = Instant::now();
                     let answer = server.order(&key, &body).await;
-                    (key, answer, t.elapsed())
+                    (key, answer, t.elapsed(), batch_start.elapsed())
                 }));
             }
         }
         let mut per_key: HashMap<String, Vec<Answer>> = HashMap::new();
+        let mut ends: HashMap<String, (Option<Duration>, Duration)> = HashMap::new();
         for send in sends {
-            let (key, answer, took) = send.await.expect("send task");
+            let (key, answer, took, end) = send.await.expect("send task");
+            let (original_end, others_end) = ends.entry(key.clone()).or_default();
+            if answer.status == 201 && !answer.replayed {
+                *original_end = Some(end);
+            } else {
+                *others_end = (*others_end).max(end);
+            }
             match (answer.status, answer.replayed) {
                 (201, false) => originals.push(took),
-                (201, true) => replays += 1,
+                (201, true) => replays.push(took),
                 (409, _) => {
                     assert_eq!(answer.code().as_deref(), Some("IDEMPOTENCY_IN_PROGRESS"));
                     in_progress.push(took);
@@ -572,6 +619,15 @@ async fn concurrent_duplicates_run_each_key_once_and_never_wait_on_a_lock() {
                 assert_eq!(replay.body, firsts[0].body, "{key}: identical replay");
             }
             assert_eq!(server.runs(&key), 1, "{key}: the handler ran once");
+        }
+        for (key, (original_end, others_end)) in ends {
+            let original_end = original_end.expect("an original");
+            if others_end >= original_end {
+                late.push(format!(
+                    "{key}: a duplicate answered at {others_end:?}, the original at \
+                     {original_end:?}"
+                ));
+            }
         }
     }
     let elapsed = started.elapsed();
@@ -598,8 +654,9 @@ async fn concurrent_duplicates_run_each_key_once_and_never_wait_on_a_lock() {
         |v: &[Duration], p: f64| v[((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1];
     eprintln!(
         "enlisted duplicates: {KEYS} keys x {SENDS} sends ({KEYS_AT_ONCE} keys at once, handler \
-         holds its transaction {hold:?}) in {elapsed:?}: {} originals, {replays} replays, {} x 409",
+         holds its transaction {hold:?}) in {elapsed:?}: {} originals, {} replays, {} x 409",
         originals.len(),
+        replays.len(),
         in_progress.len()
     );
     if !in_progress.is_empty() {
@@ -613,7 +670,17 @@ async fn concurrent_duplicates_run_each_key_once_and_never_wait_on_a_lock() {
         );
     }
     assert_eq!(originals.len(), KEYS);
-    assert_eq!(originals.len() + replays + in_progress.len(), KEYS * SENDS);
+    assert_eq!(
+        originals.len() + replays.len() + in_progress.len(),
+        KEYS * SENDS
+    );
+    assert!(
+        late.is_empty(),
+        "{} keys had a duplicate answered only after the original (the handler holds its \
+         transaction {hold:?}): did it wait on the first one's lock? {:?}",
+        late.len(),
+        &late[..late.len().min(5)]
+    );
 }
 
 /// A keyless request on an endpoint whose key is optional runs in a transaction too: a 201

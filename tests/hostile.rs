@@ -38,6 +38,7 @@ hostile! {
     endless_chunked_body_is_cut_off_at_the_cap,
     body_slower_than_body_timeout_is_408,
     distinct_keys_past_the_scope_quota_are_503_store_full,
+    keys_never_appear_in_any_log_line,
 }
 
 const ORDER: &[u8] = br#"{"sku":"book","quantity":1}"#;
@@ -60,6 +61,97 @@ fn assert_not_echoed(a: &Answer, secret: &str) {
 
 mod cases {
     use super::*;
+
+    /// Every decision, logged at TRACE by the server (the conformance servers' subscriber,
+    /// `IDEMPOTENT_LOG=trace`), and no log line carries a raw key (DESIGN §7): a first run, a
+    /// replay, a 409 while running, a 422 reuse, invalid keys, a panic, a 5xx, the layer's
+    /// routes, another tenant. The log must hold the runtime's own events, so a server that
+    /// logs nothing cannot pass.
+    pub async fn keys_never_appear_in_any_log_line(name: &'static str) {
+        let mut s = Server::start_traced(name, &[]);
+        const MARK: &str = "Zq7xKeyMark";
+        let k = |n: u32| format!("{MARK}-{n}");
+        let with = |path: &str, key_value: &str, extra: &[&[u8]]| {
+            let key_line = key(key_value.as_bytes());
+            let mut headers: Vec<&[u8]> = vec![&key_line];
+            headers.extend_from_slice(extra);
+            post(path, &headers, ORDER)
+        };
+        let first = s.send(&with("/orders", &k(1), &[])).await;
+        assert_eq!(first.status, 201);
+        assert!(s.send(&with("/orders", &k(1), &[])).await.replayed());
+        let other = br#"{"sku":"other","quantity":1}"#;
+        let reused = s
+            .send(&post("/orders", &[&key(k(1).as_bytes())], other))
+            .await;
+        reused.assert_problem(422, "IDEMPOTENCY_KEY_REUSED");
+        assert_eq!(
+            s.send(&with(
+                "/orders",
+                &k(1),
+                &[b"Authorization: Bearer acme:alice"]
+            ))
+            .await
+            .status,
+            201,
+            "another tenant runs"
+        );
+        // 409 while a slow handler runs.
+        let mut slow = s.connect().await;
+        slow.write(&with("/slow?ms=700", &k(2), &[])).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        s.send(&with("/slow?ms=700", &k(2), &[]))
+            .await
+            .assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
+        assert_eq!(slow.answer().await.status, 201);
+        // Invalid keys: a list, a bad quote, too long.
+        for bad in [
+            format!("{}, {}", k(3), k(4)),
+            format!("\"{}", k(5)),
+            format!("{}{}", k(6), "x".repeat(300)),
+        ] {
+            s.send(&with("/orders", &bad, &[]))
+                .await
+                .assert_problem(400, "IDEMPOTENCY_KEY_INVALID");
+        }
+        s.send(&with("/panic", &k(7), &[]))
+            .await
+            .assert_problem(500, "IDEMPOTENCY_HANDLER_PANICKED");
+        assert_eq!(
+            s.send(&with("/status?code=503", &k(8), &[])).await.status,
+            503
+        );
+        assert_eq!(s.send(&with("/search?q=1", &k(9), &[])).await.status, 200);
+        assert_eq!(s.send(&with("/notes", &k(10), &[])).await.status, 201);
+        assert_eq!(
+            s.send(&with("/shops/7/orders", &k(11), &[])).await.status,
+            201
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+
+        let log = s.log();
+        let runtime_lines = log
+            .lines()
+            .filter(|l| l.contains("idempotent_runtime"))
+            .count();
+        // Today the runtime logs refusals, replays and panics (no per-request span yet), so a
+        // few lines are all a working subscriber is sure to show.
+        assert!(
+            runtime_lines >= 5,
+            "{name} logged {runtime_lines} lines of the runtime's at TRACE: is its subscriber on? \
+             {log}"
+        );
+        let leaks: Vec<&str> = log.lines().filter(|l| l.contains(MARK)).collect();
+        assert!(
+            leaks.is_empty(),
+            "{name} logged a raw key in {} of {} lines, e.g.:\n{}",
+            leaks.len(),
+            log.lines().count(),
+            leaks.iter().take(5).copied().collect::<Vec<_>>().join("\n")
+        );
+        // The panic is logged on purpose; nothing else may panic.
+        let _ = &mut s;
+    }
 
     pub async fn keys_with_bytes_outside_visible_ascii_never_run(name: &'static str) {
         let mut s = Server::start(name, &[]);

@@ -74,6 +74,9 @@ async fn payments_are_idempotent_by_key_by_guard_and_by_natural_key() {
     assert_eq!(h2.get("idempotency-replayed").unwrap(), "true");
     assert_eq!(b1, b2);
     assert_eq!(provider.charges(), 1, "one charge at the provider");
+    // Counted where the handler runs: the provider's own de-duplication would hide a second
+    // run behind the same charge.
+    assert_eq!(provider.calls(), 1, "the handler reached the provider once");
     // The provider saw a derived key, never the client's.
     let keys = provider.keys();
     assert_eq!(keys[0].len(), 64);
@@ -117,6 +120,7 @@ async fn payments_are_idempotent_by_key_by_guard_and_by_natural_key() {
     assert!(h3.get("idempotency-replayed").is_none());
     assert_ne!(b3["id"], b1["id"]);
     assert_eq!(provider.charges(), 2);
+    assert_eq!(provider.calls(), 2, "the other scope's payment ran once");
 
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(&db)

@@ -168,9 +168,13 @@ async fn a_replica_killed_mid_handler_blocks_its_key_until_the_lease_lapses() {
     r.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
     assert_eq!(survivor.runs("/slow").await, 0);
 
-    // Retry like a client until the key is taken over.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let taken_over = loop {
+    // Retry like a client until the key is taken over, every 50 ms: the takeover must come no
+    // earlier than the lease less the third a renewal may have taken off it (less a margin),
+    // and no later than the lease plus slack.
+    let lease = Duration::from_secs(2);
+    let mut probes = 1;
+    let (taken_over, freed) = loop {
+        let sent = killed_at.elapsed();
         let r = survivor
             .post(path)
             .key("crash-key")
@@ -178,13 +182,26 @@ async fn a_replica_killed_mid_handler_blocks_its_key_until_the_lease_lapses() {
             .send()
             .await;
         if r.status != 409 {
-            break r;
+            break (r, sent);
         }
         r.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
-        assert!(Instant::now() < deadline, "the key never became free again");
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        probes += 1;
+        assert!(
+            killed_at.elapsed() < lease + Duration::from_millis(1500),
+            "the key was still held {:?} after the kill (lease {lease:?})",
+            killed_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    eprintln!("taken over {:?} after the kill", killed_at.elapsed());
+    eprintln!("taken over {freed:?} after the kill, after {probes} x 409");
+    assert!(
+        freed >= lease * 2 / 3 - Duration::from_millis(100),
+        "taken over {freed:?} after the kill, before a {lease:?} lease could have lapsed"
+    );
+    assert!(
+        freed <= lease + Duration::from_secs(1),
+        "taken over only {freed:?} after the kill (lease {lease:?})"
+    );
     assert_eq!(taken_over.status, 201, "{:?}", taken_over.body);
     assert!(!taken_over.replayed());
     assert_eq!(taken_over.json()["execution"], 1);

@@ -7,9 +7,12 @@
 local counter = 0
 local threads = 0
 
+all_threads = {}
+
 function setup(thread)
   threads = threads + 1
   thread:set("tid", threads)
+  table.insert(all_threads, thread)
 end
 
 function init(args)
@@ -26,4 +29,31 @@ function request()
     ["Cookie"] = string.format("session=%010d%011dA", tid, counter),
   }
   return wrk.format("POST", "/orders", headers, body)
+end
+
+-- Every answer is checked: throughput counts only fresh 201 answers, never marked replayed; scripts/bench reads the count below.
+unexpected = 0
+
+-- Header names arrive as the server wrote them (lowercase from hyper and actix).
+function replayed(headers)
+  for name, value in pairs(headers) do
+    if string.lower(name) == "idempotency-replayed" then
+      return value
+    end
+  end
+  return nil
+end
+
+function response(status, headers, body)
+  if status ~= 201 or replayed(headers) ~= nil then
+    unexpected = unexpected + 1
+  end
+end
+
+function done(summary, latency, requests)
+  local n = 0
+  for _, t in ipairs(all_threads) do
+    n = n + t:get("unexpected")
+  end
+  io.write(string.format("Unexpected responses: %d\n", n))
 end

@@ -61,7 +61,12 @@ fuzz_target!(|r: Request| {
         let rank = |p: &&str| {
             let name = p.split_once('=').map_or(*p, |(n, _)| n);
             let i = names.iter().position(|n| *n == name).expect("seen");
-            r.ranks.get(i).copied().unwrap_or(0)
+            // Without ranks from the input, reverse the names: a shuffle that is usually the
+            // identity would check nothing.
+            r.ranks
+                .get(i)
+                .copied()
+                .unwrap_or((names.len() - i).min(255) as u8)
         };
         let mut shuffled = pairs.clone();
         shuffled.sort_by_key(rank);
@@ -175,6 +180,104 @@ fuzz_target!(|r: Request| {
         };
         assert_ne!(compute(&moved, None), fp, "segment boundary is not framed");
     }
+    // Every segment, changed, changes the digest.
+    let differs = |other: &FingerprintInput<'_>, what: &str| {
+        assert_ne!(compute(other, None), fp, "changing the {what} kept the digest");
+    };
+    let method = format!("{}X", r.method);
+    differs(
+        &FingerprintInput {
+            method: &method,
+            ..input
+        },
+        "method",
+    );
+    let route = format!("{}/x", r.route.as_deref().unwrap_or(""));
+    differs(
+        &FingerprintInput {
+            route: Some(&route),
+            ..input
+        },
+        "route",
+    );
+    for i in 0..params.len() {
+        let changed = format!("{}x", params[i]);
+        let mut other = params.clone();
+        other[i] = &changed;
+        differs(
+            &FingerprintInput {
+                path_params: &other,
+                ..input
+            },
+            "value of a path parameter",
+        );
+    }
+    let query = match r.query.as_deref() {
+        Some(q) => format!("{q}&zz=1"),
+        None => "zz=1".to_owned(),
+    };
+    differs(
+        &FingerprintInput {
+            query: Some(&query),
+            ..input
+        },
+        "query",
+    );
+    let mut content_type = r.content_type.clone().unwrap_or_default();
+    content_type.push(b'x');
+    differs(
+        &FingerprintInput {
+            content_type: Some(&content_type),
+            ..input
+        },
+        "content type",
+    );
+    let bump = |v: &Option<String>| Some(format!("{}x", v.as_deref().unwrap_or("")));
+    for (what, other) in [
+        (
+            "tenant",
+            Identity {
+                tenant: bump(&r.tenant),
+                ..identity.clone()
+            },
+        ),
+        (
+            "subject",
+            Identity {
+                subject: bump(&r.subject),
+                ..identity.clone()
+            },
+        ),
+        (
+            "client id",
+            Identity {
+                client: bump(&r.api_key).map(ClientId::ApiKey),
+                ..identity.clone()
+            },
+        ),
+    ] {
+        let scope = Scope::from_identity(&other, Some(IpAddr::from(r.peer))).expect("peer given");
+        differs(
+            &FingerprintInput {
+                scope: &scope,
+                ..input
+            },
+            what,
+        );
+    }
+    if r.subject.is_none() && r.api_key.is_none() {
+        let mut peer = r.peer;
+        peer[3] ^= 1;
+        let scope = Scope::from_identity(&identity, Some(IpAddr::from(peer))).expect("peer given");
+        differs(
+            &FingerprintInput {
+                scope: &scope,
+                ..input
+            },
+            "anonymous caller's peer address",
+        );
+    }
+
     // Another scope, another fingerprint.
     let stranger = Identity::client(ClientId::ApiKey(format!(
         "{}x",

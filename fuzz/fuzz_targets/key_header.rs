@@ -22,6 +22,35 @@ fn quote(key: &str) -> Vec<u8> {
 
 fuzz_target!(|values: Vec<Vec<u8>>| {
     for raw in &values {
+        // What must be accepted: any 1–255 visible ASCII characters as a Structured-Field
+        // string (a parser that refuses everything fails here), and the same as a bare token
+        // when it is one (no quote, comma, semicolon or space to misread).
+        let visible: String = raw
+            .iter()
+            .filter(|b| (0x21..=0x7e).contains(*b))
+            .take(MAX_KEY_LEN)
+            .map(|&b| b as char)
+            .collect();
+        if !visible.is_empty() {
+            let key = IdempotencyKey::new(&visible)
+                .unwrap_or_else(|e| panic!("{visible:?} is a valid key: {e:?}"));
+            assert_eq!(
+                parse_value(&quote(&visible)),
+                Ok(key.clone()),
+                "refused a quoted valid key"
+            );
+            let token: String = visible
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric() || "-_.:".contains(*c))
+                .collect();
+            if !token.is_empty() {
+                assert_eq!(
+                    parse_value(token.as_bytes()).map(|k| k.as_str().to_owned()),
+                    Ok(token.clone()),
+                    "refused a bare token"
+                );
+            }
+        }
         let parsed = parse_value(raw);
         // Surrounding optional whitespace never changes the answer.
         let mut padded = b" \t".to_vec();

@@ -202,7 +202,10 @@ mod tests {
             let doc: serde_json::Value =
                 serde_json::from_slice(&Problem::new(400, code, "d").body()).unwrap();
             let uri = doc["type"].as_str().unwrap();
-            assert!(uri.ends_with(&format!("enum.ProblemCode.html#variant.{code:?}")), "{uri}");
+            assert!(
+                uri.ends_with(&format!("enum.ProblemCode.html#variant.{code:?}")),
+                "{uri}"
+            );
         }
     }
 }

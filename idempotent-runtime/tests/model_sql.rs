@@ -7,8 +7,9 @@
 //!     cargo test --all-features -p idempotent-runtime --test model_sql
 //! ```
 //!
-//! `IDEMPOTENT_MODEL_CASES` sets the number of random sequences per store (default 48, so CI
-//! stays fast); a failure is shrunk to a minimal sequence and printed. PostgreSQL tests read
+//! `IDEMPOTENT_MODEL_CASES` sets the number of random sequences per store (default 256, what CI
+//! runs); a failure is shrunk to a minimal sequence, printed, and its seed persisted in
+//! `tests/model_sql.proptest-regressions` (commit it: every later run replays it first). PostgreSQL tests read
 //! `DATABASE_URL` and skip with a message when it is unset, unless `IDEMPOTENT_REQUIRE_DB=1`.
 
 use std::sync::Arc;
@@ -19,13 +20,13 @@ use idempotent_runtime::store::contract::model::{Op, check_model};
 use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
 use idempotent_runtime::store::{FencingToken, Store};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
+use proptest::test_runner::{Config, FileFailurePersistence, TestRunner};
 
 fn cases() -> u32 {
     std::env::var("IDEMPOTENT_MODEL_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(48)
+        .unwrap_or(256)
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -54,7 +55,10 @@ fn run_model<S: Store>(
 ) {
     let mut runner = TestRunner::new(Config {
         cases: cases(),
-        failure_persistence: None,
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/model_sql.proptest-regressions"
+        )))),
         ..Config::default()
     });
     let result = runner.run(&proptest::collection::vec(op(), 1..50), |ops| {

@@ -41,6 +41,22 @@ impl Server {
 
     /// Starts `name` listening on `addr` (e.g. `0.0.0.0:0`, so other loopback addresses reach it).
     pub fn start_on(name: &'static str, addr: &str, options: &[&str]) -> Self {
+        Self::start_with_env(name, addr, options, &[])
+    }
+
+    /// Starts `name` with every `tracing` event at TRACE level written to its stderr (see
+    /// [`Server::log`]).
+    pub fn start_traced(name: &'static str, options: &[&str]) -> Self {
+        Self::start_with_env(name, "127.0.0.1:0", options, &[("IDEMPOTENT_LOG", "trace")])
+    }
+
+    /// Starts `name` listening on `addr` with extra environment variables.
+    pub fn start_with_env(
+        name: &'static str,
+        addr: &str,
+        options: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let stderr = std::env::temp_dir().join(format!(
             "idempotent-{name}-{}-{:x}.stderr",
             std::process::id(),
@@ -49,6 +65,8 @@ impl Server {
         let mut child = Command::new(idempotent_examples::testkit::example_binary(name))
             .args(["--addr", addr])
             .args(options)
+            .env_remove("IDEMPOTENT_LOG")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr).expect("stderr file"))
@@ -90,6 +108,11 @@ impl Server {
             .find_map(|l| l.strip_prefix("VmRSS:"))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
             .expect("VmRSS")
+    }
+
+    /// Everything the process wrote to stderr so far (its log, when started traced).
+    pub fn log(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(&self.stderr).unwrap_or_default()).into_owned()
     }
 
     /// Panics unless the process is still running and has logged no panic.

@@ -880,9 +880,14 @@ pub mod model {
                     m.now += secs;
                 }
                 Op::Sweep => {
-                    store.sweep(500).await.expect("sweep");
+                    let swept = store.sweep(500).await.expect("sweep");
                     let now = m.now;
-                    // Swept records are gone; live ones must stay (checked by later claims).
+                    // The sequence's scope is the only one with records in the store (the
+                    // harness sweeps everything before each sequence), so the sweep deletes
+                    // exactly the model's expired records: no fewer (a sweep that frees
+                    // nothing), and no more (a live record freed, caught by later claims too).
+                    let expired = m.records.values().filter(|r| now >= r.expires_at).count();
+                    assert_eq!(swept, expired, "{ctx}: the sweep's count");
                     m.records.retain(|_, r| now < r.expires_at);
                 }
             }
