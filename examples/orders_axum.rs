@@ -4,8 +4,9 @@
 //! cargo run --example orders_axum
 //! ```
 //!
-//! It runs on the embedded in-memory store, or on PostgreSQL when `DATABASE_URL` is set (several
-//! replicas may then share the database). It prints where it listens and a `curl` to paste twice:
+//! It runs on the embedded in-memory store, on Redis when `REDIS_URL` is set
+//! (`redis://127.0.0.1:6379/0`), or on PostgreSQL when `DATABASE_URL` is set (several replicas
+//! may then share the database or the Redis). It prints where it listens and a `curl` to paste twice:
 //! the first answer is `201 Created`, the second the same answer with `Idempotency-Replayed: true`,
 //! and the order was created once.
 //!
@@ -116,6 +117,15 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 }
 
 async fn idempotency_store() -> Result<Idempotency, Box<dyn std::error::Error>> {
+    #[cfg(feature = "redis")]
+    if let Ok(url) = std::env::var("REDIS_URL") {
+        let store = idempotent_runtime::store::redis::RedisStore::builder()
+            .prefix("orders")
+            .connect(&url)
+            .await?;
+        eprintln!("idempotency store: Redis");
+        return Ok(Idempotency::new(store));
+    }
     match std::env::var("DATABASE_URL") {
         Ok(url) if url.starts_with("postgres") => {
             let store = idempotent_runtime::store::postgres::PostgresStore::connect(&url).await?;
@@ -125,7 +135,7 @@ async fn idempotency_store() -> Result<Idempotency, Box<dyn std::error::Error>> 
         }
         _ => {
             eprintln!(
-                "idempotency store: in memory (set DATABASE_URL=postgres://… for PostgreSQL)"
+                "idempotency store: in memory (set REDIS_URL=redis://… or DATABASE_URL=postgres://…)"
             );
             Ok(Idempotency::memory())
         }

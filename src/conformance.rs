@@ -24,6 +24,8 @@ pub enum StoreKind {
     Postgres,
     /// SQLite (one node).
     Sqlite,
+    /// Redis or Valkey (several replicas may share it).
+    Redis,
 }
 
 /// Command-line options of a conformance server.
@@ -32,6 +34,9 @@ pub struct Options {
     pub addr: SocketAddr,
     pub store: StoreKind,
     pub database_url: Option<String>,
+    /// Key prefix of the Redis store (`--redis-prefix`, default `idem`), so tests sharing one
+    /// Redis keep apart.
+    pub redis_prefix: String,
     pub lease: Duration,
     pub retention: Duration,
     pub max_body: usize,
@@ -56,6 +61,7 @@ impl Default for Options {
             addr: ([127, 0, 0, 1], 3000).into(),
             store: StoreKind::Memory,
             database_url: std::env::var("DATABASE_URL").ok(),
+            redis_prefix: "idem".into(),
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(86_400),
             max_body: 1 << 20,
@@ -71,7 +77,7 @@ impl Default for Options {
     }
 }
 
-const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite --database-url URL \
+const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite|redis --database-url URL --redis-prefix PREFIX \
 --lease SECS --retention SECS --max-body BYTES --max-response BYTES --body-timeout SECS \
 --reuse-status 422|409 \
 --missing-status 400|428 --trusted-proxy CIDR (repeatable) --key-header NAME \
@@ -106,10 +112,12 @@ impl Options {
                         "memory" => StoreKind::Memory,
                         "postgres" => StoreKind::Postgres,
                         "sqlite" => StoreKind::Sqlite,
+                        "redis" => StoreKind::Redis,
                         _ => return Err(bad("unknown store")),
                     }
                 }
                 "--database-url" => o.database_url = Some(value),
+                "--redis-prefix" => o.redis_prefix = value,
                 "--lease" => o.lease = secs(&value).ok_or_else(|| bad("not seconds"))?,
                 "--retention" => o.retention = secs(&value).ok_or_else(|| bad("not seconds"))?,
                 "--max-body" => o.max_body = value.parse().map_err(|_| bad("not bytes"))?,
@@ -237,9 +245,33 @@ impl Options {
                     .resolver(Self::resolver)
                     .build())
             }
+            #[cfg(feature = "redis")]
+            StoreKind::Redis => {
+                // `redis://host:port/N`; several comma-separated node URLs select Redis Cluster.
+                let url = self
+                    .database_url
+                    .as_deref()
+                    .ok_or("--store redis needs --database-url redis://HOST:PORT/N")?;
+                let builder = idempotent_runtime::store::redis::RedisStore::builder()
+                    .prefix(&self.redis_prefix);
+                let store = if url.contains(',') {
+                    builder.connect_cluster(url.split(',')).await?
+                } else {
+                    builder.connect(url).await?
+                };
+                let builder = if self.local_cache {
+                    Idempotency::builder(idempotent_runtime::store::cache::CachedStore::new(store))
+                } else {
+                    Idempotency::builder(store)
+                };
+                Ok(builder
+                    .config(self.config())
+                    .resolver(Self::resolver)
+                    .build())
+            }
             #[allow(unreachable_patterns)]
-            StoreKind::Postgres | StoreKind::Sqlite => {
-                Err("this build has no support for the selected SQL store (cargo features postgres, sqlite)".into())
+            StoreKind::Postgres | StoreKind::Sqlite | StoreKind::Redis => {
+                Err("this build has no support for the selected store (cargo features postgres, sqlite, redis)".into())
             }
         }
     }
@@ -504,7 +536,15 @@ mod tests {
         assert_eq!(o.missing_status, MissingKeyStatus::PreconditionRequired);
         assert!(o.local_cache);
         assert!(!Options::parse([]).unwrap().local_cache);
-        assert!(Options::parse(["--store".into(), "redis".into()]).is_err());
+        let redis = Options::parse(
+            "--store redis --database-url redis://127.0.0.1:6379/3 --redis-prefix t1"
+                .split(' ')
+                .map(String::from),
+        )
+        .unwrap();
+        assert_eq!(redis.store, StoreKind::Redis);
+        assert_eq!(redis.redis_prefix, "t1");
+        assert!(Options::parse(["--store".into(), "mongodb".into()]).is_err());
         assert!(Options::parse(["--bogus".into(), "1".into()]).is_err());
         let o = Options::parse(
             "--trusted-proxy 10.0.0.0/8 --trusted-proxy 127.0.0.1 --key-header X-Idempotency-Key \

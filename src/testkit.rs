@@ -22,6 +22,21 @@ pub fn database_url() -> Option<String> {
     }
 }
 
+/// `REDIS_URL`, or `None` after saying the test skips. With `IDEMPOTENT_REQUIRE_REDIS=1` (CI) a
+/// missing URL fails the test instead, so Redis tests cannot silently skip there.
+pub fn redis_url() -> Option<String> {
+    match std::env::var("REDIS_URL") {
+        Ok(url) => Some(url),
+        Err(_) if std::env::var("IDEMPOTENT_REQUIRE_REDIS").as_deref() == Ok("1") => {
+            panic!("IDEMPOTENT_REQUIRE_REDIS=1 but REDIS_URL is unset")
+        }
+        Err(_) => {
+            eprintln!("REDIS_URL is unset: skipping this Redis test");
+            None
+        }
+    }
+}
+
 /// A PostgreSQL schema of the test's own, dropped with it, so tests run in parallel and leave
 /// nothing behind.
 pub struct Schema {

@@ -13,15 +13,35 @@ use harness::{Resp, Server};
 use serde_json::{Value, json};
 
 macro_rules! conformance {
-    ($($case:ident),* $(,)?) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $case() {
-            for server in harness::SERVERS {
-                eprintln!("{} against {server}", stringify!($case));
-                cases::$case(server).await;
+    ($($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                for server in harness::SERVERS {
+                    eprintln!("{} against {server}", stringify!($case));
+                    cases::$case(server).await;
+                }
             }
+        )*
+
+        /// The same cases with every server on `--store redis` (`REDIS_URL`; skipped when it
+        /// is unset, unless `IDEMPOTENT_REQUIRE_REDIS=1`). A case that picks its own store
+        /// keeps it.
+        #[cfg(feature = "redis")]
+        mod on_redis {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let Some(url) = idempotent_examples::testkit::redis_url() else { return };
+                    for server in harness::SERVERS {
+                        eprintln!("{} against {server} on Redis", stringify!($case));
+                        harness::on_redis(url.clone(), cases::$case(server)).await;
+                    }
+                }
+            )*
         }
-    )*};
+    };
 }
 
 conformance! {

@@ -129,6 +129,21 @@ pub async fn sqlite_store(path: &str) -> Idempotency {
     Idempotency::new(store)
 }
 
+/// Our Redis store at `url`, under a key prefix of this run's own (records of earlier runs
+/// never meet it).
+pub async fn redis_store(url: &str) -> Idempotency {
+    let prefix = format!(
+        "bench-{:016x}",
+        idempotent_runtime::store::FencingToken::mint().0
+    );
+    let store = idempotent_runtime::store::redis::RedisStore::builder()
+        .prefix(prefix)
+        .connect(url)
+        .await
+        .expect("connect to Redis");
+    Idempotency::new(store)
+}
+
 /// The peer `cratestack-axum` + `cratestack-sqlx` (=0.8.15): its `IdempotencyLayer` over its
 /// `SqlxIdempotencyStore` on the same PostgreSQL, around the bare router. With `pings` off the
 /// pool is set like our store's (no ping before each checkout); on, it is sqlx's default pool,

@@ -15,6 +15,43 @@ pub const SERVERS: &[&str] = &["conformance_axum"];
 #[cfg(feature = "actix")]
 pub const SERVERS: &[&str] = &["conformance_axum", "conformance_actix"];
 
+tokio::task_local! {
+    /// Store options every server a case starts is given, unless the case picks a store itself
+    /// (see [`on_redis`]).
+    static REDIS: String;
+}
+
+/// Runs `case` with every server it starts on the Redis at `url`, each under a key prefix of its
+/// own (so the two frameworks' runs of one case never meet each other's records).
+pub async fn on_redis<F: std::future::Future>(url: String, case: F) -> F::Output {
+    REDIS.scope(url, case).await
+}
+
+/// The store options for a server started now: none (memory), or Redis under a fresh prefix.
+fn store_options(options: &[&str]) -> Vec<String> {
+    if options.contains(&"--store") {
+        return Vec::new();
+    }
+    REDIS
+        .try_with(|url| {
+            let prefix = format!(
+                "conformance-{:016x}",
+                idempotent_runtime::store::FencingToken::mint().0
+            );
+            [
+                "--store",
+                "redis",
+                "--database-url",
+                url,
+                "--redis-prefix",
+                &prefix,
+            ]
+            .map(String::from)
+            .to_vec()
+        })
+        .unwrap_or_default()
+}
+
 /// A running server, killed on drop.
 pub struct Server {
     pub name: &'static str,
@@ -29,6 +66,7 @@ impl Server {
         let mut child = Command::new(idempotent_examples::testkit::example_binary(name))
             .args(["--addr", "127.0.0.1:0"])
             .args(options)
+            .args(store_options(options))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())

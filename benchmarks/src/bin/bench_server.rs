@@ -4,7 +4,7 @@
 //! bench_server <variant> [--addr 127.0.0.1:0] [--database-url URL] [--sqlite PATH]
 //! ```
 //!
-//! Variants: `axum-bare`, `axum-memory`, `axum-postgres`, `axum-sqlite`, `actix-bare`,
+//! Variants: `axum-bare`, `axum-memory`, `axum-postgres`, `axum-sqlite`, `axum-redis`, `actix-bare`,
 //! `actix-memory` (ours), `peer-cratestack` (cratestack-axum + cratestack-sqlx on PostgreSQL,
 //! its pool set like ours), `peer-cratestack-default-pool` (the same on sqlx's default pool),
 //! `peer-axum-idempotent` (axum-idempotent on a moka memory store). It prints
@@ -34,12 +34,14 @@ fn main() {
     let mut database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idempotent_bench".into());
     let mut sqlite = "target/bench-sqlite.db".to_owned();
+    let mut redis_url = "redis://127.0.0.1:6379/0".to_owned();
     while let Some(flag) = args.next() {
         let value = args.next().unwrap_or_else(|| usage("a flag needs a value"));
         match flag.as_str() {
             "--addr" => addr = value.parse().unwrap_or_else(|_| usage("bad --addr")),
             "--database-url" => database_url = value,
             "--sqlite" => sqlite = value,
+            "--redis-url" => redis_url = value,
             _ => usage("unknown flag"),
         }
     }
@@ -59,6 +61,7 @@ fn main() {
                 bench::idempotent_router(bench::postgres_store(&database_url, PG_CONNECTIONS).await)
             }
             "axum-sqlite" => bench::idempotent_router(bench::sqlite_store(&sqlite).await),
+            "axum-redis" => bench::idempotent_router(bench::redis_store(&redis_url).await),
             "peer-cratestack" => {
                 bench::cratestack_router(&database_url, PG_CONNECTIONS, false).await
             }
@@ -101,10 +104,10 @@ fn actix(variant: &str, addr: SocketAddr) {
 
 fn usage(problem: &str) -> ! {
     eprintln!(
-        "{problem}\nusage: bench_server <axum-bare|axum-memory|axum-postgres|axum-sqlite|\
+        "{problem}\nusage: bench_server <axum-bare|axum-memory|axum-postgres|axum-sqlite|axum-redis|\
          actix-bare|actix-memory|peer-cratestack|peer-cratestack-default-pool|\
          peer-axum-idempotent> [--addr A] \
-         [--database-url URL] [--sqlite PATH]"
+         [--database-url URL] [--sqlite PATH] [--redis-url URL]"
     );
     std::process::exit(2)
 }

@@ -30,6 +30,25 @@ const SECOND: Duration = Duration::from_secs(1);
 
 /// Runs every case; panics with the case's name on the first broken promise.
 pub async fn run<S: Store + ?Sized>(store: Arc<S>, advance: impl Fn(Duration) + Send + Sync) {
+    run_shared_cases(Arc::clone(&store), &advance).await;
+    sweeper_frees_expired_records_in_batches(&*store, &advance).await;
+}
+
+/// [`run`] for a store that expires records by itself (Redis's key TTLs) and whose
+/// [`Store::sweep`] deletes nothing: instead of the batched sweep, it checks that a sweep deletes
+/// nothing and that expired records are free to claim all the same.
+pub async fn run_self_expiring<S: Store + ?Sized>(
+    store: Arc<S>,
+    advance: impl Fn(Duration) + Send + Sync,
+) {
+    run_shared_cases(Arc::clone(&store), &advance).await;
+    expired_records_are_free_without_a_sweep(&*store, &advance).await;
+}
+
+async fn run_shared_cases<S: Store + ?Sized>(
+    store: Arc<S>,
+    advance: &(impl Fn(Duration) + Send + Sync),
+) {
     let s = &*store;
     first_claim_acquires_and_a_second_sees_it_running(s).await;
     completed_record_is_reported_with_its_response(s).await;
@@ -37,13 +56,12 @@ pub async fn run<S: Store + ?Sized>(store: Arc<S>, advance: impl Fn(Duration) + 
     wrong_token_can_neither_complete_release_nor_renew(s).await;
     release_frees_the_key(s).await;
     concurrent_claims_acquire_exactly_once(Arc::clone(&store)).await;
-    lapsed_lease_is_reclaimed_with_a_new_token_and_fences_the_old(s, &advance).await;
-    reclaim_with_a_stale_token_that_no_longer_holds_fails(s, &advance).await;
-    renewal_keeps_a_live_holder(s, &advance).await;
-    completed_record_expires_after_retention(s, &advance).await;
-    reservation_expires_lease_plus_retention_after_claim(s, &advance).await;
-    sweeper_never_frees_a_live_record(s, &advance).await;
-    sweeper_frees_expired_records_in_batches(s, &advance).await;
+    lapsed_lease_is_reclaimed_with_a_new_token_and_fences_the_old(s, advance).await;
+    reclaim_with_a_stale_token_that_no_longer_holds_fails(s, advance).await;
+    renewal_keeps_a_live_holder(s, advance).await;
+    completed_record_expires_after_retention(s, advance).await;
+    reservation_expires_lease_plus_retention_after_claim(s, advance).await;
+    sweeper_never_frees_a_live_record(s, advance).await;
 }
 
 /// A fresh scope per case, so cases never see each other's records.
@@ -496,6 +514,48 @@ async fn sweeper_frees_expired_records_in_batches<S: Store + ?Sized>(
     assert_eq!(
         claim(s, &req(&scope, "k7", 2, SECOND)).await,
         Claim::Acquired
+    );
+}
+
+async fn expired_records_are_free_without_a_sweep<S: Store + ?Sized>(
+    s: &S,
+    advance: &(impl Fn(Duration) + Send + Sync),
+) {
+    let scope = fresh_scope();
+    let keys: Vec<String> = (0..50).map(|i| format!("k{i}")).collect();
+    for key in &keys {
+        let mut r = req(&scope, key, 1, SECOND);
+        r.retention = SECOND;
+        assert_eq!(claim(s, &r).await, Claim::Acquired);
+    }
+    let done = req(&scope, "done", 1, SECOND);
+    assert_eq!(claim(s, &done).await, Claim::Acquired);
+    assert!(
+        s.complete(&scope, "done", done.token, &response("d"), SECOND)
+            .await
+            .unwrap()
+    );
+    let live = req(&scope, "live", 1, 3600 * SECOND);
+    assert_eq!(claim(s, &live).await, Claim::Acquired);
+    advance(3 * SECOND);
+    assert_eq!(
+        s.sweep(500).await.unwrap(),
+        0,
+        "a self-expiring store sweeps nothing"
+    );
+    for key in keys.iter().map(String::as_str).chain(["done"]) {
+        let again = req(&scope, key, 2, SECOND);
+        match claim(s, &again).await {
+            Claim::Acquired => {}
+            Claim::Standing(st) => {
+                assert_eq!(st.state, StandingState::Expired, "{key}");
+                assert_eq!(s.reclaim(&again, st.token).await.unwrap(), Claim::Acquired);
+            }
+        }
+    }
+    assert!(
+        s.renew(&scope, "live", live.token, SECOND).await.unwrap(),
+        "a live record survived"
     );
 }
 

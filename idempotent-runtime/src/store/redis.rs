@@ -1,0 +1,720 @@
+//! The Redis / Valkey store ([the contract](crate::design) §5): several replicas share one Redis,
+//! standalone or Redis Cluster.
+//!
+//! One record is one key, `{prefix}:{<scope hex>}:<key>`, holding a compact binary value (a
+//! 66-byte header, then the recorded headers and body). The scope in braces is a Redis Cluster
+//! hash tag: a scope's records share a slot, so the same scripts run unchanged on a cluster.
+//! Every operation is one Lua script, loaded when the store connects and called by its SHA
+//! (`EVALSHA`, loaded again on `NOSCRIPT`), so one round trip: it reads the record, judges its
+//! lease and expiry by the server's clock (`TIME` inside the script) and writes conditionally on
+//! the fencing token. Expiry is the key's TTL, so no sweeper is needed: [`Store::sweep`] does
+//! nothing and says so.
+//!
+//! A connection failure mid-operation leaves its outcome unknown; the operation is sent again
+//! (a few times, on a reconnected connection) because every script is safe to resend: a claim
+//! that finds its own token reports it acquired, a completion or release resent after it landed
+//! reports success, and a renewal simply renews again. A claim that still fails is answered 503
+//! after the pipeline's best-effort token-conditional release.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), redis::RedisError> {
+//! use idempotent_runtime::Idempotency;
+//! use idempotent_runtime::store::redis::RedisStore;
+//!
+//! let store = RedisStore::builder()
+//!     .prefix("orders-idem")
+//!     .connect("redis://127.0.0.1:6379/0")
+//!     .await?;
+//! let idempotency = Idempotency::builder(store).build();
+//! # Ok(()) }
+//! ```
+//!
+//! Durability is Redis's own: see the README's "Redis / Valkey" section for which failures can
+//! lose an acknowledged record (and let a retry run again), and the settings that close them.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::ClusterClient;
+use ::redis::cluster_async::ClusterConnection;
+use ::redis::{ErrorKind, RedisError, Script, ScriptInvocation, ServerErrorKind, Value};
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use super::{
+    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
+};
+use crate::fingerprint::Fingerprint;
+use crate::scope::ScopeHash;
+
+/// The default key prefix.
+pub const DEFAULT_PREFIX: &str = "idem";
+
+/// Bytes of a record before its headers and body (see `redis.lua` for the layout).
+pub const RECORD_HEADER_LEN: usize = 66;
+
+/// The record format this crate writes (byte 0 of every value).
+const FORMAT: u8 = 1;
+
+/// How often an operation is sent when its connection fails (the first send included).
+const ATTEMPTS: u32 = 3;
+
+/// The longest lease or retention a script is handed (100 years), so times stay exact in Lua's
+/// doubles and `PX` accepts them.
+const MAX_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
+
+macro_rules! script {
+    ($body:literal) => {
+        concat!(include_str!("redis.lua"), $body)
+    };
+}
+
+/// KEYS[1] the record; ARGV: 1 clock offset, 2 token (8 bytes), 3 fingerprint (2-byte version
+/// and digest), 4 lease ms, 5 retention ms, 6 stale token (reclaim) or empty (claim).
+/// Replies `{1}` when the request's token holds the key, else `{0, lease_until - now, record}`.
+const CLAIM: &str = script!(
+    r#"
+local rec = redis.call('GET', KEYS[1])
+local now = now_ms()
+if rec then
+  local token = string.sub(rec, 3, 10)
+  local reserved = string.byte(rec, 2) == 0
+  -- A claim resent after its first send landed finds its own (unique) token.
+  if token == ARGV[2] and reserved then
+    return {1}
+  end
+  local lease_until = u64(rec, 11)
+  local takeable = u64(rec, 19) <= now
+    or (ARGV[6] ~= '' and token == ARGV[6] and reserved and lease_until <= now)
+  if not takeable then
+    return {0, lease_until - now, rec}
+  end
+end
+local lease = tonumber(ARGV[4])
+local retention = tonumber(ARGV[5])
+redis.call('SET', KEYS[1],
+  '\1\0' .. ARGV[2] .. be64(now + lease) .. be64(now + lease + retention) .. ARGV[3]
+    .. '\0\0\0\0\0\0',
+  'PX', lease + retention)
+return {1}
+"#
+);
+
+/// ARGV: 1 clock offset, 2 token, 3 retention ms, 4 status, header length, headers and body,
+/// 5 `1` when resent. Replies 1 when completed (or, resent, already completed by this token).
+const COMPLETE: &str = script!(
+    r#"
+local rec = redis.call('GETRANGE', KEYS[1], 0, 59)
+if #rec < 60 or string.sub(rec, 3, 10) ~= ARGV[2] then
+  return 0
+end
+if string.byte(rec, 2) ~= 0 then
+  if ARGV[5] == '1' then return 1 end
+  return 0
+end
+local now = now_ms()
+local retention = tonumber(ARGV[3])
+redis.call('SET', KEYS[1],
+  '\1\1' .. ARGV[2] .. be64(now) .. be64(now + retention) .. string.sub(rec, 27, 60) .. ARGV[4],
+  'PX', retention)
+return 1
+"#
+);
+
+/// ARGV: 1 clock offset, 2 token, 3 `1` when resent. Replies 1 when the reservation was deleted
+/// (or, resent, is gone).
+const RELEASE: &str = script!(
+    r#"
+local rec = redis.call('GETRANGE', KEYS[1], 0, 9)
+if #rec < 10 then
+  if ARGV[3] == '1' then return 1 end
+  return 0
+end
+if string.sub(rec, 3, 10) ~= ARGV[2] or string.byte(rec, 2) ~= 0 then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+return 1
+"#
+);
+
+/// ARGV: 1 clock offset, 2 token, 3 lease ms. A reservation expires its retention after its
+/// lease: the renewal keeps that distance. Replies 1 when renewed.
+const RENEW: &str = script!(
+    r#"
+local rec = redis.call('GETRANGE', KEYS[1], 0, 25)
+if #rec < 26 or string.sub(rec, 3, 10) ~= ARGV[2] or string.byte(rec, 2) ~= 0 then
+  return 0
+end
+local now = now_ms()
+local lease = tonumber(ARGV[3])
+local keep = u64(rec, 19) - u64(rec, 11)
+redis.call('SETRANGE', KEYS[1], 10, be64(now + lease) .. be64(now + lease + keep))
+redis.call('PEXPIRE', KEYS[1], lease + keep)
+return 1
+"#
+);
+
+struct Scripts {
+    claim: Script,
+    complete: Script,
+    release: Script,
+    renew: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Self {
+            claim: Script::new(CLAIM),
+            complete: Script::new(COMPLETE),
+            release: Script::new(RELEASE),
+            renew: Script::new(RENEW),
+        }
+    }
+
+    fn all(&self) -> [&Script; 4] {
+        [&self.claim, &self.complete, &self.release, &self.renew]
+    }
+}
+
+/// The connection: one server (through a reconnecting [`ConnectionManager`]) or a cluster
+/// (whose connection follows slot moves and reconnects itself).
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Connection {
+    async fn invoke(&self, invocation: &ScriptInvocation<'_>) -> Result<Value, RedisError> {
+        match self.clone() {
+            Self::Single(mut c) => invocation.invoke_async(&mut c).await,
+            Self::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+        }
+    }
+
+    async fn load(&self, script: &Script) -> Result<(), RedisError> {
+        let invocation = script.prepare_invoke();
+        match self.clone() {
+            Self::Single(mut c) => invocation.load_async(&mut c).await.map(drop),
+            Self::Cluster(mut c) => invocation.load_async(&mut c).await.map(drop),
+        }
+    }
+}
+
+/// Builds a [`RedisStore`]: key prefix and connection settings.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct RedisStoreBuilder {
+    prefix: String,
+    response_timeout: Duration,
+    connection_timeout: Duration,
+}
+
+impl RedisStoreBuilder {
+    /// The prefix of every key (default `idem`): 1–64 bytes without `{`, `}` or whitespace (the
+    /// braces are the scope's hash tag). Give each application sharing a Redis its own.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// How long an operation waits for Redis's answer before it counts as failed (default 2 s).
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// How long a connection attempt may take (default 1 s).
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    fn check_prefix(&self) -> Result<(), RedisError> {
+        let ok = !self.prefix.is_empty()
+            && self.prefix.len() <= 64
+            && !self
+                .prefix
+                .chars()
+                .any(|c| c == '{' || c == '}' || c.is_whitespace() || c.is_control());
+        if ok {
+            Ok(())
+        } else {
+            Err(RedisError::from((
+                ErrorKind::InvalidClientConfig,
+                "idempotency store prefix must be 1-64 bytes without '{', '}' or whitespace",
+                self.prefix.clone(),
+            )))
+        }
+    }
+
+    /// Connects to one server at `url` (`redis://[user:password@]host:port/db`, or `rediss://`
+    /// with TLS where the `redis` crate was built with it) and loads the scripts.
+    pub async fn connect(self, url: &str) -> Result<RedisStore, RedisError> {
+        self.check_prefix()?;
+        let client = ::redis::Client::open(url)?;
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(self.response_timeout))
+            .set_connection_timeout(Some(self.connection_timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_millis(500));
+        let manager = ConnectionManager::new_with_config(client, config).await?;
+        self.finish(Connection::Single(manager)).await
+    }
+
+    /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` each) and
+    /// loads the scripts on every primary.
+    pub async fn connect_cluster<I, S>(self, nodes: I) -> Result<RedisStore, RedisError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        self.check_prefix()?;
+        let nodes: Vec<String> = nodes.into_iter().map(|n| n.as_ref().to_owned()).collect();
+        let client = ClusterClient::builder(nodes)
+            .response_timeout(self.response_timeout)
+            .connection_timeout(self.connection_timeout)
+            .build()?;
+        let conn = client.get_async_connection().await?;
+        self.finish(Connection::Cluster(conn)).await
+    }
+
+    /// Builds the store over an existing connection manager and loads the scripts.
+    pub async fn build(self, manager: ConnectionManager) -> Result<RedisStore, RedisError> {
+        self.check_prefix()?;
+        self.finish(Connection::Single(manager)).await
+    }
+
+    /// Builds the store over an existing cluster connection and loads the scripts.
+    pub async fn build_cluster(self, conn: ClusterConnection) -> Result<RedisStore, RedisError> {
+        self.check_prefix()?;
+        self.finish(Connection::Cluster(conn)).await
+    }
+
+    async fn finish(self, conn: Connection) -> Result<RedisStore, RedisError> {
+        let scripts = Scripts::new();
+        for script in scripts.all() {
+            conn.load(script).await?;
+        }
+        Ok(RedisStore {
+            conn,
+            prefix: self.prefix,
+            scripts,
+            clock_offset_ms: AtomicI64::new(0),
+            round_trips: AtomicU64::new(0),
+        })
+    }
+}
+
+/// The Redis / Valkey store (Redis 5 or later, Valkey 7.2 or later). Cheap to share behind an
+/// `Arc`; build it with [`RedisStore::connect`] or [`RedisStore::builder`].
+pub struct RedisStore {
+    conn: Connection,
+    prefix: String,
+    scripts: Scripts,
+    clock_offset_ms: AtomicI64,
+    round_trips: AtomicU64,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .field("cluster", &matches!(self.conn, Connection::Cluster(_)))
+            .finish_non_exhaustive()
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).min(MAX_MS)
+}
+
+/// Whether `e` leaves the operation's outcome unknown or unapplied in a way that a resend can
+/// settle: the connection failed or timed out, or the cluster was between primaries.
+fn resendable(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || matches!(
+            e.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::TryAgain
+                    | ServerErrorKind::ClusterDown
+                    | ServerErrorKind::MasterDown
+                    | ServerErrorKind::BusyLoading
+                    | ServerErrorKind::ReadOnly
+            )
+        )
+}
+
+fn store_error(e: RedisError) -> StoreError {
+    // `maxmemory` reached with a policy that refuses writes.
+    if e.code() == Some("OOM") {
+        return StoreError::Full;
+    }
+    StoreError::unavailable(e)
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::unavailable(format!("corrupt idempotency record: {what}"))
+}
+
+fn unexpected(v: &Value) -> StoreError {
+    StoreError::unavailable(format!(
+        "unexpected reply from an idempotency script: {v:?}"
+    ))
+}
+
+/// Hex digits of a scope hash.
+fn hex(scope: &ScopeHash) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(64);
+    for b in scope {
+        out.push(DIGITS[usize::from(b >> 4)] as char);
+        out.push(DIGITS[usize::from(b & 15)] as char);
+    }
+    out
+}
+
+/// A record as stored, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Record {
+    completed: bool,
+    token: FencingToken,
+    lease_until_ms: u64,
+    expires_at_ms: u64,
+    fingerprint: Fingerprint,
+    response: Option<RecordedResponse>,
+}
+
+impl Record {
+    fn decode(raw: &[u8]) -> Result<Self, StoreError> {
+        if raw.len() < RECORD_HEADER_LEN {
+            return Err(corrupt("shorter than its header"));
+        }
+        if raw[0] != FORMAT {
+            return Err(corrupt("unknown format"));
+        }
+        let u64_at = |at: usize| {
+            u64::from_be_bytes(raw[at..at + 8].try_into().expect("8 bytes in the header"))
+        };
+        let completed = match raw[1] {
+            0 => false,
+            1 => true,
+            _ => return Err(corrupt("unknown state")),
+        };
+        let fingerprint = Fingerprint {
+            version: u16::from_be_bytes([raw[26], raw[27]]),
+            digest: raw[28..60].try_into().expect("32 bytes in the header"),
+        };
+        let response = if completed {
+            let status = u16::from_be_bytes([raw[60], raw[61]]);
+            let headers_len = u32::from_be_bytes(raw[62..66].try_into().expect("4 bytes")) as usize;
+            let rest = &raw[RECORD_HEADER_LEN..];
+            if rest.len() < headers_len {
+                return Err(corrupt("headers overrun the record"));
+            }
+            let (headers, body) = rest.split_at(headers_len);
+            Some(RecordedResponse {
+                status,
+                headers: RecordedResponse::decode_headers(headers)
+                    .ok_or_else(|| corrupt("headers do not decode"))?,
+                body: Bytes::copy_from_slice(body),
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            completed,
+            token: FencingToken(u64_at(2)),
+            lease_until_ms: u64_at(10),
+            expires_at_ms: u64_at(18),
+            fingerprint,
+            response,
+        })
+    }
+}
+
+/// The completed part of a record: status, header length, headers and body.
+fn encode_response(response: &RecordedResponse) -> Vec<u8> {
+    let headers = response.encode_headers();
+    let mut out = Vec::with_capacity(6 + headers.len() + response.body.len());
+    out.extend_from_slice(&response.status.to_be_bytes());
+    out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+    out.extend_from_slice(&headers);
+    out.extend_from_slice(&response.body);
+    out
+}
+
+fn fingerprint_bytes(fp: &Fingerprint) -> [u8; 34] {
+    let mut out = [0u8; 34];
+    out[..2].copy_from_slice(&fp.version.to_be_bytes());
+    out[2..].copy_from_slice(&fp.digest);
+    out
+}
+
+impl RedisStore {
+    /// A builder: prefix `idem`, response timeout 2 s, connection timeout 1 s.
+    pub fn builder() -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            prefix: DEFAULT_PREFIX.to_owned(),
+            response_timeout: Duration::from_secs(2),
+            connection_timeout: Duration::from_secs(1),
+        }
+    }
+
+    /// Connects to one server at `url` with the default settings (see [`builder`](Self::builder)).
+    pub async fn connect(url: &str) -> Result<Self, RedisError> {
+        Self::builder().connect(url).await
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The Redis key of `(scope, key)`: `{prefix}:{<scope hex>}:<key>`.
+    pub fn redis_key(&self, scope: &ScopeHash, key: &str) -> String {
+        format!("{}:{{{}}}:{key}", self.prefix, hex(scope))
+    }
+
+    /// Moves the store's clock forward by `by` (an offset added to the server's `TIME` in every
+    /// script), so the contract suite can test leases and retention without sleeping. Keys'
+    /// TTLs still run on the real clock and so outlive their judged expiry; a record judged
+    /// expired is taken over by the next claim.
+    #[doc(hidden)]
+    pub fn advance_clock_for_tests(&self, by: Duration) {
+        self.clock_offset_ms.fetch_add(
+            i64::try_from(by.as_millis()).unwrap_or(i64::MAX),
+            Ordering::SeqCst,
+        );
+    }
+
+    /// Scripts sent to Redis so far (each one round trip, resends included).
+    #[doc(hidden)]
+    pub fn round_trips(&self) -> u64 {
+        self.round_trips.load(Ordering::Relaxed)
+    }
+
+    /// Runs a script on the record of `(scope, key)` with `args` after the clock offset,
+    /// resending it while its connection fails. `args` learns whether this send is a resend.
+    async fn run(
+        &self,
+        script: &Script,
+        scope: &ScopeHash,
+        key: &str,
+        args: impl Fn(&mut ScriptInvocation<'_>, bool),
+    ) -> Result<Value, StoreError> {
+        let redis_key = self.redis_key(scope, key);
+        let mut attempt = 0;
+        loop {
+            let mut invocation = script.prepare_invoke();
+            invocation
+                .key(&redis_key)
+                .arg(self.clock_offset_ms.load(Ordering::SeqCst));
+            args(&mut invocation, attempt > 0);
+            self.round_trips.fetch_add(1, Ordering::Relaxed);
+            match self.conn.invoke(&invocation).await {
+                Ok(v) => return Ok(v),
+                Err(e) if attempt + 1 < ATTEMPTS && resendable(&e) => {
+                    attempt += 1;
+                    tracing::debug!(error = %e, attempt, "idempotency store: resending a script");
+                    tokio::time::sleep(Duration::from_millis(25 * u64::from(attempt))).await;
+                }
+                Err(e) => return Err(store_error(e)),
+            }
+        }
+    }
+
+    async fn claim_script(
+        &self,
+        req: &ClaimRequest<'_>,
+        stale: Option<FencingToken>,
+    ) -> Result<Claim, StoreError> {
+        let token = req.token.0.to_be_bytes();
+        let fp = fingerprint_bytes(&req.fingerprint);
+        let stale = stale.map(|t| t.0.to_be_bytes());
+        let reply = self
+            .run(&self.scripts.claim, req.scope, req.key, |inv, _| {
+                inv.arg(&token[..])
+                    .arg(&fp[..])
+                    .arg(millis(req.lease).max(1))
+                    .arg(millis(req.retention))
+                    .arg(stale.as_ref().map_or(&[][..], |s| &s[..]));
+            })
+            .await?;
+        let Value::Array(items) = &reply else {
+            return Err(unexpected(&reply));
+        };
+        match items.as_slice() {
+            [Value::Int(1)] => Ok(Claim::Acquired),
+            [Value::Int(0), Value::Int(left), Value::BulkString(raw)] => {
+                let record = Record::decode(raw)?;
+                let state = match record.response {
+                    Some(response) => StandingState::Completed(Arc::new(response)),
+                    None if *left > 0 => StandingState::Running {
+                        lease_left: Duration::from_millis(*left as u64),
+                    },
+                    None => StandingState::Abandoned,
+                };
+                Ok(Claim::Standing(Standing {
+                    token: record.token,
+                    fingerprint: record.fingerprint,
+                    state,
+                }))
+            }
+            _ => Err(unexpected(&reply)),
+        }
+    }
+}
+
+fn flag(reply: &Value) -> Result<bool, StoreError> {
+    match reply {
+        Value::Int(0) => Ok(false),
+        Value::Int(1) => Ok(true),
+        other => Err(unexpected(other)),
+    }
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        self.claim_script(req, None).await
+    }
+
+    async fn reclaim(
+        &self,
+        req: &ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> Result<Claim, StoreError> {
+        self.claim_script(req, Some(stale)).await
+    }
+
+    async fn complete(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+        response: &RecordedResponse,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let token = token.0.to_be_bytes();
+        let tail = encode_response(response);
+        let reply = self
+            .run(&self.scripts.complete, scope, key, |inv, resent| {
+                inv.arg(&token[..])
+                    .arg(millis(retention).max(1))
+                    .arg(&tail[..])
+                    .arg(if resent { "1" } else { "" });
+            })
+            .await?;
+        flag(&reply)
+    }
+
+    async fn release(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+    ) -> Result<bool, StoreError> {
+        let token = token.0.to_be_bytes();
+        let reply = self
+            .run(&self.scripts.release, scope, key, |inv, resent| {
+                inv.arg(&token[..]).arg(if resent { "1" } else { "" });
+            })
+            .await?;
+        flag(&reply)
+    }
+
+    async fn renew(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let token = token.0.to_be_bytes();
+        let reply = self
+            .run(&self.scripts.renew, scope, key, |inv, _| {
+                inv.arg(&token[..]).arg(millis(lease).max(1));
+            })
+            .await?;
+        flag(&reply)
+    }
+
+    /// Does nothing and deletes nothing: Redis expires every record by its key's TTL (set to
+    /// the record's expiry), and claims judge expiry themselves.
+    async fn sweep(&self, _batch: usize) -> Result<usize, StoreError> {
+        Ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scope_hex_is_lowercase_and_complete() {
+        let mut scope = [0u8; 32];
+        scope[0] = 0xab;
+        scope[31] = 0x0f;
+        let h = hex(&scope);
+        assert_eq!(h.len(), 64);
+        assert!(h.starts_with("ab00"));
+        assert!(h.ends_with("0f"));
+    }
+
+    #[test]
+    fn completed_records_decode_from_their_layout() {
+        let response = RecordedResponse {
+            status: 201,
+            headers: vec![("location".into(), Bytes::from_static(b"/o/1"))],
+            body: Bytes::from_static(b"{}"),
+        };
+        let mut raw = vec![FORMAT, 1];
+        raw.extend_from_slice(&7u64.to_be_bytes());
+        raw.extend_from_slice(&1_000u64.to_be_bytes());
+        raw.extend_from_slice(&2_000u64.to_be_bytes());
+        raw.extend_from_slice(&fingerprint_bytes(&Fingerprint {
+            version: 1,
+            digest: [9; 32],
+        }));
+        raw.extend_from_slice(&encode_response(&response));
+        let record = Record::decode(&raw).unwrap();
+        assert_eq!(record.token, FencingToken(7));
+        assert_eq!(
+            (record.lease_until_ms, record.expires_at_ms),
+            (1_000, 2_000)
+        );
+        assert!(record.completed);
+        assert_eq!(record.fingerprint.digest, [9; 32]);
+        assert_eq!(record.response, Some(response));
+        assert_eq!(raw.len(), RECORD_HEADER_LEN + 4 + 8 + 4 + 4 + 2);
+        assert!(Record::decode(&raw[..65]).is_err());
+        raw[0] = 2;
+        assert!(
+            Record::decode(&raw).is_err(),
+            "an unknown format is refused"
+        );
+    }
+
+    #[test]
+    fn prefixes_that_would_break_the_hash_tag_are_refused() {
+        for bad in ["", "a{b", "a}b", "a b", &"x".repeat(65)] {
+            assert!(
+                RedisStore::builder().prefix(bad).check_prefix().is_err(),
+                "{bad:?} accepted"
+            );
+        }
+        assert!(
+            RedisStore::builder()
+                .prefix("app:idem")
+                .check_prefix()
+                .is_ok()
+        );
+    }
+}
