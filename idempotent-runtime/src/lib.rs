@@ -5,6 +5,66 @@
 //! answer and the handler does not run again. What it promises (status codes, the record's
 //! life, fingerprint and scope) is [the contract](design), which ships with the crate.
 //!
+//! # Two minutes
+//!
+//! ```toml
+//! [dependencies]
+//! idempotent-runtime = { version = "0.1", features = ["axum"] } # or "actix"; add "postgres"
+//! ```
+//!
+//! Annotate the handler, give the router the handle, serve with the peer address:
+//!
+//! ```no_run
+//! # #[cfg(feature = "axum")] mod m {
+//! use axum::{Json, Router, extract::State, http::StatusCode, routing::post};
+//! use idempotent_runtime::Idempotency;
+//! use idempotent_runtime::axum::idempotent; // `idempotent_runtime::idempotent` with one framework
+//!
+//! #[derive(Clone)]
+//! struct App {
+//!     idempotency: Idempotency,
+//! }
+//!
+//! impl axum::extract::FromRef<App> for Idempotency {
+//!     fn from_ref(app: &App) -> Self {
+//!         app.idempotency.clone()
+//!     }
+//! }
+//!
+//! #[idempotent(require_key)]
+//! async fn create_order(State(_app): State<App>, Json(order): Json<serde_json::Value>)
+//!     -> (StatusCode, Json<serde_json::Value>) {
+//!     (StatusCode::CREATED, Json(order)) // runs once per Idempotency-Key
+//! }
+//!
+//! async fn serve() {
+//!     let app = Router::new()
+//!         .route("/orders", post(create_order))
+//!         .with_state(App { idempotency: Idempotency::memory() });
+//!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
+//!     let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+//!     axum::serve(listener, app).await.unwrap();
+//! }
+//! # }
+//! ```
+//!
+//! A retry with the same `Idempotency-Key` gets the recorded answer with
+//! `Idempotency-Replayed: true`; a different body under that key is 422; a duplicate while the
+//! first runs is 409.
+//!
+//! # Map
+//!
+//! - [`axum`] and [`actix`]: the attribute, the router-level layer / middleware (features
+//!   `axum`, `actix`);
+//! - [`Idempotency`] ([`handle`]): the handle your application shares; [`config`]: settings;
+//! - [`store`]: the memory store (default), PostgreSQL, SQLite and Redis (features `postgres`,
+//!   `sqlite`, `redis`), and a cache of completed records in front of shared ones;
+//! - [`enlisted`]: the record committed in the handler's own PostgreSQL transaction;
+//! - [`inbox`]: de-duplicating message consumers;
+//! - [`scope`], [`fingerprint`], [`key`], [`problem`]: who the caller is, what "the same request"
+//!   means, the key's syntax, the refusals;
+//! - [`observe`]: counters, audit; [`pipeline`]: the request sequence both frameworks share.
+//!
 //! The core modules know no web framework; the `axum` and `actix` features add the integrations.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
