@@ -37,14 +37,13 @@
 //!     (StatusCode::CREATED, Json(order)) // runs once per Idempotency-Key
 //! }
 //!
-//! async fn serve() {
-//!     let app = Router::new()
+//! fn router() -> Router {
+//!     Router::new()
 //!         .route("/orders", post(create_order))
-//!         .with_state(App { idempotency: Idempotency::memory() });
-//!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
-//!     let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
-//!     axum::serve(listener, app).await.unwrap();
+//!         .with_state(App { idempotency: Idempotency::memory() })
 //! }
+//! // Serve it with the peer address, which scopes anonymous callers:
+//! // axum::serve(listener, router().into_make_service_with_connect_info::<SocketAddr>())
 //! # }
 //! ```
 //!
