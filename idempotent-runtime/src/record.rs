@@ -338,6 +338,17 @@ mod tests {
         async fn sweep(&self, _: usize) -> Result<usize, StoreError> {
             Ok(0)
         }
+        async fn inspect(
+            &self,
+            _: &crate::scope::ScopeHash,
+            _: &str,
+            _: bool,
+        ) -> Result<Option<crate::store::RecordInfo>, StoreError> {
+            Ok(None)
+        }
+        async fn forget(&self, _: &crate::scope::ScopeHash, _: &str) -> Result<bool, StoreError> {
+            Ok(false)
+        }
     }
 
     #[tokio::test]
@@ -350,6 +361,7 @@ mod tests {
             token: FencingToken::mint(),
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(60),
+            route: "/test",
         };
         let claimed = claim(&WrittenBeforeTheConnectionDied, &req, |f| *f == fp(1))
             .await

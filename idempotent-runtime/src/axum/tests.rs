@@ -246,6 +246,21 @@ impl crate::store::Store for Flaky {
     async fn sweep(&self, batch: usize) -> Result<usize, crate::store::StoreError> {
         self.inner.sweep(batch).await
     }
+    async fn inspect(
+        &self,
+        scope: &crate::scope::ScopeHash,
+        key: &str,
+        with_response: bool,
+    ) -> Result<Option<crate::store::RecordInfo>, crate::store::StoreError> {
+        self.inner.inspect(scope, key, with_response).await
+    }
+    async fn forget(
+        &self,
+        scope: &crate::scope::ScopeHash,
+        key: &str,
+    ) -> Result<bool, crate::store::StoreError> {
+        self.inner.forget(scope, key).await
+    }
 }
 
 #[tokio::test]

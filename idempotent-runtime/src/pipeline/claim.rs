@@ -63,6 +63,7 @@ impl<'a> ClaimPlan<'a> {
                 token: FencingToken::mint(),
                 lease: req.endpoint.lease,
                 retention: req.endpoint.retention,
+                route: req.input.route.unwrap_or(""),
             },
             route: req.input.route.unwrap_or(""),
             input: &req.input,

@@ -14,7 +14,8 @@ use async_trait::async_trait;
 use hashbrown::{HashMap, HashTable};
 
 use super::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
+    Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, Standing,
+    StandingState, Store, StoreError, header_bytes, time_from_millis,
 };
 use crate::clock::{Clock, Millis, SystemClock, millis};
 use crate::fingerprint::Fingerprint;
@@ -70,6 +71,10 @@ struct Entry {
     expires_at: Millis,
     retention: Millis,
     weight: usize,
+    /// For [`Store::inspect`]: the route it was claimed on, when, and when it completed.
+    route: Box<str>,
+    created_at: Millis,
+    completed_at: Millis,
 }
 
 enum EntryState {
@@ -288,7 +293,10 @@ impl MemoryStore {
             state: EntryState::Reserved { lease_until },
             expires_at: lease_until.saturating_add(retention),
             retention,
-            weight: ENTRY_OVERHEAD + req.key.len(),
+            weight: ENTRY_OVERHEAD + req.key.len() + req.route.len(),
+            route: req.route.into(),
+            created_at: now,
+            completed_at: 0,
         }
     }
 
@@ -320,9 +328,14 @@ impl MemoryStore {
     /// Replaces a takeable entry in place with a fresh reservation.
     fn take_over(&self, entry: &mut Entry, req: &ClaimRequest<'_>, now: Millis) -> Claim {
         // Same slot, same scope, so the same quota bucket: only the byte charge changes, and it
-        // can only shrink (a reservation weighs less than any record it replaces).
+        // can only shrink (a reservation weighs less than any record it replaces), unless the
+        // new claim's route name is longer than the old one's: those few bytes are charged
+        // whatever the bound, so the accounting stays exact.
         let fresh = self.reservation(req, now);
-        self.recharge(entry.weight, fresh.weight);
+        if !self.recharge(entry.weight, fresh.weight) {
+            self.bytes
+                .fetch_add(fresh.weight - entry.weight, Ordering::AcqRel);
+        }
         *entry = fresh;
         Claim::Acquired
     }
@@ -402,13 +415,14 @@ impl Store for MemoryStore {
         if entry.token != token || !matches!(entry.state, EntryState::Reserved { .. }) {
             return Ok(false);
         }
-        let weight = ENTRY_OVERHEAD + key.len() + response.weight();
+        let weight = ENTRY_OVERHEAD + key.len() + entry.route.len() + response.weight();
         if !self.recharge(entry.weight, weight) {
             return Err(StoreError::Full);
         }
         entry.weight = weight;
         entry.state = EntryState::Completed(Arc::new(response.clone()));
         entry.expires_at = now.saturating_add(millis(retention));
+        entry.completed_at = now;
         Ok(true)
     }
 
@@ -470,6 +484,60 @@ impl Store for MemoryStore {
         }
         Ok(deleted)
     }
+
+    async fn inspect(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        with_response: bool,
+    ) -> Result<Option<RecordInfo>, StoreError> {
+        let now = self.clock.now_millis();
+        let (hash, shard) = self.locate(scope, key);
+        let shard = lock(shard);
+        let Some(Slot { record, .. }) = shard.find(hash, matches(hash, scope, key)) else {
+            return Ok(None);
+        };
+        let e = &record.entry;
+        let (lease_until, response) = match &e.state {
+            EntryState::Reserved { lease_until } => (Some(*lease_until), None),
+            EntryState::Completed(r) => (None, Some(r)),
+        };
+        let state = RecordState::judge(
+            response.is_some(),
+            time_from_millis(now as i64),
+            time_from_millis(lease_until.unwrap_or(0) as i64),
+            time_from_millis(e.expires_at as i64),
+        );
+        Ok(Some(RecordInfo {
+            state,
+            status: response.map(|r| r.status),
+            route: Some(e.route.to_string()),
+            created_at: Some(time_from_millis(e.created_at as i64)),
+            completed_at: response.map(|_| time_from_millis(e.completed_at as i64)),
+            lease_until: lease_until.map(|t| time_from_millis(t as i64)),
+            expires_at: time_from_millis(e.expires_at as i64),
+            body_bytes: response.map_or(0, |r| r.body.len()),
+            header_bytes: response.map_or(0, |r| header_bytes(&r.headers)),
+            response: response.filter(|_| with_response).map(Arc::clone),
+        }))
+    }
+
+    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+        let (hash, shard) = self.locate(scope, key);
+        let mut shard = lock(shard);
+        match shard.find_entry(hash, matches(hash, scope, key)) {
+            Ok(found) => {
+                let (Slot { record, .. }, _) = found.remove();
+                self.discharge(record.entry.weight, record.entry.quota_bucket);
+                Ok(true)
+            }
+            Err(_) => Ok(false),
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
 }
 
 #[cfg(test)]
@@ -497,6 +565,7 @@ mod tests {
             token: FencingToken::mint(),
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(60),
+            route: "/test",
         }
     }
 
