@@ -110,6 +110,13 @@ impl<S: Store + ?Sized> ClaimOps for &S {
         &'a mut self,
         req: &'a ClaimRequest<'_>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        #[cfg(feature = "metrics")]
+        return Box::pin(crate::observe::timed(
+            "claim",
+            self.kind(),
+            Store::claim(*self, req),
+        ));
+        #[cfg(not(feature = "metrics"))]
         Store::claim(*self, req)
     }
 
@@ -118,6 +125,13 @@ impl<S: Store + ?Sized> ClaimOps for &S {
         req: &'a ClaimRequest<'_>,
         stale: FencingToken,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        #[cfg(feature = "metrics")]
+        return Box::pin(crate::observe::timed(
+            "reclaim",
+            self.kind(),
+            Store::reclaim(*self, req, stale),
+        ));
+        #[cfg(not(feature = "metrics"))]
         Store::reclaim(*self, req, stale)
     }
 }

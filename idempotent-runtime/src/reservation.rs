@@ -159,16 +159,14 @@ impl Reservation {
         let Some(guard) = self.guard.take() else {
             return;
         };
-        let result = guard
-            .store
-            .complete(
-                &guard.scope,
-                guard.key.as_str(),
-                guard.token,
-                response,
-                self.retention,
-            )
-            .await;
+        let complete = guard.store.complete(
+            &guard.scope,
+            guard.key.as_str(),
+            guard.token,
+            response,
+            self.retention,
+        );
+        let result = observe::timed("complete", guard.store.kind(), complete).await;
         match result {
             Ok(true) => {}
             Ok(false) => {
@@ -205,11 +203,10 @@ impl Reservation {
         let Some(guard) = self.guard.take() else {
             return;
         };
-        if let Err(error) = guard
+        let release = guard
             .store
-            .release(&guard.scope, guard.key.as_str(), guard.token)
-            .await
-        {
+            .release(&guard.scope, guard.key.as_str(), guard.token);
+        if let Err(error) = observe::timed("release", guard.store.kind(), release).await {
             tracing::warn!(
                 route = %self.route,
                 key_hash = %KeyDisplay(guard.key.as_str()),
@@ -230,11 +227,10 @@ async fn renew_forever(guard: &Guard, lease: Duration, route: &str) -> std::conv
         if lost {
             continue;
         }
-        match guard
+        let renew = guard
             .store
-            .renew(&guard.scope, guard.key.as_str(), guard.token, lease)
-            .await
-        {
+            .renew(&guard.scope, guard.key.as_str(), guard.token, lease);
+        match observe::timed("renew", guard.store.kind(), renew).await {
             Ok(true) => last_kept = tokio::time::Instant::now(),
             Ok(false) => lost = true,
             Err(error) => {

@@ -17,7 +17,7 @@ use futures_util::Stream;
 
 use crate::handle::Idempotency;
 use crate::pipeline::{self, Chunks, Ended, Head, REPLAYED_HEADER, Reply};
-use crate::problem::{self, Problem};
+use crate::problem::{self, Problem, RenderedRefusal};
 use crate::scope::Identity;
 use crate::store::RecordedResponse;
 
@@ -145,15 +145,17 @@ impl Reply for HttpResponse {
         }))
     }
 
-    fn problem(problem: &Problem) -> Self {
+    fn problem(problem: &Problem, rendered: RenderedRefusal) -> Self {
         let status =
             StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut builder = HttpResponse::build(status);
-        builder.insert_header((header::CONTENT_TYPE, problem::CONTENT_TYPE));
+        let content_type = HeaderValue::try_from(&*rendered.content_type)
+            .unwrap_or_else(|_| HeaderValue::from_static(problem::CONTENT_TYPE));
+        builder.insert_header((header::CONTENT_TYPE, content_type));
         if let Some(seconds) = problem.retry_after() {
             builder.insert_header((header::RETRY_AFTER, seconds));
         }
-        builder.body(problem.body())
+        builder.body(rendered.body)
     }
 
     fn replay(recorded: &RecordedResponse) -> Self {

@@ -5,12 +5,13 @@ use std::convert::Infallible;
 use std::future::Future;
 
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
+use tracing::Instrument as _;
 
 use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, ClaimMode, Claimed, Detached, Ended, Front, Handled, Reply};
+use crate::pipeline::{self, ClaimMode, Claimed, Detached, Ended, Front, Handled};
 
 /// A request after the steps before the handler.
 enum Prepared<H, A> {
@@ -43,7 +44,7 @@ where
     req.extensions_mut().insert(Handled);
     let buffered = match pipeline::front::<M, _, _>(&handle, endpoint, &head, payload).await {
         Front::Pass(payload) => return extract(req.clone(), payload).await.map(Prepared::Pass),
-        Front::Refuse(problem) => return Err(HttpResponse::problem(&problem)),
+        Front::Refuse(problem) => return Err(pipeline::refuse(&handle, &problem)),
         Front::Buffered(buffered) => buffered,
     };
     let config = handle.config();
@@ -58,6 +59,11 @@ where
         req.extensions_mut().insert(context.clone());
     }
     Ok(Prepared::Claimed(handle, claimed, extracted))
+}
+
+/// The request's span ([`crate::observe`]), named after its route pattern.
+fn request_span(req: &HttpRequest) -> tracing::Span {
+    crate::observe::request_span(req.match_pattern().as_deref().unwrap_or(""))
 }
 
 fn answer(ended: Ended<HttpResponse, (), Infallible>) -> HttpResponse {
@@ -93,15 +99,18 @@ where
             Err(rejection) => rejection,
         };
     }
-    match prepare::<Detached, _, _, _>(&req, payload, endpoint, extract).await {
+    let span = request_span(&req);
+    let prepared = prepare::<Detached, _, _, _>(&req, payload, endpoint, extract);
+    match prepared.instrument(span.clone()).await {
         Err(answer) => answer,
-        Ok(Prepared::Pass(args)) => handler(args, None, req).await,
+        Ok(Prepared::Pass(args)) => handler(args, None, req).instrument(span).await,
         Ok(Prepared::Claimed(handle, claimed, extracted)) => {
             let Claimed {
                 held,
                 permit,
                 context,
                 route,
+                span,
                 ..
             } = claimed;
             let run = async move {
@@ -111,7 +120,8 @@ where
                 };
                 Ok((response, ()))
             };
-            let work = pipeline::work(handle.clone(), held, permit, route.clone(), run);
+            let work =
+                pipeline::work(handle.clone(), held, permit, route.clone(), run).instrument(span);
             answer(adapter::drive(&handle, &route, work).await)
         }
     }
@@ -141,7 +151,7 @@ where
         return pipeline::enlisted_behind_layer(&route);
     }
     let enlisted = prepare::<crate::enlisted::Enlisted, _, _, _>(&req, payload, endpoint, extract);
-    let (handle, claimed, extracted) = match enlisted.await {
+    let (handle, claimed, extracted) = match enlisted.instrument(request_span(&req)).await {
         Err(answer) => return answer,
         Ok(Prepared::Claimed(handle, claimed, extracted)) => (handle, claimed, extracted),
         Ok(Prepared::Pass(_)) => unreachable!("enlisted mode reads every body before it begins"),
@@ -151,6 +161,7 @@ where
         permit,
         context,
         route,
+        span,
         ..
     } = claimed;
     let run = move |tx| async move {
@@ -160,6 +171,7 @@ where
             Err(rejection) => (tx, rejection),
         }
     };
-    let work = pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), run);
+    let work =
+        pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), run).instrument(span);
     answer(adapter::drive(&handle, &route, work).await)
 }

@@ -11,10 +11,11 @@ use actix_web::dev::{self, ResourceDef, Service, ServiceRequest, ServiceResponse
 use actix_web::http::Method;
 use actix_web::{Error, HttpMessage, HttpResponse};
 use futures_util::future::LocalBoxFuture;
+use tracing::Instrument as _;
 
 use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
 use crate::config::EndpointConfig;
-use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, Reply};
+use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled};
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
 /// with the same semantics as `#[idempotent]` on each handler (runtime checks only).
@@ -172,7 +173,8 @@ where
         let params = self.params(&req, &pattern);
         let endpoint = self.endpoint;
         req.extensions_mut().insert(Handled);
-        Box::pin(async move {
+        let span = crate::observe::request_span(&pattern);
+        let steps = async move {
             let payload = req.take_payload();
             let head = ActixHead {
                 req: req.request(),
@@ -186,7 +188,8 @@ where
                         return Ok(service.call(req).await?.map_into_boxed_body());
                     }
                     Front::Refuse(problem) => {
-                        return Ok(req.into_response(HttpResponse::problem(&problem)));
+                        let refusal: HttpResponse = pipeline::refuse(&handle, &problem);
+                        return Ok(req.into_response(refusal));
                     }
                     Front::Buffered(buffered) => buffered,
                 };
@@ -198,6 +201,7 @@ where
                 permit,
                 context,
                 route,
+                span,
             } = match claimed {
                 Ok(claimed) => claimed,
                 Err(answer) => return Ok(req.into_response(answer)),
@@ -213,12 +217,14 @@ where
                 let (req, response) = inner.await?.into_parts();
                 Ok((response.map_into_boxed_body(), req))
             };
-            let work = pipeline::work(handle.clone(), held, permit, route.clone(), handler);
+            let work = pipeline::work(handle.clone(), held, permit, route.clone(), handler)
+                .instrument(span);
             match adapter::drive(&handle, &route, work).await {
                 Ended::Answered(response, req) => Ok(ServiceResponse::new(req, response)),
                 Ended::Failed(error) => Err(error),
                 Ended::Panicked(response) => Err(adapter::panicked_error(response)),
             }
-        })
+        };
+        Box::pin(steps.instrument(span))
     }
 }

@@ -1,6 +1,7 @@
 //! axum's half of the pipeline: its request head, bodies and responses in the pipeline's terms
 //! ([`Head`], [`Chunks`], [`Reply`]), and the glue every axum entry point shares.
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -16,11 +17,12 @@ use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::request::Parts;
 use http::{HeaderName, HeaderValue, StatusCode};
 use http_body::Body as _;
+use tracing::Instrument as _;
 
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
 use crate::pipeline::{self, ClaimMode, Claimed, Ended, Front, Head, REPLAYED_HEADER, Reply};
-use crate::problem::{self, Problem};
+use crate::problem::{self, Problem, RenderedRefusal};
 use crate::reservation::Reservation;
 use crate::scope::Identity;
 use crate::store::RecordedResponse;
@@ -144,15 +146,17 @@ impl Reply for Response {
         Response::from_parts(head, Body::from_stream(stream))
     }
 
-    fn problem(problem: &Problem) -> Self {
+    fn problem(problem: &Problem, rendered: RenderedRefusal) -> Self {
         let status =
             StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut response = (status, problem.body()).into_response();
+        let mut response = (status, rendered.body).into_response();
         let headers = response.headers_mut();
-        headers.insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static(problem::CONTENT_TYPE),
-        );
+        let content_type = match rendered.content_type {
+            Cow::Borrowed(s) => HeaderValue::from_static(s),
+            Cow::Owned(s) => HeaderValue::try_from(s)
+                .unwrap_or_else(|_| HeaderValue::from_static(problem::CONTENT_TYPE)),
+        };
+        headers.insert(CONTENT_TYPE, content_type);
         if let Some(seconds) = problem.retry_after() {
             headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
         }
@@ -201,12 +205,20 @@ pub(crate) async fn prepare<M: ClaimMode>(
 ) -> Result<Prepared<M::Held>, Response> {
     let (mut parts, body) = request.into_parts();
     let head = AxumHead::new(&mut parts);
-    let buffered = match pipeline::front::<M, _, _>(handle, endpoint, &head, body).await {
-        Front::Pass(body) => return Ok(Prepared::Pass(Request::from_parts(parts, body))),
-        Front::Refuse(problem) => return Err(Response::problem(&problem)),
-        Front::Buffered(buffered) => buffered,
+    let span = pipeline::request_span(&head);
+    let steps = async {
+        match pipeline::front::<M, _, _>(handle, endpoint, &head, body).await {
+            Front::Pass(body) => Ok(Err(body)),
+            Front::Refuse(problem) => Err(pipeline::refuse(handle, &problem)),
+            Front::Buffered(buffered) => pipeline::claim::<M, _, Response>(handle, &head, buffered)
+                .await
+                .map(Ok),
+        }
     };
-    let claimed = pipeline::claim::<M, _, Response>(handle, &head, buffered).await?;
+    let claimed = match steps.instrument(span).await? {
+        Err(body) => return Ok(Prepared::Pass(Request::from_parts(parts, body))),
+        Ok(claimed) => claimed,
+    };
     if let Some(context) = &claimed.context {
         parts.extensions.insert(context.clone());
     }
@@ -238,10 +250,12 @@ where
         held,
         permit,
         route,
+        span,
         ..
     } = claimed;
     let handler = handler.map(|response| Ok((response, ())));
-    let work = pipeline::work(handle.clone(), held, permit, route.clone(), handler);
+    let work =
+        pipeline::work(handle.clone(), held, permit, route.clone(), handler).instrument(span);
     drive(&handle, &route, work).await
 }
 

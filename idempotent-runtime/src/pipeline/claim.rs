@@ -171,6 +171,8 @@ impl Idempotency {
         match claimed {
             Claimed::Acquired { reclaimed } => {
                 if reclaimed {
+                    observe::decided("reclaimed");
+                    audit(AuditDecision::Reclaimed);
                     observe::count(Event::Reclaimed, route);
                     tracing::warn!(
                         route,
@@ -178,16 +180,22 @@ impl Idempotency {
                         "reclaimed an abandoned reservation; its handler may have run before"
                     );
                 }
+                if !reclaimed {
+                    observe::decided("executed");
+                    audit(AuditDecision::Executed);
+                }
                 observe::count(Event::Executed, route);
                 Begin::Run(held())
             }
             Claimed::Replay(response) => {
+                observe::decided("replayed");
                 observe::count(Event::Replayed, route);
                 audit(AuditDecision::Replayed);
                 tracing::debug!(route, key_hash = %KeyDisplay(req.key.as_str()), "replayed");
                 Begin::Replay(response)
             }
             Claimed::InProgress { lease_left } => {
+                observe::decided("in_progress");
                 observe::count(Event::InProgress, route);
                 audit(AuditDecision::InProgress);
                 let retry_after = record::in_progress_retry_after(
@@ -204,6 +212,7 @@ impl Idempotency {
                 )
             }
             Claimed::KeyReused => {
+                observe::decided("key_reused");
                 observe::count(Event::KeyReused, route);
                 audit(AuditDecision::KeyReused);
                 Begin::Refuse(Problem::new(
@@ -231,6 +240,7 @@ impl Idempotency {
             StoreError::Unavailable(_) => (ProblemCode::StoreUnavailable, Event::StoreError),
         };
         observe::count(event, route);
+        observe::decided(event.name());
         tracing::warn!(route, key_hash = %KeyDisplay(key.as_str()), %error, "idempotency claim failed");
         if matches!(error, StoreError::Unavailable(_)) {
             // The claim may have been written before the connection dropped: free it if so, so
@@ -239,6 +249,7 @@ impl Idempotency {
             let _ = tokio::time::timeout(Duration::from_secs(2), release).await;
             if config.failure_mode() == FailureMode::Open {
                 tracing::warn!(route, "failing open: running the handler unprotected");
+                observe::decided("executed_unprotected");
                 observe::count(Event::Executed, route);
                 return Begin::Run(Reservation::unguarded(route, self.enter_running()));
             }

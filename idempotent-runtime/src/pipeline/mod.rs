@@ -52,7 +52,7 @@ use crate::context::IdempotencyContext;
 use crate::fingerprint::FingerprintInput;
 use crate::handle::Idempotency;
 use crate::key::{self, IdempotencyKey};
-use crate::problem::Problem;
+use crate::problem::{Problem, RenderedRefusal};
 use crate::reservation::{Outcome, Reservation};
 use crate::scope::{self, Identity};
 use crate::store::RecordedResponse;
@@ -105,8 +105,10 @@ pub(crate) trait Reply: Sized {
         error: Option<<Self::Body as Chunks>::Error>,
         rest: Self::Body,
     ) -> Self;
-    /// A refusal as `application/problem+json`, with `Retry-After` when it has one.
-    fn problem(problem: &Problem) -> Self;
+    /// A refusal with the problem's status and `Retry-After` (when it has one), and the body
+    /// the handle rendered for it (`application/problem+json` unless the application set a
+    /// renderer). Built through [`refuse`], never directly.
+    fn problem(problem: &Problem, rendered: RenderedRefusal) -> Self;
     /// A recorded response, marked with [`REPLAYED_HEADER`].
     fn replay(recorded: &RecordedResponse) -> Self;
     /// A plain 500 for a setup mistake the log line explains.
@@ -141,6 +143,17 @@ pub(crate) fn enlisted_behind_layer<R: Reply>(route: &str) -> R {
          the handler"
     );
     R::internal("an enlisted handler cannot run behind the idempotency layer")
+}
+
+/// A refusal as the framework's response, rendered by the handle's renderer.
+pub(crate) fn refuse<R: Reply>(handle: &Idempotency, problem: &Problem) -> R {
+    R::problem(problem, handle.render_refusal(problem))
+}
+
+/// The span a request runs in, for the adapters to enter before [`front`]
+/// ([`observe::request_span`](crate::observe)).
+pub(crate) fn request_span<H: Head>(head: &H) -> tracing::Span {
+    crate::observe::request_span(route_of(head))
 }
 
 fn first_header<'a, H: Head>(head: &'a H, name: &'static str) -> Option<&'a [u8]> {
@@ -222,6 +235,8 @@ pub(crate) struct Claimed<H> {
     /// `None` for a request without a key.
     pub(crate) context: Option<IdempotencyContext>,
     pub(crate) route: String,
+    /// The request's span, for the claimed work that may run in a task of its own.
+    pub(crate) span: tracing::Span,
 }
 
 /// Scope → fingerprint → claim, the way `M` claims. `Err` is the answer instead of running:
@@ -244,11 +259,12 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
         permit,
         context,
         route: route.to_owned(),
+        span: tracing::Span::current(),
     };
     let Some(key) = key else {
         return match M::unkeyed(handle, route).await {
             Ok(held) => Ok(claimed(held, None)),
-            Err(problem) => Err(R::problem(&problem)),
+            Err(problem) => Err(refuse(handle, &problem)),
         };
     };
     let config = handle.config();
@@ -263,8 +279,9 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
         .with_identity(|identity| scope::resolve(identity, credential, peer, config.anonymous()));
     let scope = match resolved {
         Ok(scope) => scope,
-        Err(error) => return Err(R::problem(&handle.scope_unresolved(error, route))),
+        Err(error) => return Err(refuse(handle, &handle.scope_unresolved(error, route))),
     };
+    crate::observe::scoped(scope.hash());
     let params = head.path_params();
     let request = BeginRequest {
         key: &key,
@@ -285,7 +302,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
             Ok(claimed(held, Some(context)))
         }
         Begin::Replay(recorded) => Err(R::replay(&recorded)),
-        Begin::Refuse(problem) => Err(R::problem(&problem)),
+        Begin::Refuse(problem) => Err(refuse(handle, &problem)),
     }
 }
 
@@ -312,7 +329,7 @@ where
     R: Reply,
 {
     match reservation.run(handler).await {
-        Outcome::Panicked => Ended::Panicked(R::problem(&handle.panicked(&route))),
+        Outcome::Panicked => Ended::Panicked(refuse(&handle, &handle.panicked(&route))),
         Outcome::Returned(Err(error)) => {
             reservation.release().await;
             Ended::Failed(error)
@@ -353,9 +370,9 @@ where
         Ok(Poll::Ready(ended)) => ended,
         Ok(Poll::Pending) => match spawn(work).await {
             Ok(ended) => ended,
-            Err(_) => Ended::Panicked(R::problem(&handle.task_failed(route))),
+            Err(_) => Ended::Panicked(refuse(handle, &handle.task_failed(route))),
         },
-        Err(_) => Ended::Panicked(R::problem(&handle.task_failed(route))),
+        Err(_) => Ended::Panicked(refuse(handle, &handle.task_failed(route))),
     }
 }
 

@@ -182,7 +182,7 @@ impl Reply for Sent {
         Self(head, rest)
     }
 
-    fn problem(problem: &Problem) -> Self {
+    fn problem(problem: &Problem, _: crate::problem::RenderedRefusal) -> Self {
         let (mut reply, _) = TestReply::new(problem.status(), b"");
         reply.code = Some(problem.code());
         Self(reply, TestBody::default())

@@ -605,7 +605,7 @@ mod tests {
     async fn byte_bound_refuses_rather_than_grows() {
         let store = MemoryStore::builder()
             .limits(MemoryLimits {
-                max_bytes: 10 * (ENTRY_OVERHEAD + 4),
+                max_bytes: 10 * (ENTRY_OVERHEAD + 4 + "/test".len()),
                 ..MemoryLimits::default()
             })
             .build();
@@ -620,7 +620,7 @@ mod tests {
             }
         }
         assert_eq!(refused, 90);
-        assert!(store.bytes() <= 10 * (ENTRY_OVERHEAD + 4));
+        assert!(store.bytes() <= 10 * (ENTRY_OVERHEAD + 4 + "/test".len()));
     }
 
     #[tokio::test]

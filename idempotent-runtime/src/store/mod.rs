@@ -398,7 +398,7 @@ pub fn spawn_sweeper(
             tick.tick().await;
             let Some(store) = store.upgrade() else { return };
             loop {
-                match store.sweep(batch).await {
+                match crate::observe::timed("sweep", store.kind(), store.sweep(batch)).await {
                     Ok(n) if n >= batch => continue,
                     Ok(n) => {
                         if n > 0 {
