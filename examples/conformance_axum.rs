@@ -8,7 +8,8 @@
 //! `/orders` and `/status` take the store from the application state (`FromRef`); `/notes`,
 //! `/shops/{shop}/orders`, `/slow` and `/panic` from the request extensions
 //! (`Extension<Idempotency>`); `/search` and `/big` sit behind `IdempotencyLayer` (and
-//! `/big` also carries the attribute, which steps aside).
+//! `/big` also carries the attribute, which steps aside). `/metrics` is the Prometheus scrape;
+//! `/admin/records?key=K` inspects (GET) and forgets (DELETE) the caller's own record.
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -23,9 +24,15 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use idempotent_examples::admin;
 use idempotent_examples::conformance::{Executions, Options, identity, shutdown_signal};
 use idempotent_runtime::axum::{IdempotencyLayer, idempotent};
+use idempotent_runtime::scope::Identity;
 use idempotent_runtime::{Idempotency, IdempotencyContext};
+use metrics_exporter_prometheus::PrometheusHandle;
+
+#[path = "support/prometheus.rs"]
+mod prometheus;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -34,6 +41,7 @@ struct AppState {
     idempotency: Idempotency,
     executions: Arc<Executions>,
     orders: Arc<Mutex<HashMap<u64, Value>>>,
+    metrics: PrometheusHandle,
 }
 
 impl FromRef<AppState> for Idempotency {
@@ -181,6 +189,45 @@ async fn executions(State(state): State<AppState>) -> Json<Value> {
     Json(state.executions.snapshot())
 }
 
+async fn scrape(State(state): State<AppState>) -> Response {
+    let text = prometheus::render(&state.metrics, &state.idempotency);
+    ([(header::CONTENT_TYPE, prometheus::CONTENT_TYPE)], text).into_response()
+}
+
+#[derive(Deserialize)]
+struct RecordQuery {
+    key: String,
+    route: Option<String>,
+}
+
+/// `GET` and `DELETE /admin/records?key=K`: the record of `K` in the caller's own scope.
+async fn admin_record(
+    State(state): State<AppState>,
+    Query(query): Query<RecordQuery>,
+    request: Request,
+) -> Response {
+    let peer = request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        .map(|info| info.0.ip());
+    let Ok(scope) = admin::scope_of(request.extensions().get::<Identity>(), peer) else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let (idempotency, route) = (&state.idempotency, query.route.as_deref());
+    if request.method() == axum::http::Method::DELETE {
+        return match idempotency.forget(&scope, route, &query.key).await {
+            Ok(true) => StatusCode::NO_CONTENT.into_response(),
+            Ok(false) => StatusCode::NOT_FOUND.into_response(),
+            Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        };
+    }
+    match idempotency.inspect(&scope, route, &query.key, false).await {
+        Ok(Some(info)) => Json(admin::record_json(&info)).into_response(),
+        Ok(None) => StatusCode::NOT_FOUND.into_response(),
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    }
+}
+
 /// The conformance identity rules: `Bearer <tenant>:<subject>`, `X-Api-Key`, or anonymous; a
 /// malformed `Authorization` is 401 before any idempotency step.
 async fn authenticate(headers: HeaderMap, mut request: Request, next: Next) -> Response {
@@ -207,11 +254,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::process::exit(2);
         }
     };
+    let metrics = prometheus::install();
     let idempotency = options.idempotency().await?;
     let state = AppState {
         idempotency: idempotency.clone(),
         executions: Arc::default(),
         orders: Arc::default(),
+        metrics,
     };
     let layered = Router::new()
         .route("/search", post(search))
@@ -226,6 +275,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/status", post(status))
         .route("/panic", post(panic))
         .route("/executions", get(executions))
+        .route("/metrics", get(scrape))
+        .route("/admin/records", get(admin_record).delete(admin_record))
         .merge(layered)
         .layer(Extension(idempotency.clone()))
         .layer(middleware::from_fn(authenticate))

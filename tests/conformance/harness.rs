@@ -67,6 +67,16 @@ impl Server {
         Call(self.client.post(self.url(path)))
     }
 
+    /// A GET of `path`, to add headers to.
+    pub fn get_call(&self, path: &str) -> Call {
+        Call(self.client.get(self.url(path)))
+    }
+
+    /// A DELETE of `path`.
+    pub fn delete(&self, path: &str) -> Call {
+        Call(self.client.delete(self.url(path)))
+    }
+
     /// A GET of `path`.
     pub async fn get(&self, path: &str) -> Resp {
         Call(self.client.get(self.url(path))).send().await
