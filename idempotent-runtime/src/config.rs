@@ -296,9 +296,26 @@ impl ConfigBuilder {
     }
 }
 
-/// Per-endpoint settings, as written in `#[idempotent(...)]`; `None` falls back to [`Config`].
+/// Per-endpoint settings, as written in `#[idempotent(...)]` or given to the layer and
+/// middleware ([`endpoint`](crate::axum::IdempotencyLayer::endpoint)); `None` falls back to
+/// [`Config`].
 ///
-/// The attribute emits this as a constant, so overrides cost nothing per request.
+/// The attribute emits this as a constant, so overrides cost nothing per request. Lists are
+/// `'static` slices for the same reason: header names in lowercase.
+///
+/// ```
+/// use idempotent_runtime::EndpointConfig;
+/// use idempotent_runtime::config::{FailureMode, ReuseStatus};
+///
+/// const PAYMENTS: EndpointConfig = EndpointConfig {
+///     reuse_status: Some(ReuseStatus::Conflict),
+///     non_replayable: Some(&[401, 403, 408, 412, 429, 404]),
+///     recorded_headers: Some(&["content-type", "location", "x-payment-id"]),
+///     failure_mode: Some(FailureMode::Closed),
+///     ..EndpointConfig::REQUIRED
+/// };
+/// assert!(PAYMENTS.require_key);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct EndpointConfig {
     /// Refuse requests without a key.
@@ -311,6 +328,15 @@ pub struct EndpointConfig {
     pub max_body: Option<usize>,
     /// Recorded response cap override.
     pub max_response: Option<usize>,
+    /// Status for a reused key, overriding [`Config::reuse_status`].
+    pub reuse_status: Option<ReuseStatus>,
+    /// Statuses below 500 never recorded, replacing [`ConfigBuilder::non_replayable`]'s list.
+    pub non_replayable: Option<&'static [u16]>,
+    /// Response headers kept in the record (lowercase), replacing
+    /// [`ConfigBuilder::recorded_headers`]'s list; the never-recorded ones stay excluded.
+    pub recorded_headers: Option<&'static [&'static str]>,
+    /// Fail closed or open when the store is unreachable, overriding [`Config::failure_mode`].
+    pub failure_mode: Option<FailureMode>,
 }
 
 impl EndpointConfig {
@@ -321,6 +347,10 @@ impl EndpointConfig {
         retention: None,
         max_body: None,
         max_response: None,
+        reuse_status: None,
+        non_replayable: None,
+        recorded_headers: None,
+        failure_mode: None,
     };
     /// An endpoint that requires a key.
     pub const REQUIRED: Self = Self {
@@ -336,6 +366,42 @@ impl EndpointConfig {
             retention: self.retention.unwrap_or(config.retention),
             max_body: self.max_body.unwrap_or(config.max_body),
             max_response: self.max_response.unwrap_or(config.max_response),
+            reuse_status: self.reuse_status.unwrap_or(config.reuse_status),
+            failure_mode: self.failure_mode.unwrap_or(config.failure_mode),
+            recording: Recording {
+                non_replayable: self.non_replayable,
+                recorded_headers: self.recorded_headers,
+            },
+        }
+    }
+}
+
+/// Which responses an endpoint records: its overrides of [`Config`]'s lists, `None` meaning
+/// the configured one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Recording {
+    /// Statuses below 500 never recorded.
+    pub non_replayable: Option<&'static [u16]>,
+    /// Response headers kept (lowercase).
+    pub recorded_headers: Option<&'static [&'static str]>,
+}
+
+impl Recording {
+    /// Whether a response with this final status may be recorded and replayed.
+    pub fn is_recordable_status(&self, config: &Config, status: u16) -> bool {
+        match self.non_replayable {
+            Some(list) => (200..500).contains(&status) && !list.contains(&status),
+            None => config.is_recordable_status(status),
+        }
+    }
+
+    /// Whether a response header (lowercase name) is kept in the record.
+    pub fn records_header(&self, config: &Config, lowercase_name: &str) -> bool {
+        match self.recorded_headers {
+            Some(list) => {
+                !NEVER_RECORDED.contains(&lowercase_name) && list.contains(&lowercase_name)
+            }
+            None => config.records_header(lowercase_name),
         }
     }
 }
@@ -353,6 +419,12 @@ pub struct Effective {
     pub max_body: usize,
     /// Recorded response cap.
     pub max_response: usize,
+    /// Status for a reused key.
+    pub reuse_status: ReuseStatus,
+    /// Fail closed or open.
+    pub failure_mode: FailureMode,
+    /// Which responses are recorded.
+    pub recording: Recording,
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
-use crate::config::Config;
+use crate::config::{Config, Recording};
 use crate::fingerprint::Fingerprint;
 use crate::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
@@ -193,14 +193,23 @@ pub fn recorded_headers<'a>(
     config: &Config,
     headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
 ) -> Option<Vec<(String, Bytes)>> {
+    recorded_headers_for(config, &Recording::default(), headers)
+}
+
+/// [`recorded_headers`] under an endpoint's own allowlist, when it has one.
+pub fn recorded_headers_for<'a>(
+    config: &Config,
+    recording: &Recording,
+    headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+) -> Option<Vec<(String, Bytes)>> {
     let mut kept = Vec::new();
     for (name, value) in headers {
         if name.eq_ignore_ascii_case("content-encoding")
-            && !config.records_header("content-encoding")
+            && !recording.records_header(config, "content-encoding")
         {
             return None;
         }
-        if config.records_header(name) {
+        if recording.records_header(config, name) {
             kept.push((name.to_owned(), Bytes::copy_from_slice(value)));
         }
     }

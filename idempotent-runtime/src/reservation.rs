@@ -11,6 +11,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use tokio::sync::Notify;
 
+use crate::config::Recording;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
 use crate::scope::ScopeHash;
@@ -25,6 +26,7 @@ pub struct Reservation {
     lease: Duration,
     retention: Duration,
     max_response: usize,
+    recording: Recording,
     route: Arc<str>,
     _running: RunningGuard,
 }
@@ -96,9 +98,21 @@ impl Reservation {
             lease,
             retention,
             max_response,
+            recording: Recording::default(),
             route: route.into(),
             _running: running,
         }
+    }
+
+    /// The endpoint's own rules for what is recorded.
+    pub(crate) fn with_recording(mut self, recording: Recording) -> Self {
+        self.recording = recording;
+        self
+    }
+
+    /// The endpoint's rules for what is recorded.
+    pub fn recording(&self) -> &Recording {
+        &self.recording
     }
 
     /// A handler running unprotected (failing open while the store is down): nothing is held,
@@ -109,6 +123,7 @@ impl Reservation {
             lease: Duration::ZERO,
             retention: Duration::ZERO,
             max_response: 0,
+            recording: Recording::default(),
             route: route.into(),
             _running: running,
         }

@@ -47,9 +47,9 @@ where
         Front::Refuse(problem) => return Err(pipeline::refuse(&handle, &problem)),
         Front::Buffered(buffered) => buffered,
     };
-    let config = handle.config();
+    let (config, recording) = (handle.config(), endpoint.resolve(handle.config()).recording);
     let extracted = match extract(req.clone(), dev::Payload::from(buffered.body.clone())).await {
-        Err(rejection) if !config.is_recordable_status(rejection.status().as_u16()) => {
+        Err(rejection) if !recording.is_recordable_status(config, rejection.status().as_u16()) => {
             return Err(rejection);
         }
         extracted => extracted,

@@ -14,7 +14,7 @@ use futures_util::future::LocalBoxFuture;
 use tracing::Instrument as _;
 
 use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
-use crate::config::EndpointConfig;
+use crate::config::{EndpointConfig, FailureMode, ReuseStatus};
 use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled};
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
@@ -74,6 +74,30 @@ impl IdempotencyMiddleware {
     /// Endpoint settings for every route inside (lease, retention, body and response caps).
     pub fn endpoint(mut self, endpoint: EndpointConfig) -> Self {
         self.endpoint = endpoint;
+        self
+    }
+
+    /// 422 or 409 for a reused key inside, overriding [`Config`](crate::Config).
+    pub fn reuse_status(mut self, status: ReuseStatus) -> Self {
+        self.endpoint.reuse_status = Some(status);
+        self
+    }
+
+    /// Statuses below 500 never recorded inside, replacing the configured list.
+    pub fn non_replayable(mut self, statuses: &'static [u16]) -> Self {
+        self.endpoint.non_replayable = Some(statuses);
+        self
+    }
+
+    /// Response headers (lowercase) recorded inside, replacing the configured list.
+    pub fn recorded_headers(mut self, names: &'static [&'static str]) -> Self {
+        self.endpoint.recorded_headers = Some(names);
+        self
+    }
+
+    /// Fail closed or open inside when the store is unreachable.
+    pub fn failure_mode(mut self, mode: FailureMode) -> Self {
+        self.endpoint.failure_mode = Some(mode);
         self
     }
 

@@ -146,8 +146,13 @@ impl Idempotency {
                     route,
                     self.enter_running(),
                 )
+                .with_recording(req.endpoint.recording)
             }),
-            Err(error) => self.claim_failed(error, &plan.claim, req.key, route).await,
+            Err(error) => {
+                let mode = req.endpoint.failure_mode;
+                self.claim_failed(error, &plan.claim, req.key, route, mode)
+                    .await
+            }
         }
     }
 
@@ -216,7 +221,7 @@ impl Idempotency {
                 observe::count(Event::KeyReused, route);
                 audit(AuditDecision::KeyReused);
                 Begin::Refuse(Problem::new(
-                    self.config().reuse_status().code(),
+                    req.endpoint.reuse_status.code(),
                     ProblemCode::KeyReused,
                     "this Idempotency-Key was already used with a different request",
                 ))
@@ -230,6 +235,7 @@ impl Idempotency {
         claim: &ClaimRequest<'_>,
         key: &IdempotencyKey,
         route: &str,
+        failure_mode: FailureMode,
     ) -> Begin {
         let config = self.config();
         let retry_after = record::ceil_secs(config.store_retry_after()).max(1);
@@ -247,7 +253,7 @@ impl Idempotency {
             // the client's retry is not blocked for a whole lease.
             let release = self.store().release(claim.scope, claim.key, claim.token);
             let _ = tokio::time::timeout(Duration::from_secs(2), release).await;
-            if config.failure_mode() == FailureMode::Open {
+            if failure_mode == FailureMode::Open {
                 tracing::warn!(route, "failing open: running the handler unprotected");
                 observe::decided("executed_unprotected");
                 observe::count(Event::Executed, route);

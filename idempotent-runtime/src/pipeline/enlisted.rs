@@ -59,7 +59,8 @@ pub(crate) async fn settle_enlisted<R: Reply>(
 ) -> R {
     let config = handle.config();
     let status = response.status();
-    if !config.is_recordable_status(status) {
+    let recording = settle.recording();
+    if !recording.is_recordable_status(config, status) {
         settle.rollback(tx, "final status not recordable").await;
         return response;
     }
@@ -71,7 +72,7 @@ pub(crate) async fn settle_enlisted<R: Reply>(
     }
     let route = settle.route().to_owned();
     let cap = settle.max_response();
-    let headers = record::recorded_headers(config, response.headers());
+    let headers = record::recorded_headers_for(config, &recording, response.headers());
     let (head, body) = response.into_parts();
     let fits = body.exact_len().is_none_or(|n| n <= cap as u64);
     let (Some(headers), true) = (headers, fits) else {

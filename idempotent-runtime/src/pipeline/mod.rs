@@ -386,11 +386,13 @@ pub(crate) async fn settle<R: Reply>(
 ) -> R {
     let config = handle.config();
     let status = response.status();
-    if !reservation.is_guarded() || !config.is_recordable_status(status) {
+    let recording = *reservation.recording();
+    if !reservation.is_guarded() || !recording.is_recordable_status(config, status) {
         reservation.release().await;
         return response;
     }
-    let Some(headers) = crate::record::recorded_headers(config, response.headers()) else {
+    let headers = crate::record::recorded_headers_for(config, &recording, response.headers());
+    let Some(headers) = headers else {
         reservation.release().await;
         return response;
     };
