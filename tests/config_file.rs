@@ -46,7 +46,10 @@ fn loads_every_setting_from_a_toml_section_in_human_units() {
     assert!(!c.is_recordable_status(429) && c.is_recordable_status(408));
     assert!(c.records_header("x-request-id") && !c.records_header("etag"));
     assert_eq!(c.reuse_status(), ReuseStatus::Conflict);
-    assert_eq!(c.missing_key_status(), MissingKeyStatus::PreconditionRequired);
+    assert_eq!(
+        c.missing_key_status(),
+        MissingKeyStatus::PreconditionRequired
+    );
     assert_eq!(c.failure_mode(), FailureMode::Open);
     assert_eq!(c.anonymous(), Anonymous::Refuse);
     assert_eq!(c.trusted_proxies().len(), 2);
