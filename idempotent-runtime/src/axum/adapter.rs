@@ -205,7 +205,7 @@ pub(crate) async fn prepare<M: ClaimMode>(
 ) -> Result<Prepared<M::Held>, Response> {
     let (mut parts, body) = request.into_parts();
     let head = AxumHead::new(&mut parts);
-    let span = pipeline::request_span(&head);
+    let span = crate::observe::request_span(head.route().unwrap_or(""));
     let steps = async {
         match pipeline::front::<M, _, _>(handle, endpoint, &head, body).await {
             Front::Pass(body) => Ok(Err(body)),

@@ -395,10 +395,13 @@ async fn a_refusal_renderer_sets_the_content_type_and_body_and_keeps_the_status(
     assert_eq!(body, r#"{"error":"IDEMPOTENCY_KEY_REQUIRED"}"#);
 }
 
+/// A span's metadata and the fields recorded on it.
+type SpanRecord = (&'static tracing::Metadata<'static>, Vec<(String, String)>);
+
 /// A subscriber that keeps every span's fields and every event's, to check what is logged.
 #[derive(Default)]
 struct Capture {
-    spans: std::sync::Mutex<Vec<(&'static tracing::Metadata<'static>, Vec<(String, String)>)>>,
+    spans: std::sync::Mutex<Vec<SpanRecord>>,
     stack: std::sync::Mutex<Vec<u64>>,
     events: std::sync::Mutex<Vec<String>>,
 }

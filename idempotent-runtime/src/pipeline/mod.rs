@@ -150,12 +150,6 @@ pub(crate) fn refuse<R: Reply>(handle: &Idempotency, problem: &Problem) -> R {
     R::problem(problem, handle.render_refusal(problem))
 }
 
-/// The span a request runs in, for the adapters to enter before [`front`]
-/// ([`observe::request_span`](crate::observe)).
-pub(crate) fn request_span<H: Head>(head: &H) -> tracing::Span {
-    crate::observe::request_span(route_of(head))
-}
-
 fn first_header<'a, H: Head>(head: &'a H, name: &'static str) -> Option<&'a [u8]> {
     head.header_values(name).next()
 }
