@@ -9,7 +9,9 @@
 //! `/orders` (attribute above `#[post]`), `/slow` (attribute below `#[post]`), `/notes`,
 //! `/status` and `/panic` (attribute with `.route().to()`) use the attribute;
 //! `/shops/{shop}/orders` (a scope) and `/search` (a resource) sit behind
-//! `IdempotencyMiddleware`; `/big` has both, and the attribute steps aside.
+//! `IdempotencyMiddleware`; `/big` has both, and the attribute steps aside. `/metrics` is the
+//! Prometheus scrape; `/admin/records?key=K` inspects (GET) and forgets (DELETE) the caller's
+//! own record.
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -22,9 +24,15 @@ use actix_web::http::{StatusCode, header};
 use actix_web::{
     App, HttpMessage, HttpRequest, HttpResponse, HttpServer, Responder, get, post, web,
 };
+use idempotent_examples::admin;
 use idempotent_examples::conformance::{Executions, Options, RunLog, identity, init_logging};
-use idempotent_runtime::IdempotencyContext;
 use idempotent_runtime::actix::{IdempotencyMiddleware, idempotent};
+use idempotent_runtime::scope::Identity;
+use idempotent_runtime::{Idempotency, IdempotencyContext};
+use metrics_exporter_prometheus::PrometheusHandle;
+
+#[path = "support/prometheus.rs"]
+mod prometheus;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -200,6 +208,48 @@ async fn executions(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(state.executions.snapshot())
 }
 
+#[get("/metrics")]
+async fn scrape(
+    handle: web::Data<PrometheusHandle>,
+    idempotency: web::Data<Idempotency>,
+) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type(prometheus::CONTENT_TYPE)
+        .body(prometheus::render(&handle, &idempotency))
+}
+
+#[derive(Deserialize)]
+struct RecordQuery {
+    key: String,
+    route: Option<String>,
+}
+
+/// `GET` and `DELETE /admin/records?key=K`: the record of `K` in the caller's own scope.
+async fn admin_record(
+    req: HttpRequest,
+    idempotency: web::Data<Idempotency>,
+    query: web::Query<RecordQuery>,
+) -> HttpResponse {
+    let peer = req.peer_addr().map(|addr| addr.ip());
+    let scope = admin::scope_of(req.extensions().get::<Identity>(), peer);
+    let Ok(scope) = scope else {
+        return HttpResponse::InternalServerError().finish();
+    };
+    let route = query.route.as_deref();
+    if req.method() == actix_web::http::Method::DELETE {
+        return match idempotency.forget(&scope, route, &query.key).await {
+            Ok(true) => HttpResponse::NoContent().finish(),
+            Ok(false) => HttpResponse::NotFound().finish(),
+            Err(_) => HttpResponse::ServiceUnavailable().finish(),
+        };
+    }
+    match idempotency.inspect(&scope, route, &query.key, false).await {
+        Ok(Some(info)) => HttpResponse::Ok().json(admin::record_json(&info)),
+        Ok(None) => HttpResponse::NotFound().finish(),
+        Err(_) => HttpResponse::ServiceUnavailable().finish(),
+    }
+}
+
 /// The conformance identity rules: `Bearer <tenant>:<subject>` (with an `X-Api-Key` beside it),
 /// published here; a malformed `Authorization` is 401 before any idempotency step. `X-Api-Key`
 /// alone is left to the runtime's resolver (`Options::resolver`), so both ways of stating an
@@ -237,6 +287,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::process::exit(2);
         }
     };
+    let metrics = web::Data::new(prometheus::install());
     let idempotency = web::Data::new(options.idempotency().await?);
     let state = web::Data::new(AppState {
         executions: Executions::default(),
@@ -258,12 +309,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let app = App::new()
                 .app_data(idempotency.clone())
                 .app_data(state.clone())
+                .app_data(metrics.clone())
                 .app_data(web::JsonConfig::default().limit(json_limit))
                 .wrap(actix_web::middleware::from_fn(authenticate))
                 .service(create_order)
                 .service(get_order)
                 .service(slow)
                 .service(executions)
+                .service(scrape)
+                .service(
+                    web::resource("/admin/records")
+                        .route(web::get().to(admin_record))
+                        .route(web::delete().to(admin_record)),
+                )
                 .route("/notes", web::post().to(create_note))
                 .route("/status", web::post().to(status))
                 .route("/panic", web::post().to(panic))

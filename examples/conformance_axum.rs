@@ -8,7 +8,8 @@
 //! `/orders` and `/status` take the store from the application state (`FromRef`); `/notes`,
 //! `/shops/{shop}/orders`, `/slow` and `/panic` from the request extensions
 //! (`Extension<Idempotency>`); `/search` and `/big` sit behind `IdempotencyLayer` (and
-//! `/big` also carries the attribute, which steps aside).
+//! `/big` also carries the attribute, which steps aside). `/metrics` is the Prometheus scrape;
+//! `/admin/records?key=K` inspects (GET) and forgets (DELETE) the caller's own record.
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -23,11 +24,17 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use idempotent_examples::admin;
 use idempotent_examples::conformance::{
     Executions, Options, RunLog, identity, init_logging, shutdown_signal,
 };
 use idempotent_runtime::axum::{IdempotencyLayer, idempotent};
+use idempotent_runtime::scope::Identity;
 use idempotent_runtime::{Idempotency, IdempotencyContext};
+use metrics_exporter_prometheus::PrometheusHandle;
+
+#[path = "support/prometheus.rs"]
+mod prometheus;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -37,6 +44,7 @@ struct AppState {
     executions: Arc<Executions>,
     run_log: Arc<RunLog>,
     orders: Arc<Mutex<HashMap<u64, Value>>>,
+    metrics: PrometheusHandle,
 }
 
 impl FromRef<AppState> for Idempotency {
@@ -238,6 +246,45 @@ async fn executions(State(state): State<AppState>) -> Json<Value> {
     Json(state.executions.snapshot())
 }
 
+async fn scrape(State(state): State<AppState>) -> Response {
+    let text = prometheus::render(&state.metrics, &state.idempotency);
+    ([(header::CONTENT_TYPE, prometheus::CONTENT_TYPE)], text).into_response()
+}
+
+#[derive(Deserialize)]
+struct RecordQuery {
+    key: String,
+    route: Option<String>,
+}
+
+/// `GET` and `DELETE /admin/records?key=K`: the record of `K` in the caller's own scope.
+async fn admin_record(
+    State(state): State<AppState>,
+    Query(query): Query<RecordQuery>,
+    request: Request,
+) -> Response {
+    let peer = request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        .map(|info| info.0.ip());
+    let Ok(scope) = admin::scope_of(request.extensions().get::<Identity>(), peer) else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let (idempotency, route) = (&state.idempotency, query.route.as_deref());
+    if request.method() == axum::http::Method::DELETE {
+        return match idempotency.forget(&scope, route, &query.key).await {
+            Ok(true) => StatusCode::NO_CONTENT.into_response(),
+            Ok(false) => StatusCode::NOT_FOUND.into_response(),
+            Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        };
+    }
+    match idempotency.inspect(&scope, route, &query.key, false).await {
+        Ok(Some(info)) => Json(admin::record_json(&info)).into_response(),
+        Ok(None) => StatusCode::NOT_FOUND.into_response(),
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    }
+}
+
 /// The conformance identity rules: `Bearer <tenant>:<subject>` (with an `X-Api-Key` beside it),
 /// published here; a malformed `Authorization` is 401 before any idempotency step. `X-Api-Key`
 /// alone is left to the runtime's resolver (`Options::resolver`), so both ways of stating an
@@ -268,12 +315,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::process::exit(2);
         }
     };
+    let metrics = prometheus::install();
     let idempotency = options.idempotency().await?;
     let state = AppState {
         idempotency: idempotency.clone(),
         executions: Arc::default(),
         run_log: Arc::new(RunLog::from_env()),
         orders: Arc::default(),
+        metrics,
     };
     #[cfg(feature = "postgres")]
     let ledger = ledger::routes(ledger::LedgerState {
@@ -296,6 +345,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/status", post(status))
         .route("/panic", post(panic))
         .route("/executions", get(executions))
+        .route("/metrics", get(scrape))
+        .route("/admin/records", get(admin_record).delete(admin_record))
         .merge(layered)
         .merge(ledger)
         .layer(Extension(idempotency.clone()))

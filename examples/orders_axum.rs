@@ -11,6 +11,11 @@
 //! and the order was created once.
 //!
 //! `ORDERS_ADDR` (default `127.0.0.1:3000`) sets the address; port 0 picks a free one.
+//! `ORDERS_METRICS=1` adds `GET /metrics`, the runtime's metrics in Prometheus text format.
+//!
+//! Refusals (a missing key, a reused one, …) come in the service's own error envelope,
+//! `{"error": {"code", "message"}}`, through the handle's refusal renderer; their status and
+//! `Retry-After` are the runtime's.
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -24,8 +29,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idempotent_runtime::axum::idempotent;
+use idempotent_runtime::problem::{Problem, RenderedRefusal};
 use idempotent_runtime::{Idempotency, Identity};
+use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
+
+#[path = "support/prometheus.rs"]
+mod prometheus;
 
 #[derive(Clone)]
 struct AppState {
@@ -116,6 +126,17 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
     next.run(request).await
 }
 
+/// The service's own error envelope, for the runtime's refusals too.
+fn render_refusal(problem: &Problem) -> RenderedRefusal {
+    let body = serde_json::json!({
+        "error": {"code": problem.code().as_str(), "message": problem.detail()}
+    });
+    RenderedRefusal {
+        content_type: "application/json".into(),
+        body: serde_json::to_vec(&body).expect("JSON").into(),
+    }
+}
+
 async fn idempotency_store() -> Result<Idempotency, Box<dyn std::error::Error>> {
     #[cfg(feature = "redis")]
     if let Ok(url) = std::env::var("REDIS_URL") {
@@ -131,26 +152,43 @@ async fn idempotency_store() -> Result<Idempotency, Box<dyn std::error::Error>> 
             let store = idempotent_runtime::store::postgres::PostgresStore::connect(&url).await?;
             store.migrate().await?;
             eprintln!("idempotency store: PostgreSQL");
-            Ok(Idempotency::new(store))
+            Ok(Idempotency::builder(store)
+                .refusal_renderer(render_refusal)
+                .build())
         }
         _ => {
             eprintln!(
                 "idempotency store: in memory (set REDIS_URL=redis://… or DATABASE_URL=postgres://…)"
             );
-            Ok(Idempotency::memory())
+            let store = idempotent_runtime::store::memory::MemoryStore::default();
+            Ok(Idempotency::builder(store)
+                .refusal_renderer(render_refusal)
+                .build())
         }
     }
 }
 
-fn app(idempotency: Idempotency) -> Router {
+fn app(idempotency: Idempotency, metrics: Option<PrometheusHandle>) -> Router {
+    let scrape = metrics.map(|handle| {
+        let idempotency = idempotency.clone();
+        get(move || async move {
+            let text = prometheus::render(&handle, &idempotency);
+            ([(header::CONTENT_TYPE, prometheus::CONTENT_TYPE)], text)
+        })
+    });
     let state = AppState {
         idempotency,
         orders: Arc::default(),
         next_id: Arc::default(),
     };
-    Router::new()
+    let router = Router::new()
         .route("/orders", post(create_order).get(list_orders))
-        .route("/orders/{id}", get(get_order))
+        .route("/orders/{id}", get(get_order));
+    let router = match scrape {
+        Some(scrape) => router.route("/metrics", scrape),
+        None => router,
+    };
+    router
         .layer(middleware::from_fn(authenticate))
         .with_state(state)
 }
@@ -158,6 +196,7 @@ fn app(idempotency: Idempotency) -> Router {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let addr = std::env::var("ORDERS_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    let metrics = (std::env::var("ORDERS_METRICS").as_deref() == Ok("1")).then(prometheus::install);
     let idempotency = idempotency_store().await?;
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
@@ -175,7 +214,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let shutdown = idempotency.clone();
     axum::serve(
         listener,
-        app(idempotency).into_make_service_with_connect_info::<SocketAddr>(),
+        app(idempotency, metrics).into_make_service_with_connect_info::<SocketAddr>(),
     )
     .with_graceful_shutdown(async { tokio::signal::ctrl_c().await.unwrap_or(()) })
     .await?;

@@ -27,7 +27,7 @@ use idempotent_runtime::config::{Config, FailureMode};
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::memory::MemoryStore;
 use idempotent_runtime::store::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, Store, StoreError,
+    Claim, ClaimRequest, FencingToken, RecordInfo, RecordedResponse, Store, StoreError,
 };
 use serde_json::{Value, json};
 
@@ -131,6 +131,21 @@ impl Store for SharedSpy {
     async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
         self.0.check()?;
         self.0.inner.sweep(batch).await
+    }
+
+    async fn inspect(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        with_response: bool,
+    ) -> Result<Option<RecordInfo>, StoreError> {
+        self.0.check()?;
+        self.0.inner.inspect(scope, key, with_response).await
+    }
+
+    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+        self.0.check()?;
+        self.0.inner.forget(scope, key).await
     }
 }
 

@@ -154,6 +154,7 @@ fn endpoint(args: &Args, private: &TokenStream) -> TokenStream {
             retention: #retention,
             max_body: #max_body,
             max_response: #max_response,
+            ..#private::Endpoint::OPTIONAL
         }
     }
 }

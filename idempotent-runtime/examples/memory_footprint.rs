@@ -36,6 +36,7 @@ fn request<'a>(scope: &'a [u8; 32], key: &'a str) -> ClaimRequest<'a> {
         token: FencingToken::mint(),
         lease: Duration::from_secs(60),
         retention: Duration::from_secs(3600),
+        route: "/test",
     }
 }
 

@@ -30,6 +30,7 @@ fn request<'a>(scope: &'a [u8; 32], key: &'a str, retention: Duration) -> ClaimR
         token: FencingToken::mint(),
         lease: Duration::from_secs(60),
         retention,
+        route: "/orders",
     }
 }
 

@@ -335,9 +335,26 @@ impl ConfigBuilder {
     }
 }
 
-/// Per-endpoint settings, as written in `#[idempotent(...)]`; `None` falls back to [`Config`].
+/// Per-endpoint settings, as written in `#[idempotent(...)]` or given to the layer and
+/// middleware ([`endpoint`](crate::axum::IdempotencyLayer::endpoint)); `None` falls back to
+/// [`Config`].
 ///
-/// The attribute emits this as a constant, so overrides cost nothing per request.
+/// The attribute emits this as a constant, so overrides cost nothing per request. Lists are
+/// `'static` slices for the same reason: header names in lowercase.
+///
+/// ```
+/// use idempotent_runtime::EndpointConfig;
+/// use idempotent_runtime::config::{FailureMode, ReuseStatus};
+///
+/// const PAYMENTS: EndpointConfig = EndpointConfig {
+///     reuse_status: Some(ReuseStatus::Conflict),
+///     non_replayable: Some(&[401, 403, 408, 412, 429, 404]),
+///     recorded_headers: Some(&["content-type", "location", "x-payment-id"]),
+///     failure_mode: Some(FailureMode::Closed),
+///     ..EndpointConfig::REQUIRED
+/// };
+/// assert!(PAYMENTS.require_key);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct EndpointConfig {
     /// Refuse requests without a key.
@@ -350,6 +367,15 @@ pub struct EndpointConfig {
     pub max_body: Option<usize>,
     /// Recorded response cap override.
     pub max_response: Option<usize>,
+    /// Status for a reused key, overriding [`Config::reuse_status`].
+    pub reuse_status: Option<ReuseStatus>,
+    /// Statuses below 500 never recorded, replacing [`ConfigBuilder::non_replayable`]'s list.
+    pub non_replayable: Option<&'static [u16]>,
+    /// Response headers kept in the record (lowercase), replacing
+    /// [`ConfigBuilder::recorded_headers`]'s list; the never-recorded ones stay excluded.
+    pub recorded_headers: Option<&'static [&'static str]>,
+    /// Fail closed or open when the store is unreachable, overriding [`Config::failure_mode`].
+    pub failure_mode: Option<FailureMode>,
 }
 
 impl EndpointConfig {
@@ -360,6 +386,10 @@ impl EndpointConfig {
         retention: None,
         max_body: None,
         max_response: None,
+        reuse_status: None,
+        non_replayable: None,
+        recorded_headers: None,
+        failure_mode: None,
     };
     /// An endpoint that requires a key.
     pub const REQUIRED: Self = Self {
@@ -375,6 +405,42 @@ impl EndpointConfig {
             retention: self.retention.unwrap_or(config.retention),
             max_body: self.max_body.unwrap_or(config.max_body),
             max_response: self.max_response.unwrap_or(config.max_response),
+            reuse_status: self.reuse_status.unwrap_or(config.reuse_status),
+            failure_mode: self.failure_mode.unwrap_or(config.failure_mode),
+            recording: Recording {
+                non_replayable: self.non_replayable,
+                recorded_headers: self.recorded_headers,
+            },
+        }
+    }
+}
+
+/// Which responses an endpoint records: its overrides of [`Config`]'s lists, `None` meaning
+/// the configured one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Recording {
+    /// Statuses below 500 never recorded.
+    pub non_replayable: Option<&'static [u16]>,
+    /// Response headers kept (lowercase).
+    pub recorded_headers: Option<&'static [&'static str]>,
+}
+
+impl Recording {
+    /// Whether a response with this final status may be recorded and replayed.
+    pub fn is_recordable_status(&self, config: &Config, status: u16) -> bool {
+        match self.non_replayable {
+            Some(list) => (200..500).contains(&status) && !list.contains(&status),
+            None => config.is_recordable_status(status),
+        }
+    }
+
+    /// Whether a response header (lowercase name) is kept in the record.
+    pub fn records_header(&self, config: &Config, lowercase_name: &str) -> bool {
+        match self.recorded_headers {
+            Some(list) => {
+                !NEVER_RECORDED.contains(&lowercase_name) && list.contains(&lowercase_name)
+            }
+            None => config.records_header(lowercase_name),
         }
     }
 }
@@ -392,6 +458,12 @@ pub struct Effective {
     pub max_body: usize,
     /// Recorded response cap.
     pub max_response: usize,
+    /// Status for a reused key.
+    pub reuse_status: ReuseStatus,
+    /// Fail closed or open.
+    pub failure_mode: FailureMode,
+    /// Which responses are recorded.
+    pub recording: Recording,
 }
 
 #[cfg(test)]
@@ -450,5 +522,266 @@ mod tests {
         assert!(eff.require_key);
         assert_eq!(eff.lease, Duration::from_secs(5));
         assert_eq!(eff.retention, Duration::from_secs(86_400));
+    }
+}
+
+/// `Config` from a service's own configuration file (feature `serde`): every field optional,
+/// defaulting as [`Config::default`]; durations and sizes in human units.
+#[cfg(feature = "serde")]
+mod file {
+    use std::time::Duration;
+
+    use serde::Deserialize;
+    use serde::de::{self, Deserializer};
+
+    use super::{Config, FailureMode, MissingKeyStatus, ReuseStatus};
+    use crate::scope::Anonymous;
+
+    /// A duration: `"30s"`, `"500ms"`, `"1.5m"`, `"24h"`, `"7d"`, or a number of seconds.
+    struct Human<T>(T);
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Number(f64),
+        Text(String),
+    }
+
+    fn split(text: &str) -> Option<(f64, &str)> {
+        let text = text.trim();
+        let at = text
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(text.len());
+        let (number, unit) = text.split_at(at);
+        let number: f64 = number.parse().ok()?;
+        (number.is_finite() && number >= 0.0).then_some((number, unit.trim()))
+    }
+
+    pub(super) fn duration(raw: &str) -> Option<Duration> {
+        let (n, unit) = split(raw)?;
+        let secs = match unit {
+            "ms" => n / 1000.0,
+            "" | "s" => n,
+            "m" | "min" => n * 60.0,
+            "h" => n * 3600.0,
+            "d" => n * 86_400.0,
+            _ => return None,
+        };
+        Duration::try_from_secs_f64(secs).ok()
+    }
+
+    pub(super) fn size(raw: &str) -> Option<usize> {
+        let (n, unit) = split(raw)?;
+        let factor: f64 = match unit.to_ascii_lowercase().as_str() {
+            "" | "b" => 1.0,
+            "kb" => 1e3,
+            "mb" => 1e6,
+            "gb" => 1e9,
+            "kib" | "k" => 1024.0,
+            "mib" | "m" => 1024.0 * 1024.0,
+            "gib" | "g" => 1024.0 * 1024.0 * 1024.0,
+            _ => return None,
+        };
+        let bytes = n * factor;
+        (bytes.fract() == 0.0 && bytes <= usize::MAX as f64).then_some(bytes as usize)
+    }
+
+    impl<'de> Deserialize<'de> for Human<Duration> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            match Raw::deserialize(d)? {
+                Raw::Number(secs) => Duration::try_from_secs_f64(secs).ok(),
+                Raw::Text(text) => duration(&text),
+            }
+            .map(Human)
+            .ok_or_else(|| {
+                de::Error::custom("expected a duration such as \"30s\", \"500ms\", \"24h\"")
+            })
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Human<usize> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            match Raw::deserialize(d)? {
+                Raw::Number(n) if n >= 0.0 && n.fract() == 0.0 => Some(n as usize),
+                Raw::Number(_) => None,
+                Raw::Text(text) => size(&text),
+            }
+            .map(Human)
+            .ok_or_else(|| de::Error::custom("expected a size such as \"1MiB\", \"64KiB\", 4096"))
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    enum Mode {
+        Closed,
+        Open,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    enum AnonymousPolicy {
+        PeerIp,
+        Refuse,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(default, deny_unknown_fields)]
+    struct File {
+        lease: Option<Human<Duration>>,
+        retention: Option<Human<Duration>>,
+        in_progress_retry_after: Option<Human<Duration>>,
+        store_retry_after: Option<Human<Duration>>,
+        max_body: Option<Human<usize>>,
+        max_response: Option<Human<usize>>,
+        body_timeout: Option<Human<Duration>>,
+        non_replayable: Option<Vec<u16>>,
+        recorded_headers: Option<Vec<String>>,
+        reuse_status: Option<u16>,
+        missing_key_status: Option<u16>,
+        failure_mode: Option<Mode>,
+        anonymous: Option<AnonymousPolicy>,
+        trusted_proxies: Option<Vec<String>>,
+        shutdown_grace: Option<Human<Duration>>,
+    }
+
+    /// Every field is optional and defaults as [`Config::default`]. Durations are strings with
+    /// a unit (`ms`, `s`, `m`, `h`, `d`) or seconds as a number; sizes are strings with a unit
+    /// (`KiB`, `MiB`, `GiB`, `kB`, `MB`, `GB`) or bytes as a number; `reuse_status` is 422 or
+    /// 409, `missing_key_status` 400 or 428, `failure_mode` `"closed"` or `"open"`, `anonymous`
+    /// `"peer_ip"` or `"refuse"`, `trusted_proxies` CIDR strings. Unknown fields are refused,
+    /// so a misspelt setting never silently keeps its default.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), serde_json::Error> {
+    /// use std::time::Duration;
+    /// use idempotent_runtime::Config;
+    ///
+    /// let config: Config = serde_json::from_str(r#"{"lease": "30s", "max_body": "64KiB"}"#)?;
+    /// assert_eq!(config.lease(), Duration::from_secs(30));
+    /// assert_eq!(config.max_body(), 64 * 1024);
+    /// # Ok(()) }
+    /// ```
+    impl<'de> Deserialize<'de> for Config {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            let f = File::deserialize(d)?;
+            let mut b = Config::builder();
+            if let Some(Human(v)) = f.lease {
+                b = b.lease(v);
+            }
+            if let Some(Human(v)) = f.retention {
+                b = b.retention(v);
+            }
+            if let Some(Human(v)) = f.in_progress_retry_after {
+                b = b.in_progress_retry_after(v);
+            }
+            if let Some(Human(v)) = f.store_retry_after {
+                b = b.store_retry_after(v);
+            }
+            if let Some(Human(v)) = f.max_body {
+                b = b.max_body(v);
+            }
+            if let Some(Human(v)) = f.max_response {
+                b = b.max_response(v);
+            }
+            if let Some(Human(v)) = f.body_timeout {
+                b = b.body_timeout(v);
+            }
+            if let Some(Human(v)) = f.shutdown_grace {
+                b = b.shutdown_grace(v);
+            }
+            if let Some(v) = f.non_replayable {
+                b = b.non_replayable(v);
+            }
+            if let Some(v) = f.recorded_headers {
+                b = b.recorded_headers(v);
+            }
+            b = match f.reuse_status {
+                None => b,
+                Some(422) => b.reuse_status(ReuseStatus::UnprocessableContent),
+                Some(409) => b.reuse_status(ReuseStatus::Conflict),
+                Some(other) => {
+                    return Err(de::Error::custom(format!(
+                        "reuse_status {other}: 422 or 409"
+                    )));
+                }
+            };
+            b = match f.missing_key_status {
+                None => b,
+                Some(400) => b.missing_key_status(MissingKeyStatus::BadRequest),
+                Some(428) => b.missing_key_status(MissingKeyStatus::PreconditionRequired),
+                Some(other) => {
+                    return Err(de::Error::custom(format!(
+                        "missing_key_status {other}: 400 or 428"
+                    )));
+                }
+            };
+            b = match f.failure_mode {
+                None => b,
+                Some(Mode::Closed) => b.failure_mode(FailureMode::Closed),
+                Some(Mode::Open) => b.failure_mode(FailureMode::Open),
+            };
+            b = match f.anonymous {
+                None => b,
+                Some(AnonymousPolicy::PeerIp) => b.anonymous(Anonymous::PeerIp),
+                Some(AnonymousPolicy::Refuse) => b.anonymous(Anonymous::Refuse),
+            };
+            if let Some(nets) = f.trusted_proxies {
+                let nets = nets
+                    .iter()
+                    .map(|n| {
+                        n.parse().map_err(|_| {
+                            de::Error::custom(format!("trusted_proxies: {n:?} is not a CIDR"))
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                b = b.trusted_proxies(nets);
+            }
+            Ok(b.build())
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn durations_and_sizes_read_in_human_units() {
+            assert_eq!(duration("500ms"), Some(Duration::from_millis(500)));
+            assert_eq!(duration("1.5s"), Some(Duration::from_millis(1500)));
+            assert_eq!(duration("2m"), Some(Duration::from_secs(120)));
+            assert_eq!(duration("24h"), Some(Duration::from_secs(86_400)));
+            assert_eq!(duration("7d"), Some(Duration::from_secs(7 * 86_400)));
+            assert_eq!(duration("30"), Some(Duration::from_secs(30)));
+            for bad in ["", "s", "-1s", "3 fortnights", "1e3s"] {
+                assert_eq!(duration(bad), None, "{bad:?}");
+            }
+            assert_eq!(size("64KiB"), Some(65_536));
+            assert_eq!(size("1 MiB"), Some(1 << 20));
+            assert_eq!(size("2MB"), Some(2_000_000));
+            assert_eq!(size("4096"), Some(4096));
+            assert_eq!(size("0.5KiB"), Some(512));
+            for bad in ["", "MiB", "1.3B", "1 parsec"] {
+                assert_eq!(size(bad), None, "{bad:?}");
+            }
+        }
+
+        #[test]
+        fn unknown_fields_and_bad_values_are_refused() {
+            for bad in [
+                r#"{"leese": "30s"}"#,
+                r#"{"lease": "soon"}"#,
+                r#"{"reuse_status": 418}"#,
+                r#"{"failure_mode": "maybe"}"#,
+                r#"{"trusted_proxies": ["10.0.0.0/99"]}"#,
+            ] {
+                assert!(
+                    serde_json::from_str::<Config>(bad).is_err(),
+                    "{bad} accepted"
+                );
+            }
+            let empty: Config = serde_json::from_str("{}").unwrap();
+            assert_eq!(format!("{empty:?}"), format!("{:?}", Config::default()));
+        }
     }
 }

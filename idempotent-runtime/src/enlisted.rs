@@ -67,6 +67,7 @@ use sqlx::Transaction;
 use sqlx::postgres::{PgConnection, Postgres};
 use tokio::sync::oneshot;
 
+use crate::config::Recording;
 use crate::handle::Idempotency;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
@@ -199,6 +200,7 @@ pub(crate) struct Settle {
     reserved: Option<Reserved>,
     retention: Duration,
     max_response: usize,
+    recording: Recording,
     store_retry_after: Duration,
     route: Arc<str>,
     back: Back,
@@ -273,6 +275,7 @@ fn settle_for(
         reserved,
         retention,
         max_response,
+        recording: Recording::default(),
         store_retry_after: handle.config().store_retry_after,
         route: route.into(),
         back: None,
@@ -408,18 +411,21 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
         Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
     };
     handle.answer(req, claimed, || {
-        let mut settle = settle_for(
-            handle,
-            store,
-            Some(Reserved {
-                scope: *req.input.scope.hash(),
-                key: req.key.clone(),
-                token: plan.claim.token,
-            }),
-            req.endpoint.retention,
-            req.endpoint.max_response,
-            route,
-        );
+        let mut settle = Settle {
+            recording: req.endpoint.recording,
+            ..settle_for(
+                handle,
+                store,
+                Some(Reserved {
+                    scope: *req.input.scope.hash(),
+                    key: req.key.clone(),
+                    token: plan.claim.token,
+                }),
+                req.endpoint.retention,
+                req.endpoint.max_response,
+                route,
+            )
+        };
         settle._in_flight = Some(guard);
         Held {
             tx: EnlistedTx::new(tx),
@@ -432,6 +438,11 @@ impl Settle {
     /// Whether the request holds a reservation (it had a key).
     pub(crate) fn is_keyed(&self) -> bool {
         self.reserved.is_some()
+    }
+
+    /// The endpoint's rules for what is recorded.
+    pub(crate) fn recording(&self) -> Recording {
+        self.recording
     }
 
     /// The matched route, for log lines.

@@ -6,12 +6,13 @@ use std::sync::Arc;
 use crate::budget::BufferBudget;
 use crate::config::Config;
 use crate::fingerprint::FingerprintContributor;
-use crate::observe::{AuditSink, DiscardAudit};
+use crate::observe::{self, AuditSink, DiscardAudit};
 use crate::pipeline::Watch;
+use crate::problem::{Problem, RefusalRenderer, RenderedRefusal};
 use crate::reservation::{Running, RunningGuard};
-use crate::scope::{RequestHead, Resolution, Resolver};
-use crate::store::Store;
+use crate::scope::{RequestHead, Resolution, Resolver, ScopeHash};
 use crate::store::memory::MemoryStore;
+use crate::store::{RecordInfo, Store, StoreError};
 
 /// Rows (or entries) a sweep deletes per statement.
 pub const SWEEP_BATCH: usize = 500;
@@ -39,6 +40,7 @@ struct Inner {
     audit: Arc<dyn AuditSink>,
     contributor: Option<Arc<dyn FingerprintContributor>>,
     resolver: Option<Resolver>,
+    renderer: Option<Arc<dyn RefusalRenderer>>,
     running: Running,
     budget: Arc<BufferBudget>,
     watch: Watch,
@@ -74,6 +76,7 @@ pub struct Builder {
     audit: Arc<dyn AuditSink>,
     contributor: Option<Arc<dyn FingerprintContributor>>,
     resolver: Option<Resolver>,
+    renderer: Option<Arc<dyn RefusalRenderer>>,
     sweeper: bool,
     max_buffered: usize,
 }
@@ -85,7 +88,8 @@ impl Builder {
         self
     }
 
-    /// Where replayed, in-progress and key-reused decisions are reported (default: discarded).
+    /// Where every decision on a keyed request is reported, executions included (default:
+    /// discarded).
     pub fn audit(mut self, sink: impl AuditSink) -> Self {
         self.audit = Arc::new(sink);
         self
@@ -124,6 +128,13 @@ impl Builder {
         self
     }
 
+    /// Renders refusals (409, 422, 400, 413, 503, …) in the application's own format instead of
+    /// `application/problem+json` (the default). The status and `Retry-After` are kept.
+    pub fn refusal_renderer(mut self, renderer: impl RefusalRenderer) -> Self {
+        self.renderer = Some(Arc::new(renderer));
+        self
+    }
+
     /// Whether to run the background sweeper (default on, when built inside a Tokio runtime).
     /// Turn it off when another process sweeps the shared store.
     pub fn sweeper(mut self, on: bool) -> Self {
@@ -155,6 +166,7 @@ impl Builder {
                 audit: self.audit,
                 contributor: self.contributor,
                 resolver: self.resolver,
+                renderer: self.renderer,
                 running: Running::default(),
                 budget: BufferBudget::new(self.max_buffered),
                 watch,
@@ -205,6 +217,7 @@ impl Idempotency {
             audit: Arc::new(DiscardAudit),
             contributor: None,
             resolver: None,
+            renderer: None,
             sweeper: true,
             max_buffered: 256 << 20,
         }
@@ -249,6 +262,91 @@ impl Idempotency {
         &*self.inner.audit
     }
 
+    /// The body of a refusal: the application's [renderer](Builder::refusal_renderer), or
+    /// `application/problem+json`.
+    pub fn render_refusal(&self, problem: &Problem) -> RenderedRefusal {
+        match &self.inner.renderer {
+            Some(renderer) => renderer.render(problem),
+            None => RenderedRefusal::problem_json(problem),
+        }
+    }
+
+    /// Reads the record of `key` in the scope `scope` for an operator ([the contract](crate::design)
+    /// §5 "Admin"): state, status, times, sizes and route, and the recorded response only when
+    /// `with_response`. With `route`, a record claimed on another route reads as none (records
+    /// written before routes were kept match any). Get the scope hash of the identity the
+    /// application publishes with [`Scope::from_identity`](crate::scope::Scope::from_identity).
+    ///
+    /// ```
+    /// use idempotent_runtime::Idempotency;
+    /// use idempotent_runtime::scope::{Identity, Scope};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let idempotency = Idempotency::memory();
+    /// let scope = Scope::from_identity(&Identity::subject("acme", "alice"), None).unwrap();
+    /// let record = idempotency.inspect(scope.hash(), None, "order-17", false).await.unwrap();
+    /// assert!(record.is_none(), "key order-17 never ran for acme/alice");
+    /// # }
+    /// ```
+    pub async fn inspect(
+        &self,
+        scope: &ScopeHash,
+        route: Option<&str>,
+        key: &str,
+        with_response: bool,
+    ) -> Result<Option<RecordInfo>, StoreError> {
+        let store = self.store();
+        let info = observe::timed(
+            "inspect",
+            store.kind(),
+            store.inspect(scope, key, with_response),
+        )
+        .await?;
+        Ok(info.filter(|info| on_route(info, route)))
+    }
+
+    /// Deletes the record of `key` in the scope `scope`, whatever its state (a token-free
+    /// delete, for clearing a stuck key); with `route`, only a record claimed on that route.
+    /// `Ok(false)` when there was none. A handler still running under a forgotten reservation
+    /// cannot record its response; the key's next request runs the handler again.
+    pub async fn forget(
+        &self,
+        scope: &ScopeHash,
+        route: Option<&str>,
+        key: &str,
+    ) -> Result<bool, StoreError> {
+        if route.is_some() && self.inspect(scope, route, key, false).await?.is_none() {
+            return Ok(false);
+        }
+        let store = self.store();
+        let forgotten = observe::timed("forget", store.kind(), store.forget(scope, key)).await?;
+        if forgotten {
+            tracing::info!(
+                scope = %observe::ShortHash(scope),
+                key_hash = %observe::KeyDisplay(key),
+                "idempotency record forgotten by an operator"
+            );
+        }
+        Ok(forgotten)
+    }
+
+    /// Sets the gauges of [the contract](crate::design) §7 from their current values
+    /// (`idempotent_running_reservations`, `idempotent_buffered_bytes`, and for the in-memory
+    /// store `idempotent_memory_store_records` and `idempotent_memory_store_bytes`). Call it
+    /// before each scrape, or on a timer. A no-op without the `metrics` feature.
+    pub fn report_gauges(&self) {
+        #[cfg(feature = "metrics")]
+        {
+            metrics::gauge!("idempotent_running_reservations").set(self.running() as f64);
+            metrics::gauge!("idempotent_buffered_bytes").set(self.buffered_bytes() as f64);
+            let store: &dyn std::any::Any = &**self.store();
+            if let Some(memory) = store.downcast_ref::<MemoryStore>() {
+                metrics::gauge!("idempotent_memory_store_records").set(memory.len() as f64);
+                metrics::gauge!("idempotent_memory_store_bytes").set(memory.bytes() as f64);
+            }
+        }
+    }
+
     /// Waits until every claimed handler has finished, at most `shutdown_grace`. Call it after
     /// the server stopped accepting requests. Returns `false` if handlers were still running.
     pub async fn shutdown(&self) -> bool {
@@ -264,4 +362,12 @@ fn memory_id(store: &Arc<dyn Store>) -> Option<usize> {
     let any: &dyn std::any::Any = &**store;
     any.is::<MemoryStore>()
         .then(|| Arc::as_ptr(store).cast::<()>() as usize)
+}
+
+/// Whether a record belongs to `route` (a record without a known route matches any).
+fn on_route(info: &RecordInfo, route: Option<&str>) -> bool {
+    match (route, info.route.as_deref()) {
+        (Some(wanted), Some(actual)) => wanted == actual,
+        _ => true,
+    }
 }

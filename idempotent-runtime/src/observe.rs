@@ -1,7 +1,21 @@
-//! Observability ([the contract](crate::design) §7): `tracing` events for each decision, `metrics` counters (feature
-//! `metrics`), and an audit sink. Keys are never logged; their hash may be.
+//! Observability ([the contract](crate::design) §7): one `tracing` span per handled request
+//! (`idempotency`, with the route, the decision and the scope hash's prefix) and events for each
+//! decision; `metrics` counters, store latency histograms and gauges (feature `metrics`); and an
+//! audit sink. Keys are never logged; their hash may be.
+//!
+//! | metric | kind | labels |
+//! |---|---|---|
+//! | `idempotent_<decision>_total` (see [`Event`]) | counter | `route` |
+//! | `idempotent_store_operation_seconds` | histogram | `op` (claim, reclaim, complete, release, renew, sweep, inspect, forget), `store` |
+//! | `idempotent_running_reservations` | gauge | |
+//! | `idempotent_buffered_bytes` | gauge | |
+//! | `idempotent_memory_store_records`, `idempotent_memory_store_bytes` | gauge | |
+//!
+//! Gauges are set by [`Idempotency::report_gauges`](crate::Idempotency::report_gauges): call it
+//! before each scrape (or on a timer).
 
 use std::fmt;
+use std::future::Future;
 
 use sha2::{Digest, Sha256};
 
@@ -101,10 +115,65 @@ pub fn count(event: Event, route: &str) {
     let _ = (event, route);
 }
 
+/// The histogram of store operation latency, in seconds, labelled `op` and `store`.
+pub const STORE_LATENCY: &str = "idempotent_store_operation_seconds";
+
+/// Runs one store operation, timing it into [`STORE_LATENCY`] when the `metrics` feature is on.
+#[inline]
+pub async fn timed<T>(
+    op: &'static str,
+    store: &'static str,
+    operation: impl Future<Output = T>,
+) -> T {
+    #[cfg(feature = "metrics")]
+    {
+        let start = std::time::Instant::now();
+        let out = operation.await;
+        metrics::histogram!(STORE_LATENCY, "op" => op, "store" => store)
+            .record(start.elapsed().as_secs_f64());
+        out
+    }
+    #[cfg(not(feature = "metrics"))]
+    {
+        let _ = (op, store);
+        operation.await
+    }
+}
+
+/// The span every handled request runs in: `idempotency` at INFO level, with `route`, and
+/// `decision` and `scope` (the scope hash's first 8 hex digits) recorded once known. The key
+/// itself is never a field.
+pub(crate) fn request_span(route: &str) -> tracing::Span {
+    tracing::info_span!(
+        "idempotency",
+        route,
+        decision = tracing::field::Empty,
+        scope = tracing::field::Empty
+    )
+}
+
+/// Records the request's decision on the current [`request_span`] (a no-op outside one).
+pub(crate) fn decided(decision: &'static str) {
+    tracing::Span::current().record("decision", decision);
+}
+
+/// Records the scope hash's prefix on the current [`request_span`].
+pub(crate) fn scoped(scope: &ScopeHash) {
+    let span = tracing::Span::current();
+    if !span.is_disabled() {
+        span.record("scope", tracing::field::display(ShortHash(scope)));
+    }
+}
+
 /// A decision reported to the [`AuditSink`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum AuditDecision {
+    /// A claimed handler runs (the key was free, or expired).
+    Executed,
+    /// A claimed handler runs after taking over an abandoned reservation: it may have run
+    /// before.
+    Reclaimed,
     /// A recorded response was replayed.
     Replayed,
     /// A duplicate was refused while the first ran.
@@ -126,8 +195,9 @@ pub struct AuditEvent<'a> {
     pub route: &'a str,
 }
 
-/// Receives replayed, in-progress and key-reused decisions, e.g. to keep an audit trail of
-/// refused duplicates. Called inline on the request path: keep it cheap, hand off I/O.
+/// Receives every decision on a keyed request: executions (and reclaims), replays, in-progress
+/// and key-reused refusals, e.g. to keep an audit trail. Called inline on the request path:
+/// keep it cheap, hand off I/O.
 pub trait AuditSink: Send + Sync + 'static {
     /// Records one decision.
     fn record(&self, event: &AuditEvent<'_>);
@@ -139,6 +209,19 @@ pub struct DiscardAudit;
 
 impl AuditSink for DiscardAudit {
     fn record(&self, _: &AuditEvent<'_>) {}
+}
+
+impl AuditDecision {
+    /// `"executed"`, `"reclaimed"`, `"replayed"`, `"in_progress"` or `"key_reused"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Executed => "executed",
+            Self::Reclaimed => "reclaimed",
+            Self::Replayed => "replayed",
+            Self::InProgress => "in_progress",
+            Self::KeyReused => "key_reused",
+        }
+    }
 }
 
 /// SHA-256 of a key, the only form in which a key leaves the runtime.

@@ -174,6 +174,63 @@ impl Problem {
     }
 }
 
+/// A refusal as the application renders it: the body and its content type. The status and
+/// `Retry-After` stay the crate's ([the contract](crate::design) §2), so clients' retry logic
+/// keeps working whatever the envelope.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenderedRefusal {
+    /// The `Content-Type` of `body`.
+    pub content_type: Cow<'static, str>,
+    /// The body.
+    pub body: Bytes,
+}
+
+impl RenderedRefusal {
+    /// The default rendering: `application/problem+json`.
+    pub fn problem_json(problem: &Problem) -> Self {
+        Self {
+            content_type: Cow::Borrowed(CONTENT_TYPE),
+            body: problem.body(),
+        }
+    }
+}
+
+/// Renders refusals in the application's own format, set with
+/// [`Builder::refusal_renderer`](crate::handle::Builder::refusal_renderer). Any
+/// `Fn(&Problem) -> RenderedRefusal` is one.
+///
+/// ```
+/// use idempotent_runtime::Idempotency;
+/// use idempotent_runtime::problem::{Problem, RenderedRefusal};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let idempotency = Idempotency::builder(idempotent_runtime::store::memory::MemoryStore::default())
+///     .refusal_renderer(|p: &Problem| RenderedRefusal {
+///         content_type: "application/json".into(),
+///         body: serde_json::to_vec(&serde_json::json!({
+///             "error": {"code": p.code().as_str(), "message": p.detail()}
+///         }))
+///         .unwrap()
+///         .into(),
+///     })
+///     .build();
+/// # let _ = idempotency;
+/// # }
+/// ```
+pub trait RefusalRenderer: Send + Sync + 'static {
+    /// The body and content type for `problem`.
+    fn render(&self, problem: &Problem) -> RenderedRefusal;
+}
+
+impl<F> RefusalRenderer for F
+where
+    F: Fn(&Problem) -> RenderedRefusal + Send + Sync + 'static,
+{
+    fn render(&self, problem: &Problem) -> RenderedRefusal {
+        self(problem)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

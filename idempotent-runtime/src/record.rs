@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
-use crate::config::Config;
+use crate::config::{Config, Recording};
 use crate::fingerprint::Fingerprint;
 use crate::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
@@ -110,6 +110,13 @@ impl<S: Store + ?Sized> ClaimOps for &S {
         &'a mut self,
         req: &'a ClaimRequest<'_>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        #[cfg(feature = "metrics")]
+        return Box::pin(crate::observe::timed(
+            "claim",
+            self.kind(),
+            Store::claim(*self, req),
+        ));
+        #[cfg(not(feature = "metrics"))]
         Store::claim(*self, req)
     }
 
@@ -118,6 +125,13 @@ impl<S: Store + ?Sized> ClaimOps for &S {
         req: &'a ClaimRequest<'_>,
         stale: FencingToken,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        #[cfg(feature = "metrics")]
+        return Box::pin(crate::observe::timed(
+            "reclaim",
+            self.kind(),
+            Store::reclaim(*self, req, stale),
+        ));
+        #[cfg(not(feature = "metrics"))]
         Store::reclaim(*self, req, stale)
     }
 }
@@ -179,14 +193,23 @@ pub fn recorded_headers<'a>(
     config: &Config,
     headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
 ) -> Option<Vec<(String, Bytes)>> {
+    recorded_headers_for(config, &Recording::default(), headers)
+}
+
+/// [`recorded_headers`] under an endpoint's own allowlist, when it has one.
+pub fn recorded_headers_for<'a>(
+    config: &Config,
+    recording: &Recording,
+    headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+) -> Option<Vec<(String, Bytes)>> {
     let mut kept = Vec::new();
     for (name, value) in headers {
         if name.eq_ignore_ascii_case("content-encoding")
-            && !config.records_header("content-encoding")
+            && !recording.records_header(config, "content-encoding")
         {
             return None;
         }
-        if config.records_header(name) {
+        if recording.records_header(config, name) {
             kept.push((name.to_owned(), Bytes::copy_from_slice(value)));
         }
     }
@@ -338,6 +361,17 @@ mod tests {
         async fn sweep(&self, _: usize) -> Result<usize, StoreError> {
             Ok(0)
         }
+        async fn inspect(
+            &self,
+            _: &crate::scope::ScopeHash,
+            _: &str,
+            _: bool,
+        ) -> Result<Option<crate::store::RecordInfo>, StoreError> {
+            Ok(None)
+        }
+        async fn forget(&self, _: &crate::scope::ScopeHash, _: &str) -> Result<bool, StoreError> {
+            Ok(false)
+        }
     }
 
     #[tokio::test]
@@ -350,6 +384,7 @@ mod tests {
             token: FencingToken::mint(),
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(60),
+            route: "/test",
         };
         let claimed = claim(&WrittenBeforeTheConnectionDied, &req, |f| *f == fp(1))
             .await

@@ -11,6 +11,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use tokio::sync::Notify;
 
+use crate::config::Recording;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
 use crate::scope::ScopeHash;
@@ -25,6 +26,7 @@ pub struct Reservation {
     lease: Duration,
     retention: Duration,
     max_response: usize,
+    recording: Recording,
     route: Arc<str>,
     _running: RunningGuard,
 }
@@ -96,9 +98,21 @@ impl Reservation {
             lease,
             retention,
             max_response,
+            recording: Recording::default(),
             route: route.into(),
             _running: running,
         }
+    }
+
+    /// The endpoint's own rules for what is recorded.
+    pub(crate) fn with_recording(mut self, recording: Recording) -> Self {
+        self.recording = recording;
+        self
+    }
+
+    /// The endpoint's rules for what is recorded.
+    pub fn recording(&self) -> &Recording {
+        &self.recording
     }
 
     /// A handler running unprotected (failing open while the store is down): nothing is held,
@@ -109,6 +123,7 @@ impl Reservation {
             lease: Duration::ZERO,
             retention: Duration::ZERO,
             max_response: 0,
+            recording: Recording::default(),
             route: route.into(),
             _running: running,
         }
@@ -159,16 +174,14 @@ impl Reservation {
         let Some(guard) = self.guard.take() else {
             return;
         };
-        let result = guard
-            .store
-            .complete(
-                &guard.scope,
-                guard.key.as_str(),
-                guard.token,
-                response,
-                self.retention,
-            )
-            .await;
+        let complete = guard.store.complete(
+            &guard.scope,
+            guard.key.as_str(),
+            guard.token,
+            response,
+            self.retention,
+        );
+        let result = observe::timed("complete", guard.store.kind(), complete).await;
         match result {
             Ok(true) => {}
             Ok(false) => {
@@ -220,11 +233,10 @@ impl Reservation {
         let Some(guard) = self.guard.take() else {
             return;
         };
-        if let Err(error) = guard
+        let release = guard
             .store
-            .release(&guard.scope, guard.key.as_str(), guard.token)
-            .await
-        {
+            .release(&guard.scope, guard.key.as_str(), guard.token);
+        if let Err(error) = observe::timed("release", guard.store.kind(), release).await {
             tracing::warn!(
                 route = %self.route,
                 key_hash = %KeyDisplay(guard.key.as_str()),
@@ -250,11 +262,10 @@ async fn renew_forever(guard: &Guard, lease: Duration, route: &str) -> std::conv
         if lost {
             continue;
         }
-        match guard
+        let renew = guard
             .store
-            .renew(&guard.scope, guard.key.as_str(), guard.token, lease)
-            .await
-        {
+            .renew(&guard.scope, guard.key.as_str(), guard.token, lease);
+        match observe::timed("renew", guard.store.kind(), renew).await {
             Ok(true) => {
                 if overdue {
                     tracing::warn!(
@@ -433,6 +444,21 @@ pub(crate) mod tests {
             self.check()?;
             self.inner.sweep(batch).await
         }
+
+        async fn inspect(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            with_response: bool,
+        ) -> Result<Option<crate::store::RecordInfo>, StoreError> {
+            self.check()?;
+            self.inner.inspect(scope, key, with_response).await
+        }
+
+        async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+            self.check()?;
+            self.inner.forget(scope, key).await
+        }
     }
 
     pub(crate) fn request<'a>(
@@ -451,6 +477,7 @@ pub(crate) mod tests {
             token: FencingToken::mint(),
             lease,
             retention: Duration::from_secs(60),
+            route: "/test",
         }
     }
 

@@ -234,6 +234,7 @@ fn token_conditional_writes_survive_connections_the_database_dropped() {
             token: FencingToken::mint(),
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(60),
+            route: "/test",
         };
         let (done, renewed, released) = (req("done"), req("renewed"), req("released"));
         for r in [&done, &renewed, &released] {

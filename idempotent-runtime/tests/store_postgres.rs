@@ -122,6 +122,7 @@ fn req<'a>(scope: &'a ScopeHash, key: &'a str, lease: Duration) -> ClaimRequest<
         token: FencingToken::mint(),
         lease,
         retention: Duration::from_secs(3600),
+        route: "/test",
     }
 }
 
@@ -191,7 +192,7 @@ async fn migrate_is_idempotent_and_safe_from_several_replicas_at_once() {
             "SELECT count(*) FROM \"{schema}\".records_migrations"
         ))
         .await,
-        1,
+        2,
         "each version is applied and recorded once"
     );
     let tables: Vec<String> = sqlx::query_scalar(

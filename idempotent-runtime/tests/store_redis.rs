@@ -93,6 +93,7 @@ fn req<'a>(scope: &'a ScopeHash, key: &'a str, lease: Duration) -> ClaimRequest<
         token: FencingToken::mint(),
         lease,
         retention: Duration::from_secs(3600),
+        route: "/test",
     }
 }
 

@@ -55,6 +55,7 @@ fn req<'a>(scope: &'a ScopeHash, key: &'a str, lease: Duration) -> ClaimRequest<
         token: FencingToken::mint(),
         lease,
         retention: Duration::from_secs(3600),
+        route: "/test",
     }
 }
 
@@ -106,7 +107,7 @@ async fn migrate_is_idempotent_and_keeps_its_own_version_table() {
         .fetch_one(a.writer())
         .await
         .unwrap();
-    assert_eq!(versions, 1);
+    assert_eq!(versions, 2);
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(a.writer())
         .await
@@ -263,5 +264,59 @@ async fn records_survive_reopening_the_file() {
             );
         }
         Claim::Acquired => panic!("a completed record was lost on reopening"),
+    }
+}
+
+#[tokio::test]
+async fn migrating_a_version_1_table_keeps_its_records_and_inspects_them_without_a_route() {
+    let db = TempDb::new();
+    let store = SqliteStore::open(&db.0).await.unwrap();
+    // The table as version 1 of the crate left it, with one completed record.
+    let v1 = include_str!("../migrations/sqlite/0001_create_records.sql")
+        .replace("{table}", "\"idempotency_records\"")
+        .replace("{name}", "idempotency_records");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "{v1}; CREATE TABLE idempotency_records_migrations (version INTEGER PRIMARY KEY, \
+         description TEXT NOT NULL, applied_at INTEGER NOT NULL); \
+         INSERT INTO idempotency_records_migrations VALUES (1, 'create records', 0);"
+    )))
+    .execute(store.writer())
+    .await
+    .unwrap();
+    let scope = contract::fresh_scope();
+    let far = i64::MAX / 2;
+    sqlx::query(
+        "INSERT INTO idempotency_records (scope, key, token, fingerprint, fp_version, state, \
+         lease_until, expires_at, status, headers, body) VALUES (?1, 'old', 7, ?2, 1, 1, 0, ?3, 200, x'', x'6f6b')",
+    )
+    .bind(&scope[..])
+    .bind(&fp(1).digest[..])
+    .bind(far)
+    .execute(store.writer())
+    .await
+    .unwrap();
+    store.migrate().await.expect("upgrade from version 1");
+    let info = store
+        .inspect(&scope, "old", true)
+        .await
+        .unwrap()
+        .expect("the old record survives the upgrade");
+    assert_eq!(
+        info.state,
+        idempotent_runtime::store::RecordState::Completed
+    );
+    assert_eq!(
+        (info.route, info.created_at),
+        (None, None),
+        "unknown for old rows"
+    );
+    assert_eq!(info.response.unwrap().body, "ok");
+    match store
+        .claim(&req(&scope, "old", Duration::from_secs(5)))
+        .await
+        .unwrap()
+    {
+        Claim::Standing(st) => assert!(matches!(st.state, StandingState::Completed(_))),
+        Claim::Acquired => panic!("the old record was lost"),
     }
 }

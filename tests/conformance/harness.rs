@@ -105,6 +105,18 @@ impl Server {
         Call(self.client.post(self.url(path)))
     }
 
+    /// A GET of `path`, to add headers to (tests/operators.rs; the other suites need none).
+    #[allow(dead_code)]
+    pub fn get_call(&self, path: &str) -> Call {
+        Call(self.client.get(self.url(path)))
+    }
+
+    /// A DELETE of `path` (tests/operators.rs).
+    #[allow(dead_code)]
+    pub fn delete(&self, path: &str) -> Call {
+        Call(self.client.delete(self.url(path)))
+    }
+
     /// A GET of `path`.
     pub async fn get(&self, path: &str) -> Resp {
         Call(self.client.get(self.url(path))).send().await

@@ -5,12 +5,13 @@ use std::convert::Infallible;
 use std::future::Future;
 
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
+use tracing::Instrument as _;
 
 use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, ClaimMode, Claimed, Detached, Ended, Front, Handled, Reply};
+use crate::pipeline::{self, ClaimMode, Claimed, Detached, Ended, Front, Handled};
 
 /// A request after the steps before the handler.
 // Moved once, from `prepare` to its caller: boxing the large variant would cost every claimed
@@ -46,12 +47,12 @@ where
     req.extensions_mut().insert(Handled);
     let buffered = match pipeline::front::<M, _, _>(&handle, endpoint, &head, payload).await {
         Front::Pass(payload) => return extract(req.clone(), payload).await.map(Prepared::Pass),
-        Front::Refuse(problem) => return Err(HttpResponse::problem(&problem)),
+        Front::Refuse(problem) => return Err(pipeline::refuse(&handle, &problem)),
         Front::Buffered(buffered) => buffered,
     };
-    let config = handle.config();
+    let (config, recording) = (handle.config(), endpoint.resolve(handle.config()).recording);
     let extracted = match extract(req.clone(), dev::Payload::from(buffered.body.clone())).await {
-        Err(rejection) if !config.is_recordable_status(rejection.status().as_u16()) => {
+        Err(rejection) if !recording.is_recordable_status(config, rejection.status().as_u16()) => {
             return Err(rejection);
         }
         extracted => extracted,
@@ -61,6 +62,11 @@ where
         req.extensions_mut().insert(context.clone());
     }
     Ok(Prepared::Claimed(handle, claimed, extracted))
+}
+
+/// The request's span ([`crate::observe`]), named after its route pattern.
+fn request_span(req: &HttpRequest) -> tracing::Span {
+    crate::observe::request_span(req.match_pattern().as_deref().unwrap_or(""))
 }
 
 fn answer(ended: Ended<HttpResponse, (), Infallible>) -> HttpResponse {
@@ -101,15 +107,18 @@ where
             Err(rejection) => rejection,
         };
     }
-    match prepare::<Detached, _, _, _>(&req, payload, endpoint, extract).await {
+    let span = request_span(&req);
+    let prepared = prepare::<Detached, _, _, _>(&req, payload, endpoint, extract);
+    match prepared.instrument(span.clone()).await {
         Err(answer) => answer,
-        Ok(Prepared::Pass(args)) => handler(args, None, req).await,
+        Ok(Prepared::Pass(args)) => handler(args, None, req).instrument(span).await,
         Ok(Prepared::Claimed(handle, claimed, extracted)) => {
             let Claimed {
                 held,
                 permit,
                 context,
                 route,
+                span,
                 ..
             } = claimed;
             let run = async move {
@@ -126,7 +135,8 @@ where
                 route.clone(),
                 pipeline::Served::ByHandler,
                 run,
-            );
+            )
+            .instrument(span);
             answer(adapter::drive(&handle, &route, work).await)
         }
     }
@@ -156,7 +166,7 @@ where
         return pipeline::enlisted_behind_layer(&route);
     }
     let enlisted = prepare::<crate::enlisted::Enlisted, _, _, _>(&req, payload, endpoint, extract);
-    let (handle, claimed, extracted) = match enlisted.await {
+    let (handle, claimed, extracted) = match enlisted.instrument(request_span(&req)).await {
         Err(answer) => return answer,
         Ok(Prepared::Claimed(handle, claimed, extracted)) => (handle, claimed, extracted),
         Ok(Prepared::Pass(_)) => unreachable!("enlisted mode reads every body before it begins"),
@@ -166,6 +176,7 @@ where
         permit,
         context,
         route,
+        span,
         ..
     } = claimed;
     let run = move |tx| async move {
@@ -175,6 +186,7 @@ where
             Err(rejection) => (tx, rejection),
         }
     };
-    let work = pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), run);
+    let work =
+        pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), run).instrument(span);
     answer(adapter::drive(&handle, &route, work).await)
 }

@@ -11,10 +11,11 @@ use actix_web::dev::{self, ResourceDef, Service, ServiceRequest, ServiceResponse
 use actix_web::http::Method;
 use actix_web::{Error, HttpMessage, HttpResponse};
 use futures_util::future::LocalBoxFuture;
+use tracing::Instrument as _;
 
 use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
-use crate::config::EndpointConfig;
-use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch, Reply, Served};
+use crate::config::{EndpointConfig, FailureMode, ReuseStatus};
+use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch, Served};
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
 /// with the same semantics as `#[idempotent]` on each handler (runtime checks only).
@@ -75,6 +76,30 @@ impl IdempotencyMiddleware {
     /// Endpoint settings for every route inside (lease, retention, body and response caps).
     pub fn endpoint(mut self, endpoint: EndpointConfig) -> Self {
         self.endpoint = endpoint;
+        self
+    }
+
+    /// 422 or 409 for a reused key inside, overriding [`Config`](crate::Config).
+    pub fn reuse_status(mut self, status: ReuseStatus) -> Self {
+        self.endpoint.reuse_status = Some(status);
+        self
+    }
+
+    /// Statuses below 500 never recorded inside, replacing the configured list.
+    pub fn non_replayable(mut self, statuses: &'static [u16]) -> Self {
+        self.endpoint.non_replayable = Some(statuses);
+        self
+    }
+
+    /// Response headers (lowercase) recorded inside, replacing the configured list.
+    pub fn recorded_headers(mut self, names: &'static [&'static str]) -> Self {
+        self.endpoint.recorded_headers = Some(names);
+        self
+    }
+
+    /// Fail closed or open inside when the store is unreachable.
+    pub fn failure_mode(mut self, mode: FailureMode) -> Self {
+        self.endpoint.failure_mode = Some(mode);
         self
     }
 
@@ -180,7 +205,8 @@ where
         let params = self.params(&req, &pattern);
         let endpoint = self.endpoint;
         req.extensions_mut().insert(Handled);
-        Box::pin(async move {
+        let span = crate::observe::request_span(&pattern);
+        let steps = async move {
             let payload = req.take_payload();
             let head = ActixHead {
                 req: req.request(),
@@ -194,7 +220,8 @@ where
                         return Ok(service.call(req).await?.map_into_boxed_body());
                     }
                     Front::Refuse(problem) => {
-                        return Ok(req.into_response(HttpResponse::problem(&problem)));
+                        let refusal: HttpResponse = pipeline::refuse(&handle, &problem);
+                        return Ok(req.into_response(refusal));
                     }
                     Front::Buffered(buffered) => buffered,
                 };
@@ -206,6 +233,7 @@ where
                 permit,
                 context,
                 route,
+                span,
             } = match claimed {
                 Ok(claimed) => claimed,
                 Err(answer) => return Ok(req.into_response(answer)),
@@ -228,12 +256,14 @@ where
                 route.clone(),
                 Served::ThroughRouter,
                 handler,
-            );
+            )
+            .instrument(span);
             match adapter::drive(&handle, &route, work).await {
                 Ended::Answered(response, req) => Ok(ServiceResponse::new(req, response)),
                 Ended::Failed(error) => Err(error),
                 Ended::Panicked(response) => Err(adapter::panicked_error(response)),
             }
-        })
+        };
+        Box::pin(steps.instrument(span))
     }
 }

@@ -15,6 +15,7 @@ use futures_util::{FutureExt as _, StreamExt as _};
 use http::request::Parts;
 use http::{HeaderName, HeaderValue, StatusCode};
 use http_body::Body as _;
+use tracing::Instrument as _;
 
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
@@ -177,12 +178,20 @@ pub(crate) async fn prepare<M: ClaimMode>(
 ) -> Result<Prepared<M::Held>, Response> {
     let (mut parts, body) = request.into_parts();
     let head = AxumHead::new(&mut parts);
-    let buffered = match pipeline::front::<M, _, _>(handle, endpoint, &head, body).await {
-        Front::Pass(body) => return Ok(Prepared::Pass(Request::from_parts(parts, body))),
-        Front::Refuse(problem) => return Err(Response::problem(&problem)),
-        Front::Buffered(buffered) => buffered,
+    let span = crate::observe::request_span(head.route().unwrap_or(""));
+    let steps = async {
+        match pipeline::front::<M, _, _>(handle, endpoint, &head, body).await {
+            Front::Pass(body) => Ok(Err(body)),
+            Front::Refuse(problem) => Err(pipeline::refuse(handle, &problem)),
+            Front::Buffered(buffered) => pipeline::claim::<M, _, Response>(handle, &head, buffered)
+                .await
+                .map(Ok),
+        }
     };
-    let claimed = pipeline::claim::<M, _, Response>(handle, &head, buffered).await?;
+    let claimed = match steps.instrument(span).await? {
+        Err(body) => return Ok(Prepared::Pass(Request::from_parts(parts, body))),
+        Ok(claimed) => claimed,
+    };
     if let Some(context) = &claimed.context {
         parts.extensions.insert(context.clone());
     }
@@ -215,10 +224,12 @@ where
         held,
         permit,
         route,
+        span,
         ..
     } = claimed;
     let handler = handler.map(|response| Ok((response, ())));
-    let work = pipeline::work(handle.clone(), held, permit, route.clone(), served, handler);
+    let work = pipeline::work(handle.clone(), held, permit, route.clone(), served, handler)
+        .instrument(span);
     drive(&handle, &route, work).await
 }
 

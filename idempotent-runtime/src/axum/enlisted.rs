@@ -77,11 +77,13 @@ impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR
             held,
             permit,
             route,
+            span,
             ..
         } = claimed;
         let (value, context) = (self.value, self.context);
         let handler = move |tx| handler(tx, value, context);
         let work = pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), handler);
+        let work = tracing::Instrument::instrument(work, span);
         adapter::drive(&handle, &route, work).await
     }
 }

@@ -93,6 +93,7 @@ impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR
         retention: millis(RT),
         max_body: bytes(MB),
         max_response: bytes(MR),
+        ..EndpointConfig::OPTIONAL
     };
 
     /// The inner extractor.

@@ -12,7 +12,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::adapter::{self, Prepared};
-use crate::config::EndpointConfig;
+use crate::config::{EndpointConfig, FailureMode, ReuseStatus};
 use crate::handle::Idempotency;
 use crate::pipeline::{Detached, Handled, LayerWatch, Served};
 
@@ -75,6 +75,26 @@ impl IdempotencyLayer {
     /// Per-route settings (lease, retention, caps), as the attribute's arguments would set them.
     pub fn endpoint(self, endpoint: EndpointConfig) -> Self {
         self.edit(|s| s.endpoint = endpoint)
+    }
+
+    /// 422 or 409 for a reused key on these routes, overriding [`Config`](crate::Config).
+    pub fn reuse_status(self, status: ReuseStatus) -> Self {
+        self.edit(|s| s.endpoint.reuse_status = Some(status))
+    }
+
+    /// Statuses below 500 never recorded on these routes, replacing the configured list.
+    pub fn non_replayable(self, statuses: &'static [u16]) -> Self {
+        self.edit(|s| s.endpoint.non_replayable = Some(statuses))
+    }
+
+    /// Response headers (lowercase) recorded on these routes, replacing the configured list.
+    pub fn recorded_headers(self, names: &'static [&'static str]) -> Self {
+        self.edit(|s| s.endpoint.recorded_headers = Some(names))
+    }
+
+    /// Fail closed or open on these routes when the store is unreachable.
+    pub fn failure_mode(self, mode: FailureMode) -> Self {
+        self.edit(|s| s.endpoint.failure_mode = Some(mode))
     }
 
     /// The methods it applies to (default POST and PATCH). HEAD and OPTIONS always pass.

@@ -246,6 +246,21 @@ impl crate::store::Store for Flaky {
     async fn sweep(&self, batch: usize) -> Result<usize, crate::store::StoreError> {
         self.inner.sweep(batch).await
     }
+    async fn inspect(
+        &self,
+        scope: &crate::scope::ScopeHash,
+        key: &str,
+        with_response: bool,
+    ) -> Result<Option<crate::store::RecordInfo>, crate::store::StoreError> {
+        self.inner.inspect(scope, key, with_response).await
+    }
+    async fn forget(
+        &self,
+        scope: &crate::scope::ScopeHash,
+        key: &str,
+    ) -> Result<bool, crate::store::StoreError> {
+        self.inner.forget(scope, key).await
+    }
 }
 
 #[tokio::test]
@@ -279,6 +294,218 @@ async fn unreachable_store_when_recording_still_sends_the_response() {
     assert_eq!(headers["retry-after"], "1");
     assert_eq!(code(&body), "IDEMPOTENCY_IN_PROGRESS");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+async fn status_of(State(app): State<App>, request: Request) -> Response {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let code: u16 = request.uri().query().unwrap_or("200").parse().unwrap();
+    Response::builder()
+        .status(code)
+        .header("x-trace", format!("t{n}"))
+        .header("content-type", "text/plain")
+        .body(Body::from(format!("run {n}")))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_layer_applies_its_own_reuse_status_recording_rules_and_failure_mode() {
+    let flaky = Arc::new(Flaky::default());
+    let store = Idempotency::builder_arc(flaky.clone()).build();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(store.clone())
+        .require_key()
+        .reuse_status(crate::config::ReuseStatus::Conflict)
+        .non_replayable(&[404])
+        .recorded_headers(&["x-trace"])
+        .failure_mode(crate::config::FailureMode::Open);
+    let router = Router::new()
+        .route("/s", post(status_of))
+        .route_layer(layer)
+        .with_state(App {
+            store,
+            runs: Arc::clone(&runs),
+        })
+        .layer(peer());
+    let post = |key: &str, code: &str, body: &str| {
+        Request::post(format!("/s?{code}"))
+            .header("idempotency-key", key)
+            .body(Body::from(body.to_owned()))
+            .unwrap()
+    };
+
+    let (status, headers, body) = call(&router, post("a", "201", "x")).await;
+    assert_eq!((status.as_u16(), body.as_str()), (201, "run 1"));
+    assert_eq!(headers["x-trace"], "t1");
+    let (status, headers, body) = call(&router, post("a", "201", "x")).await;
+    assert_eq!((status.as_u16(), body.as_str()), (201, "run 1"), "replayed");
+    assert_eq!(
+        headers["x-trace"], "t1",
+        "the route's allowlist kept x-trace"
+    );
+    assert!(
+        headers.get("content-type").is_none(),
+        "content-type is not on the route's list"
+    );
+
+    let (status, _, body) = call(&router, post("a", "201", "other body")).await;
+    assert_eq!(
+        (status.as_u16(), code(&body).as_str()),
+        (409, "IDEMPOTENCY_KEY_REUSED")
+    );
+
+    // 404 is not recordable on this route, though it is by default; 429 is, here.
+    for _ in 0..2 {
+        assert_eq!(call(&router, post("b", "404", "x")).await.0, 404);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "each 404 ran");
+    for _ in 0..2 {
+        assert_eq!(call(&router, post("c", "429", "x")).await.0, 429);
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        4,
+        "the 429 was recorded and replayed"
+    );
+
+    flaky.fail_claim.store(true, Ordering::SeqCst);
+    let (status, _, body) = call(&router, post("d", "201", "x")).await;
+    assert_eq!(
+        (status.as_u16(), body.as_str()),
+        (201, "run 5"),
+        "failing open"
+    );
+}
+
+#[tokio::test]
+async fn a_refusal_renderer_sets_the_content_type_and_body_and_keeps_the_status() {
+    let store = Idempotency::builder(crate::store::memory::MemoryStore::default())
+        .refusal_renderer(
+            |p: &crate::problem::Problem| crate::problem::RenderedRefusal {
+                content_type: "application/vnd.app+json".into(),
+                body: format!("{{\"error\":\"{}\"}}", p.code()).into(),
+            },
+        )
+        .build();
+    let (router, _) = app(store);
+    let router = router.layer(peer());
+    let missing = Request::post("/create").body(Body::from("x")).unwrap();
+    let (status, headers, body) = call(&router, missing).await;
+    assert_eq!(status, 400);
+    assert_eq!(headers["content-type"], "application/vnd.app+json");
+    assert_eq!(body, r#"{"error":"IDEMPOTENCY_KEY_REQUIRED"}"#);
+}
+
+/// A span's metadata and the fields recorded on it.
+type SpanRecord = (&'static tracing::Metadata<'static>, Vec<(String, String)>);
+
+/// A subscriber that keeps every span's fields and every event's, to check what is logged.
+#[derive(Default)]
+struct Capture {
+    spans: std::sync::Mutex<Vec<SpanRecord>>,
+    stack: std::sync::Mutex<Vec<u64>>,
+    events: std::sync::Mutex<Vec<String>>,
+}
+
+struct Fields<'a>(&'a mut Vec<(String, String)>);
+
+impl tracing::field::Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push((field.name().to_owned(), format!("{value:?}")));
+    }
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.push((field.name().to_owned(), value.to_owned()));
+    }
+}
+
+impl tracing::Subscriber for Capture {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, attrs: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        let mut fields = Vec::new();
+        attrs.record(&mut Fields(&mut fields));
+        let mut spans = self.spans.lock().unwrap();
+        spans.push((attrs.metadata(), fields));
+        tracing::span::Id::from_u64(spans.len() as u64)
+    }
+    fn record(&self, id: &tracing::span::Id, values: &tracing::span::Record<'_>) {
+        let mut spans = self.spans.lock().unwrap();
+        values.record(&mut Fields(&mut spans[id.into_u64() as usize - 1].1));
+    }
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut fields = Vec::new();
+        event.record(&mut Fields(&mut fields));
+        self.events.lock().unwrap().push(format!("{fields:?}"));
+    }
+    fn enter(&self, id: &tracing::span::Id) {
+        self.stack.lock().unwrap().push(id.into_u64());
+    }
+    fn exit(&self, _: &tracing::span::Id) {
+        self.stack.lock().unwrap().pop();
+    }
+    fn current_span(&self) -> tracing_core::span::Current {
+        match self.stack.lock().unwrap().last() {
+            Some(&id) => {
+                let metadata = self.spans.lock().unwrap()[id as usize - 1].0;
+                tracing_core::span::Current::new(tracing::span::Id::from_u64(id), metadata)
+            }
+            None => tracing_core::span::Current::none(),
+        }
+    }
+}
+
+#[tokio::test]
+async fn each_request_runs_in_one_span_with_route_decision_and_scope_never_the_key() {
+    let capture = Arc::new(Capture::default());
+    let _guard = tracing::subscriber::set_default(Arc::clone(&capture));
+    let (router, runs) = app(Idempotency::memory());
+    let router = router.layer(peer());
+    let key = "secret-key-5b8e";
+    for _ in 0..2 {
+        assert_eq!(
+            call(&router, post_with_key("/create", key, "x")).await.0,
+            200
+        );
+    }
+    assert_eq!(
+        call(&router, post_with_key("/create", key, "y")).await.0,
+        422
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let spans = capture.spans.lock().unwrap();
+    let requests: Vec<_> = spans
+        .iter()
+        .filter(|(m, _)| m.name() == "idempotency")
+        .map(|(_, fields)| fields)
+        .collect();
+    assert_eq!(requests.len(), 3, "one span per request: {requests:?}");
+    let field = |fields: &Vec<(String, String)>, name: &str| {
+        fields
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+    };
+    for (fields, decision) in requests.iter().zip(["executed", "replayed", "key_reused"]) {
+        assert_eq!(
+            field(fields, "route").as_deref(),
+            Some("/create"),
+            "{fields:?}"
+        );
+        assert_eq!(
+            field(fields, "decision").as_deref(),
+            Some(decision),
+            "{fields:?}"
+        );
+        let scope = field(fields, "scope").expect("the scope hash prefix");
+        assert!(
+            scope.len() >= 8 && scope.chars().all(|c| c.is_ascii_hexdigit()),
+            "{scope}"
+        );
+    }
+    let logged = format!("{spans:?}{:?}", capture.events.lock().unwrap());
+    assert!(!logged.contains(key), "the key was logged: {logged}");
 }
 
 // Setups that would silently turn protection off are said once, with their fix (#19).

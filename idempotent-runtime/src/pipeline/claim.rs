@@ -63,6 +63,7 @@ impl<'a> ClaimPlan<'a> {
                 token: FencingToken::mint(),
                 lease: req.endpoint.lease,
                 retention: req.endpoint.retention,
+                route: req.input.route.unwrap_or(""),
             },
             route: req.input.route.unwrap_or(""),
             input: &req.input,
@@ -187,8 +188,13 @@ impl Idempotency {
                     route,
                     self.enter_running(),
                 )
+                .with_recording(req.endpoint.recording)
             }),
-            Err(error) => self.claim_failed(error, &plan.claim, req.key, route).await,
+            Err(error) => {
+                let mode = req.endpoint.failure_mode;
+                self.claim_failed(error, &plan.claim, req.key, route, mode)
+                    .await
+            }
         }
     }
 
@@ -212,6 +218,8 @@ impl Idempotency {
         match claimed {
             Claimed::Acquired { reclaimed } => {
                 if reclaimed {
+                    observe::decided("reclaimed");
+                    audit(AuditDecision::Reclaimed);
                     observe::count(Event::Reclaimed, route);
                     tracing::warn!(
                         route,
@@ -219,16 +227,22 @@ impl Idempotency {
                         "reclaimed an abandoned reservation; its handler may have run before"
                     );
                 }
+                if !reclaimed {
+                    observe::decided("executed");
+                    audit(AuditDecision::Executed);
+                }
                 observe::count(Event::Executed, route);
                 Begin::Run(held())
             }
             Claimed::Replay(response) => {
+                observe::decided("replayed");
                 observe::count(Event::Replayed, route);
                 audit(AuditDecision::Replayed);
                 tracing::debug!(route, key_hash = %KeyDisplay(req.key.as_str()), "replayed");
                 Begin::Replay(response)
             }
             Claimed::InProgress { lease_left } => {
+                observe::decided("in_progress");
                 observe::count(Event::InProgress, route);
                 audit(AuditDecision::InProgress);
                 let retry_after = record::in_progress_retry_after(
@@ -245,10 +259,11 @@ impl Idempotency {
                 )
             }
             Claimed::KeyReused => {
+                observe::decided("key_reused");
                 observe::count(Event::KeyReused, route);
                 audit(AuditDecision::KeyReused);
                 Begin::Refuse(Problem::new(
-                    self.config().reuse_status().code(),
+                    req.endpoint.reuse_status.code(),
                     ProblemCode::KeyReused,
                     "this Idempotency-Key was already used with a different request",
                 ))
@@ -262,6 +277,7 @@ impl Idempotency {
         claim: &ClaimRequest<'_>,
         key: &IdempotencyKey,
         route: &str,
+        failure_mode: FailureMode,
     ) -> Begin {
         let config = self.config();
         let retry_after = record::ceil_secs(config.store_retry_after()).max(1);
@@ -272,14 +288,16 @@ impl Idempotency {
             StoreError::Unavailable(_) => (ProblemCode::StoreUnavailable, Event::StoreError),
         };
         observe::count(event, route);
+        observe::decided(event.name());
         tracing::warn!(route, key_hash = %KeyDisplay(key.as_str()), %error, "idempotency claim failed");
         if matches!(error, StoreError::Unavailable(_)) {
             // The claim may have been written before the connection dropped: free it if so, so
             // the client's retry is not blocked for a whole lease.
             let release = self.store().release(claim.scope, claim.key, claim.token);
             let _ = tokio::time::timeout(Duration::from_secs(2), release).await;
-            if config.failure_mode() == FailureMode::Open {
+            if failure_mode == FailureMode::Open {
                 tracing::warn!(route, "failing open: running the handler unprotected");
+                observe::decided("executed_unprotected");
                 observe::count(Event::Executed, route);
                 return Begin::Run(Reservation::unguarded(route, self.enter_running()));
             }

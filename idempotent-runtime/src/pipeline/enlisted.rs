@@ -9,7 +9,7 @@ use std::panic::AssertUnwindSafe;
 use futures_util::FutureExt as _;
 
 use super::body::{self, Chunks, Collected};
-use super::{Ended, Reply};
+use super::{Ended, Reply, refuse};
 use crate::budget::BufferPermit;
 use crate::enlisted::{self, EnlistedTx, Held, Settle};
 use crate::handle::Idempotency;
@@ -43,7 +43,7 @@ where
         }
         Err(_) => {
             settle.panicked().await;
-            Ended::Panicked(R::problem(&handle.panicked(&route)))
+            Ended::Panicked(refuse(&handle, &handle.panicked(&route)))
         }
     }
 }
@@ -59,29 +59,30 @@ pub(crate) async fn settle_enlisted<R: Reply>(
 ) -> R {
     let config = handle.config();
     let status = response.status();
-    if !config.is_recordable_status(status) {
+    let recording = settle.recording();
+    if !recording.is_recordable_status(config, status) {
         settle.rollback(tx, "final status not recordable").await;
         return response;
     }
     if !settle.is_keyed() {
         return match settle.commit(tx, None).await {
             Ok(()) => response,
-            Err(problem) => R::problem(&problem),
+            Err(problem) => refuse(handle, &problem),
         };
     }
     let route = settle.route().to_owned();
     let cap = settle.max_response();
-    let headers = record::recorded_headers(config, response.headers());
+    let headers = record::recorded_headers_for(config, &recording, response.headers());
     let (head, body) = response.into_parts();
     let fits = body.exact_len().is_none_or(|n| n <= cap as u64);
     let (Some(headers), true) = (headers, fits) else {
         settle.rollback(tx, "response not recordable").await;
-        return R::problem(&enlisted::not_recordable(&route));
+        return refuse(handle, &enlisted::not_recordable(&route));
     };
     let (collected, _permit) = body::collect_response(handle.budget(), body, cap).await;
     let Collected::Complete { bytes, drained } = collected else {
         settle.rollback(tx, "response over max_response").await;
-        return R::problem(&enlisted::not_recordable(&route));
+        return refuse(handle, &enlisted::not_recordable(&route));
     };
     let recorded = RecordedResponse {
         status,
@@ -90,6 +91,6 @@ pub(crate) async fn settle_enlisted<R: Reply>(
     };
     match settle.commit(tx, Some(&recorded)).await {
         Ok(()) => R::recorded(head, recorded.body, drained),
-        Err(problem) => R::problem(&problem),
+        Err(problem) => refuse(handle, &problem),
     }
 }

@@ -18,7 +18,7 @@ use std::sync::{Mutex, OnceLock};
 use super::Reply;
 use crate::handle::Idempotency;
 use crate::observe::{self, Event};
-use crate::problem::{Problem, ProblemCode};
+use crate::problem::{Problem, ProblemCode, RenderedRefusal};
 
 /// Each trap is said once per process (or once per layer), however often it shows.
 fn once(flag: &AtomicBool) -> bool {
@@ -192,7 +192,10 @@ pub(crate) fn required_under_optional<R: Reply>(handle: Option<&Idempotency>, ro
             "an Idempotency-Key header is required",
         ),
     };
-    R::problem(&problem)
+    match handle {
+        Some(handle) => super::refuse(handle, &problem),
+        None => R::problem(&problem, RenderedRefusal::problem_json(&problem)),
+    }
 }
 
 #[cfg(test)]

@@ -55,7 +55,7 @@ use crate::context::IdempotencyContext;
 use crate::fingerprint::FingerprintInput;
 use crate::handle::Idempotency;
 use crate::key::{self, IdempotencyKey};
-use crate::problem::Problem;
+use crate::problem::{Problem, RenderedRefusal};
 use crate::reservation::{Outcome, Reservation};
 use crate::scope::{self, Identity, Resolution};
 use crate::store::RecordedResponse;
@@ -115,17 +115,19 @@ pub(crate) trait Reply: Sized {
         body: Bytes,
     ) -> Self;
 
-    /// A refusal as `application/problem+json`, with `Retry-After` when it has one.
-    fn problem(problem: &Problem) -> Self {
+    /// A refusal with the problem's status and `Retry-After` (when it has one), and the body
+    /// the handle rendered for it (`application/problem+json` unless the application set a
+    /// renderer). Built through [`refuse`], never directly.
+    fn problem(problem: &Problem, rendered: RenderedRefusal) -> Self {
         let retry_after = problem.retry_after().map(|s| s.to_string());
-        let headers = [("content-type", crate::problem::CONTENT_TYPE.as_bytes())]
+        let headers = [("content-type", rendered.content_type.as_bytes())]
             .into_iter()
             .chain(
                 retry_after
                     .as_deref()
                     .map(|s| ("retry-after", s.as_bytes())),
             );
-        Self::build(problem.status(), headers, problem.body())
+        Self::build(problem.status(), headers, rendered.body)
     }
 
     /// A recorded response, marked with [`REPLAYED_HEADER`].
@@ -170,6 +172,11 @@ pub(crate) fn enlisted_behind_layer<R: Reply>(route: &str) -> R {
          the handler"
     );
     R::internal("an enlisted handler cannot run behind the idempotency layer")
+}
+
+/// A refusal as the framework's response, rendered by the handle's renderer.
+pub(crate) fn refuse<R: Reply>(handle: &Idempotency, problem: &Problem) -> R {
+    R::problem(problem, handle.render_refusal(problem))
 }
 
 fn first_header<'a, H: Head>(head: &'a H, name: &'a str) -> Option<&'a [u8]> {
@@ -267,6 +274,8 @@ pub(crate) struct Claimed<H> {
     /// `None` for a request without a key.
     pub(crate) context: Option<IdempotencyContext>,
     pub(crate) route: String,
+    /// The request's span, for the claimed work that may run in a task of its own.
+    pub(crate) span: tracing::Span,
 }
 
 /// Scope → fingerprint → claim, the way `M` claims. `Err` is the answer instead of running:
@@ -289,17 +298,19 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
         permit,
         context,
         route: route.to_owned(),
+        span: tracing::Span::current(),
     };
     let Some(key) = key else {
         return match M::unkeyed(handle, route).await {
             Ok(held) => Ok(claimed(held, None)),
-            Err(problem) => Err(R::problem(&problem)),
+            Err(problem) => Err(refuse(handle, &problem)),
         };
     };
     let scope = match scope_of(handle, head) {
         Ok(scope) => scope,
-        Err(problem) => return Err(R::problem(&problem)),
+        Err(problem) => return Err(refuse(handle, &problem)),
     };
+    crate::observe::scoped(scope.hash());
     let params = head.path_params();
     let content_type = combined_header(head, "content-type");
     let request = BeginRequest {
@@ -322,7 +333,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
             Ok(claimed(held, Some(context)))
         }
         Begin::Replay(recorded) => Err(R::replay(&recorded)),
-        Begin::Refuse(problem) => Err(R::problem(&problem)),
+        Begin::Refuse(problem) => Err(refuse(handle, &problem)),
     }
 }
 
@@ -443,7 +454,7 @@ where
     R: Reply,
 {
     match reservation.run(handler).await {
-        Outcome::Panicked => Ended::Panicked(R::problem(&handle.panicked(&route))),
+        Outcome::Panicked => Ended::Panicked(refuse(&handle, &handle.panicked(&route))),
         Outcome::Returned(Err(error)) => {
             reservation.release().await;
             Ended::Failed(error)
@@ -498,9 +509,9 @@ where
         Ok(Poll::Ready(ended)) => ended,
         Ok(Poll::Pending) => match spawn(work).await {
             Ok(ended) => ended,
-            Err(_) => Ended::Panicked(R::problem(&handle.task_failed(route))),
+            Err(_) => Ended::Panicked(refuse(handle, &handle.task_failed(route))),
         },
-        Err(_) => Ended::Panicked(R::problem(&handle.task_failed(route))),
+        Err(_) => Ended::Panicked(refuse(handle, &handle.task_failed(route))),
     }
 }
 
@@ -514,11 +525,13 @@ pub(crate) async fn settle<R: Reply>(
 ) -> R {
     let config = handle.config();
     let status = response.status();
-    if !reservation.is_guarded() || !config.is_recordable_status(status) {
+    let recording = *reservation.recording();
+    if !reservation.is_guarded() || !recording.is_recordable_status(config, status) {
         reservation.release().await;
         return response;
     }
-    let Some(headers) = crate::record::recorded_headers(config, response.headers()) else {
+    let headers = crate::record::recorded_headers_for(config, &recording, response.headers());
+    let Some(headers) = headers else {
         reservation.release().await;
         return response;
     };

@@ -12,6 +12,7 @@ impl Idempotency {
     /// The refusal for an invalid key (never echoing it).
     pub(crate) fn key_invalid(&self, error: KeyError, route: &str) -> Problem {
         observe::count(Event::KeyInvalid, route);
+        observe::decided(Event::KeyInvalid.name());
         tracing::debug!(route, %error, "idempotency key refused");
         Problem::new(400, ProblemCode::KeyInvalid, error.to_string())
     }
@@ -19,6 +20,7 @@ impl Idempotency {
     /// The refusal for a missing key on a `require_key` endpoint.
     pub(crate) fn key_missing(&self, route: &str) -> Problem {
         observe::count(Event::KeyMissing, route);
+        observe::decided(Event::KeyMissing.name());
         Problem::new(
             self.config().missing_key_status().code(),
             ProblemCode::KeyRequired,
@@ -29,6 +31,7 @@ impl Idempotency {
     /// The refusal for a body over its cap.
     pub(crate) fn payload_too_large(&self, max_body: usize, route: &str) -> Problem {
         observe::count(Event::PayloadTooLarge, route);
+        observe::decided(Event::PayloadTooLarge.name());
         Problem::new(
             413,
             ProblemCode::PayloadTooLarge,
@@ -39,6 +42,7 @@ impl Idempotency {
     /// The refusal for a body that arrived too slowly.
     pub(crate) fn body_timeout(&self, route: &str) -> Problem {
         observe::count(Event::BodyTimeout, route);
+        observe::decided(Event::BodyTimeout.name());
         Problem::new(
             408,
             ProblemCode::BodyTimeout,
@@ -52,6 +56,7 @@ impl Idempotency {
     /// The refusal when no identity could be established: a setup mistake, logged with its fix.
     pub(crate) fn scope_unresolved(&self, error: ScopeError, route: &str) -> Problem {
         observe::count(Event::ScopeUnresolved, route);
+        observe::decided(Event::ScopeUnresolved.name());
         tracing::error!(route, "idempotency scope unresolved: {}", error.remedy());
         Problem::new(
             500,
@@ -74,6 +79,7 @@ impl Idempotency {
     /// The refusal when the buffer budget is exhausted.
     pub(crate) fn buffers_full(&self, route: &str) -> Problem {
         observe::count(Event::StoreFull, route);
+        observe::decided(Event::StoreFull.name());
         Problem::new(
             503,
             ProblemCode::StoreFull,
@@ -97,6 +103,7 @@ impl Idempotency {
     /// claimed.
     pub(crate) fn body_invalid(&self, route: &str) -> Problem {
         tracing::debug!(route, "request body broken mid-read");
+        observe::decided("body_invalid");
         Problem::new(
             400,
             ProblemCode::BodyInvalid,

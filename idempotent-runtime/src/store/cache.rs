@@ -24,7 +24,8 @@ use async_trait::async_trait;
 use hashbrown::{HashMap, HashTable};
 
 use super::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
+    Claim, ClaimRequest, FencingToken, RecordInfo, RecordedResponse, Standing, StandingState,
+    Store, StoreError,
 };
 use crate::clock::{Clock, Millis, SystemClock, millis};
 use crate::fingerprint::Fingerprint;
@@ -371,6 +372,27 @@ impl<S: Store> Store for CachedStore<S> {
     async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
         self.inner.sweep(batch).await
     }
+
+    /// The shared store is asked: it is the truth, and the cache never holds reservations.
+    async fn inspect(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        with_response: bool,
+    ) -> Result<Option<RecordInfo>, StoreError> {
+        self.inner.inspect(scope, key, with_response).await
+    }
+
+    /// Drops this process's copy, then the record. Other processes may replay theirs until it
+    /// is older than `max_age` (the README says so).
+    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+        self.evict(scope, key);
+        self.inner.forget(scope, key).await
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
 }
 
 #[cfg(test)]
@@ -415,6 +437,7 @@ mod tests {
             token: FencingToken::mint(),
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(10),
+            route: "/test",
         }
     }
 
@@ -476,6 +499,17 @@ mod tests {
         }
         async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
             self.inner.sweep(batch).await
+        }
+        async fn inspect(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            with_response: bool,
+        ) -> Result<Option<RecordInfo>, StoreError> {
+            self.inner.inspect(scope, key, with_response).await
+        }
+        async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+            self.inner.forget(scope, key).await
         }
     }
 

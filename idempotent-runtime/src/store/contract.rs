@@ -22,7 +22,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::{Claim, ClaimRequest, FencingToken, RecordedResponse, StandingState, Store};
+use super::{
+    Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, StandingState,
+    Store, header_bytes,
+};
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 
@@ -62,6 +65,8 @@ async fn run_shared_cases<S: Store + ?Sized>(
     completed_record_expires_after_retention(s, advance).await;
     reservation_expires_lease_plus_retention_after_claim(s, advance).await;
     sweeper_never_frees_a_live_record(s, advance).await;
+    inspect_reports_state_times_and_sizes_and_the_body_only_when_asked(s, advance).await;
+    forget_deletes_any_record_and_fences_its_holder(s).await;
 }
 
 /// A fresh scope per case, so cases never see each other's records.
@@ -94,6 +99,7 @@ fn req<'a>(
         token: FencingToken::mint(),
         lease,
         retention: 10 * SECOND,
+        route: "/test",
     }
 }
 
@@ -713,6 +719,7 @@ pub mod model {
                         token: FencingToken::mint(),
                         lease: Duration::from_secs(lease),
                         retention: Duration::from_secs(RETENTION_S),
+                        route: "/test",
                     };
                     let mut got = store.claim(&req).await.expect("claim");
                     // Take over what the engine would: expired, or abandoned by the same request.
@@ -850,6 +857,7 @@ pub mod model {
                             token: FencingToken::mint(),
                             lease: Duration::from_secs(lease),
                             retention: Duration::from_secs(RETENTION_S),
+                            route: "/test",
                         })
                         .collect();
                     let store = &store;
@@ -965,4 +973,198 @@ pub mod model {
                 .unwrap_or(FencingToken(0xdead_beef)),
         }
     }
+}
+
+async fn inspect<S: Store + ?Sized>(
+    s: &S,
+    scope: &ScopeHash,
+    key: &str,
+    body: bool,
+) -> Option<RecordInfo> {
+    s.inspect(scope, key, body).await.expect("inspect")
+}
+
+/// `b - a`, which must not be negative.
+fn between(a: std::time::SystemTime, b: std::time::SystemTime) -> Duration {
+    b.duration_since(a).expect("times out of order")
+}
+
+fn near(d: Duration, want: Duration, what: &str) {
+    let slack = Duration::from_millis(1500);
+    assert!(
+        d + slack >= want && d <= want + slack,
+        "{what}: {d:?}, want about {want:?}"
+    );
+}
+
+async fn inspect_reports_state_times_and_sizes_and_the_body_only_when_asked<S: Store + ?Sized>(
+    s: &S,
+    advance: &(impl Fn(Duration) + Send + Sync),
+) {
+    let scope = fresh_scope();
+    assert_eq!(
+        inspect(s, &scope, "k", true).await,
+        None,
+        "no record, nothing to inspect"
+    );
+    let first = req(&scope, "k", 1, 30 * SECOND);
+    assert_eq!(claim(s, &first).await, Claim::Acquired);
+
+    let running = inspect(s, &scope, "k", true)
+        .await
+        .expect("a reservation is inspected");
+    assert_eq!(running.state, RecordState::Running);
+    assert_eq!(
+        running.route.as_deref(),
+        Some("/test"),
+        "the claim's route is kept"
+    );
+    assert_eq!((running.status, running.response.as_ref()), (None, None));
+    assert_eq!((running.body_bytes, running.header_bytes), (0, 0));
+    assert_eq!(running.completed_at, None);
+    let created = running
+        .created_at
+        .expect("a new record knows when it was claimed");
+    let lease_until = running.lease_until.expect("a reservation has a lease");
+    near(between(created, lease_until), 30 * SECOND, "lease");
+    near(
+        between(created, running.expires_at),
+        40 * SECOND,
+        "reservation expiry",
+    );
+    assert!(
+        s.claim(&req(&scope, "k", 1, 30 * SECOND)).await.is_ok(),
+        "inspecting changed nothing"
+    );
+    assert_eq!(
+        inspect(s, &scope, "k", false)
+            .await
+            .expect("still there")
+            .state,
+        RecordState::Running
+    );
+
+    advance(31 * SECOND);
+    assert_eq!(
+        inspect(s, &scope, "k", false)
+            .await
+            .expect("still there")
+            .state,
+        RecordState::Abandoned,
+        "a lapsed lease reads as abandoned"
+    );
+
+    let scope = fresh_scope();
+    let first = req(&scope, "k", 1, 30 * SECOND);
+    assert_eq!(claim(s, &first).await, Claim::Acquired);
+    let resp = response(r#"{"id":1}"#);
+    assert!(
+        s.complete(&scope, "k", first.token, &resp, 10 * SECOND)
+            .await
+            .unwrap()
+    );
+    let done = inspect(s, &scope, "k", false)
+        .await
+        .expect("a completed record is inspected");
+    assert_eq!(done.state, RecordState::Completed);
+    assert_eq!(done.status, Some(201));
+    assert_eq!(done.route.as_deref(), Some("/test"));
+    assert_eq!(done.body_bytes, resp.body.len());
+    assert_eq!(done.header_bytes, header_bytes(&resp.headers));
+    assert_eq!(done.response, None, "the body is read only when asked for");
+    assert_eq!(done.lease_until, None);
+    let completed = done.completed_at.expect("a completed record knows when");
+    assert!(
+        completed >= done.created_at.expect("created"),
+        "completed before it was claimed"
+    );
+    near(
+        between(completed, done.expires_at),
+        10 * SECOND,
+        "retention",
+    );
+    let with_body = inspect(s, &scope, "k", true).await.expect("still there");
+    assert_eq!(
+        with_body.response,
+        Some(Arc::new(resp)),
+        "asked for, the response is whole"
+    );
+    assert_eq!(
+        RecordInfo {
+            response: None,
+            ..with_body
+        },
+        done
+    );
+
+    advance(11 * SECOND);
+    assert_eq!(
+        inspect(s, &scope, "k", false).await.map(|i| i.state),
+        Some(RecordState::Expired),
+        "an expired record not yet swept reads as expired"
+    );
+    let other = fresh_scope();
+    assert_eq!(
+        inspect(s, &other, "k", true).await,
+        None,
+        "another scope sees nothing"
+    );
+}
+
+async fn forget_deletes_any_record_and_fences_its_holder<S: Store + ?Sized>(s: &S) {
+    let scope = fresh_scope();
+    assert!(!s.forget(&scope, "k").await.unwrap(), "nothing to forget");
+
+    let running = req(&scope, "k", 1, 30 * SECOND);
+    assert_eq!(claim(s, &running).await, Claim::Acquired);
+    let other = fresh_scope();
+    assert!(
+        !s.forget(&other, "k").await.unwrap(),
+        "another scope forgets nothing"
+    );
+    assert!(
+        inspect(s, &scope, "k", false).await.is_some(),
+        "another scope's forget left it"
+    );
+    assert!(
+        s.forget(&scope, "k").await.unwrap(),
+        "a running reservation is forgotten"
+    );
+    assert_eq!(inspect(s, &scope, "k", false).await, None);
+    assert!(
+        !s.complete(&scope, "k", running.token, &response("late"), 10 * SECOND)
+            .await
+            .unwrap(),
+        "the forgotten holder's completion is fenced"
+    );
+    assert!(
+        !s.renew(&scope, "k", running.token, 30 * SECOND)
+            .await
+            .unwrap()
+    );
+
+    let again = req(&scope, "k", 2, 30 * SECOND);
+    assert_eq!(
+        claim(s, &again).await,
+        Claim::Acquired,
+        "a forgotten key is free"
+    );
+    assert!(
+        s.complete(&scope, "k", again.token, &response("{}"), 10 * SECOND)
+            .await
+            .unwrap()
+    );
+    assert!(
+        s.forget(&scope, "k").await.unwrap(),
+        "a completed record is forgotten"
+    );
+    assert!(
+        !s.forget(&scope, "k").await.unwrap(),
+        "forgetting twice finds nothing"
+    );
+    assert_eq!(
+        claim(s, &req(&scope, "k", 3, 30 * SECOND)).await,
+        Claim::Acquired,
+        "a forgotten completed key runs again, whatever the request"
+    );
 }

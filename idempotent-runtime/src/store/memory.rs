@@ -16,7 +16,8 @@ use async_trait::async_trait;
 use hashbrown::{HashMap, HashTable};
 
 use super::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
+    Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, Standing,
+    StandingState, Store, StoreError, header_bytes, time_from_millis,
 };
 use crate::clock::{Clock, Millis, SystemClock, millis};
 use crate::fingerprint::Fingerprint;
@@ -83,6 +84,10 @@ struct Entry {
     expires_at: Millis,
     retention: Millis,
     weight: usize,
+    /// For [`Store::inspect`]: the route it was claimed on, when, and when it completed.
+    route: Box<str>,
+    created_at: Millis,
+    completed_at: Millis,
 }
 
 enum EntryState {
@@ -382,7 +387,13 @@ impl MemoryStore {
             expires_at: lease_until.saturating_add(retention),
             retention,
             // The answer's room is set aside now, so completing never needs more.
-            weight: ENTRY_OVERHEAD + req.key.len() + self.limits.response_headroom,
+            weight: ENTRY_OVERHEAD
+                + req.key.len()
+                + req.route.len()
+                + self.limits.response_headroom,
+            route: req.route.into(),
+            created_at: now,
+            completed_at: 0,
         }
     }
 
@@ -527,13 +538,14 @@ impl Store for MemoryStore {
             // A resent completion that finds its own record: it is done.
             return Ok(**recorded == *response);
         }
-        let weight = ENTRY_OVERHEAD + key.len() + response.weight();
+        let weight = ENTRY_OVERHEAD + key.len() + entry.route.len() + response.weight();
         // Within the headroom set aside at the claim this only shrinks; an answer larger than
         // the headroom may be refused here, and the runtime then releases the key.
         self.recharge(entry.quota_bucket, entry.weight, weight)?;
         entry.weight = weight;
         entry.state = EntryState::Completed(Arc::new(response.clone()));
         entry.expires_at = now.saturating_add(millis(retention));
+        entry.completed_at = now;
         let expires_at = entry.expires_at;
         shard.queue(hash, expires_at);
         Ok(true)
@@ -599,6 +611,64 @@ impl Store for MemoryStore {
         }
         Ok(deleted)
     }
+
+    async fn inspect(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        with_response: bool,
+    ) -> Result<Option<RecordInfo>, StoreError> {
+        // Records keep monotonic times (a wall-clock step never makes a live handler look
+        // abandoned); an operator reads wall-clock times, as far from now as they are.
+        let now = self.clock.monotonic_millis();
+        let wall_now = self.clock.now_millis() as i64;
+        let wall = |t: Millis| time_from_millis(wall_now - (now as i64 - t as i64));
+        let (hash, shard) = self.locate(scope, key);
+        let shard = lock(shard);
+        let Some(Slot { record, .. }) = shard.find(hash, matches(hash, scope, key)) else {
+            return Ok(None);
+        };
+        let e = &record.entry;
+        let (lease_until, response) = match &e.state {
+            EntryState::Reserved { lease_until } => (Some(*lease_until), None),
+            EntryState::Completed(r) => (None, Some(r)),
+        };
+        let state = RecordState::judge(
+            response.is_some(),
+            wall(now),
+            wall(lease_until.unwrap_or(0)),
+            wall(e.expires_at),
+        );
+        Ok(Some(RecordInfo {
+            state,
+            status: response.map(|r| r.status),
+            route: Some(e.route.to_string()),
+            created_at: Some(wall(e.created_at)),
+            completed_at: response.map(|_| wall(e.completed_at)),
+            lease_until: lease_until.map(wall),
+            expires_at: wall(e.expires_at),
+            body_bytes: response.map_or(0, |r| r.body.len()),
+            header_bytes: response.map_or(0, |r| header_bytes(&r.headers)),
+            response: response.filter(|_| with_response).map(Arc::clone),
+        }))
+    }
+
+    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+        let (hash, shard) = self.locate(scope, key);
+        let mut shard = lock(shard);
+        match shard.find_entry(hash, matches(hash, scope, key)) {
+            Ok(found) => {
+                let (Slot { record, .. }, _) = found.remove();
+                self.discharge(record.entry.weight, record.entry.quota_bucket);
+                Ok(true)
+            }
+            Err(_) => Ok(false),
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
 }
 
 #[cfg(test)]
@@ -635,6 +705,7 @@ mod tests {
             token: FencingToken::mint(),
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(60),
+            route: "/test",
         }
     }
 
@@ -674,7 +745,7 @@ mod tests {
     async fn byte_bound_refuses_rather_than_grows() {
         let store = MemoryStore::builder()
             .limits(MemoryLimits {
-                max_bytes: 10 * (ENTRY_OVERHEAD + 4),
+                max_bytes: 10 * (ENTRY_OVERHEAD + 4 + "/test".len()),
                 response_headroom: 0,
                 ..MemoryLimits::default()
             })
@@ -690,7 +761,7 @@ mod tests {
             }
         }
         assert_eq!(refused, 90);
-        assert!(store.bytes() <= 10 * (ENTRY_OVERHEAD + 4));
+        assert!(store.bytes() <= 10 * (ENTRY_OVERHEAD + 4 + "/test".len()));
     }
 
     #[tokio::test]
@@ -991,6 +1062,7 @@ mod sweep_tests {
             token: FencingToken::mint(),
             lease: Duration::from_secs(secs),
             retention: Duration::from_secs(secs),
+            route: "/test",
         }
     }
 

@@ -7,7 +7,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -140,6 +140,9 @@ pub struct ClaimRequest<'a> {
     pub lease: Duration,
     /// How long records live once expired from their lease or completed.
     pub retention: Duration,
+    /// The matched route pattern, kept with the record for [`Store::inspect`] (never part of
+    /// the store key: the fingerprint already tells routes apart).
+    pub route: &'a str,
 }
 
 /// Outcome of a claim.
@@ -176,6 +179,87 @@ pub enum StandingState {
     Completed(Arc<RecordedResponse>),
     /// Past its expiry: as good as gone (expiry is enforced when claiming).
     Expired,
+}
+
+/// What an operator sees of a record ([`Store::inspect`], [the contract](crate::design) §5
+/// "Admin"): its state, times and sizes, and its response only when asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordInfo {
+    /// Its state, judged by the store's clock.
+    pub state: RecordState,
+    /// The recorded status (completed records).
+    pub status: Option<u16>,
+    /// The route pattern it was claimed on (`None` for records written before routes were kept).
+    pub route: Option<String>,
+    /// When it was claimed (or last reclaimed); `None` for records written before this was kept.
+    pub created_at: Option<SystemTime>,
+    /// When its response was recorded (completed records).
+    pub completed_at: Option<SystemTime>,
+    /// When its reservation's lease runs out (reserved records).
+    pub lease_until: Option<SystemTime>,
+    /// When it expires and its key is free again.
+    pub expires_at: SystemTime,
+    /// Bytes of the recorded body (0 while reserved).
+    pub body_bytes: usize,
+    /// Bytes of the recorded headers in their stored encoding (see [`header_bytes`]; 0 while
+    /// reserved).
+    pub header_bytes: usize,
+    /// The recorded response, when the caller asked for it and the record is completed.
+    pub response: Option<Arc<RecordedResponse>>,
+}
+
+/// A record's state as an operator sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordState {
+    /// Reserved, its handler running (lease not lapsed).
+    Running,
+    /// Reserved, its lease lapsed: its holder is presumed dead; a retry reclaims it.
+    Abandoned,
+    /// Completed: its response is replayed.
+    Completed,
+    /// Past its expiry, not yet swept: as good as gone.
+    Expired,
+}
+
+impl RecordState {
+    /// `"running"`, `"abandoned"`, `"completed"` or `"expired"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Abandoned => "abandoned",
+            Self::Completed => "completed",
+            Self::Expired => "expired",
+        }
+    }
+
+    /// The state of a record by `now`, from its stored parts (every store judges the same way).
+    pub fn judge(
+        completed: bool,
+        now: SystemTime,
+        lease_until: SystemTime,
+        expires_at: SystemTime,
+    ) -> Self {
+        if now >= expires_at {
+            Self::Expired
+        } else if completed {
+            Self::Completed
+        } else if now < lease_until {
+            Self::Running
+        } else {
+            Self::Abandoned
+        }
+    }
+}
+
+/// Milliseconds since the UNIX epoch as a time (negative values clamp to the epoch).
+pub fn time_from_millis(ms: i64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+/// Bytes of a record's headers as [`RecordInfo::header_bytes`] counts them: the length of
+/// their [stored encoding](RecordedResponse::encode_headers).
+pub fn header_bytes(headers: &[(String, Bytes)]) -> usize {
+    headers.iter().map(|(n, v)| 8 + n.len() + v.len()).sum()
 }
 
 /// Why a store operation failed.
@@ -272,6 +356,27 @@ pub trait Store: std::any::Any + Send + Sync {
     /// Deletes up to `batch` expired records, re-checking expiry in the delete itself. Returns
     /// how many were deleted; a full batch means more may remain.
     async fn sweep(&self, batch: usize) -> Result<usize, StoreError>;
+
+    /// Reads the record under `(scope, key)` for an operator, whatever its state (expired ones
+    /// not yet swept included), without changing it. `with_response` asks for the recorded
+    /// response too; otherwise [`RecordInfo::response`] is `None` and a store should not read
+    /// the body. `Ok(None)` when there is no record.
+    async fn inspect(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        with_response: bool,
+    ) -> Result<Option<RecordInfo>, StoreError>;
+
+    /// Deletes the record under `(scope, key)` whatever its state and token, for an operator
+    /// clearing a stuck or wrong record. `Ok(false)` when there was none. A handler still
+    /// running under a forgotten reservation is fenced: its completion finds no record.
+    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError>;
+
+    /// A short name for metrics labels (`memory`, `postgres`, `sqlite`, …); default `custom`.
+    fn kind(&self) -> &'static str {
+        "custom"
+    }
 }
 
 impl fmt::Debug for dyn Store {
@@ -300,7 +405,7 @@ pub fn spawn_sweeper(
             tick.tick().await;
             let Some(store) = store.upgrade() else { return };
             loop {
-                match store.sweep(batch).await {
+                match crate::observe::timed("sweep", store.kind(), store.sweep(batch)).await {
                     Ok(n) if n >= batch => tokio::task::yield_now().await,
                     Ok(n) => {
                         if n > 0 {
@@ -370,6 +475,7 @@ mod tests {
                 token: FencingToken::mint(),
                 lease: Duration::from_secs(1),
                 retention: Duration::from_secs(1),
+                route: "/test",
             };
             assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
         }
@@ -384,6 +490,7 @@ mod tests {
             token: FencingToken::mint(),
             lease: Duration::from_secs(3600),
             retention: Duration::from_secs(1),
+            route: "/test",
         };
         assert_eq!(store.claim(&live).await.unwrap(), Claim::Acquired);
         clock.advance(Duration::from_secs(3));

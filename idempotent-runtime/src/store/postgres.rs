@@ -36,7 +36,8 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRo
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
+    Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, Standing,
+    StandingState, Store, StoreError, time_from_millis,
 };
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
@@ -47,11 +48,18 @@ pub(crate) use enlisted::Glanced;
 
 /// The versioned DDL shipped with the crate, in order. `{table}` is replaced by the quoted,
 /// qualified table name and `{name}` by the bare one. Never edit a shipped migration: add one.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "create records",
-    include_str!("../../migrations/postgres/0001_create_records.sql"),
-)];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "create records",
+        include_str!("../../migrations/postgres/0001_create_records.sql"),
+    ),
+    (
+        2,
+        "record route and creation time",
+        include_str!("../../migrations/postgres/0002_record_route_and_creation.sql"),
+    ),
+];
 
 /// Key of the transaction-scoped advisory lock that serialises concurrent `migrate()` calls
 /// (the bytes of "idem-mig").
@@ -246,6 +254,8 @@ struct Statements {
     release: Arc<str>,
     renew: Arc<str>,
     sweep: Arc<str>,
+    inspect: Arc<str>,
+    forget: Arc<str>,
 }
 
 /// The statement's clock (`statement_timestamp()`, not the transaction's start: inside an
@@ -270,7 +280,8 @@ const ACQUIRED_COLUMNS: &str = "true, token, NULL::bytea, NULL::smallint, NULL::
 impl Statements {
     fn new(t: &str) -> Self {
         // Parameters shared by claim and reclaim: $1 scope, $2 key, $3 token, $4 fingerprint,
-        // $5 fingerprint version, $6 lease (ms), $7 retention (ms), $8 clock offset (ms).
+        // $5 fingerprint version, $6 lease (ms), $7 retention (ms), $8 clock offset (ms); the
+        // route is $9 in a claim and $10 in a reclaim.
         let clock = format!("clock AS (SELECT {} AS now)", now(8));
         let lease_until = "clock.now + $6::bigint * interval '1 millisecond'";
         let expires_at = "clock.now + ($6::bigint + $7::bigint) * interval '1 millisecond'";
@@ -280,8 +291,9 @@ impl Statements {
         let claim = format!(
             "WITH {clock}, \
              ins AS (INSERT INTO {t} (scope, key, token, fingerprint, fp_version, state, \
-                                      lease_until, expires_at) \
-                     SELECT $1, $2, $3, $4, $5, 0, {lease_until}, {expires_at} FROM clock \
+                                      lease_until, expires_at, route, created_at) \
+                     SELECT $1, $2, $3, $4, $5, 0, {lease_until}, {expires_at}, $9, clock.now \
+                     FROM clock \
                      ON CONFLICT DO NOTHING \
                      RETURNING token) \
              SELECT {ACQUIRED_COLUMNS} FROM ins \
@@ -294,7 +306,8 @@ impl Statements {
             "WITH {clock}, \
              upd AS (UPDATE {t} r SET token = $3, fingerprint = $4, fp_version = $5, state = 0, \
                          lease_until = {lease_until}, expires_at = {expires_at}, \
-                         status = NULL, headers = NULL, body = NULL \
+                         status = NULL, headers = NULL, body = NULL, \
+                         route = $10, created_at = clock.now \
                      FROM clock \
                      WHERE r.scope = $1 AND r.key = $2 \
                        AND (r.expires_at <= clock.now \
@@ -331,7 +344,24 @@ impl Statements {
              AND expires_at <= {n}",
             n = now(2)
         );
+        // Times as epoch milliseconds. The body's and headers' sizes come from their stored
+        // length (no detoasting); the values themselves only when $3 asks for them.
+        let epoch = |c: &str| format!("FLOOR(EXTRACT(EPOCH FROM {c}) * 1000)::bigint");
+        let inspect = format!(
+            "SELECT state, status, route, {created}, {lease}, {expires}, {now}, \
+                    COALESCE(octet_length(body), 0)::bigint, \
+                    COALESCE(octet_length(headers), 0)::bigint, \
+                    CASE WHEN $3 THEN headers END, CASE WHEN $3 THEN body END \
+             FROM {t} WHERE scope = $1 AND key = $2",
+            created = epoch("created_at"),
+            lease = epoch("lease_until"),
+            expires = epoch("expires_at"),
+            now = epoch(&now(4)),
+        );
+        let forget = format!("DELETE FROM {t} WHERE scope = $1 AND key = $2");
         Self {
+            inspect: inspect.into(),
+            forget: forget.into(),
             claim: claim.into(),
             reclaim: reclaim.into(),
             complete: complete.into(),
@@ -639,6 +669,7 @@ impl PostgresStore {
                 Some(stale) => query.bind(stale.as_i64()),
                 None => query,
             }
+            .bind(req.route)
         };
         // On the pool it is sent again, like the conditional writes, when its pooled connection
         // was already dead: the database is there, only that connection is not. If the first
@@ -816,6 +847,84 @@ impl Store for PostgresStore {
             .map_err(unavailable)?;
         Ok(done.rows_affected() as usize)
     }
+
+    async fn inspect(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        with_response: bool,
+    ) -> Result<Option<RecordInfo>, StoreError> {
+        self.count();
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.inspect)))
+            .bind(&scope[..])
+            .bind(key)
+            .bind(with_response)
+            .bind(self.offset())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        row.map(|row| record_info(&row)).transpose()
+    }
+
+    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+        let rows = self
+            .conditional_write(|| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.forget)))
+                    .bind(&scope[..])
+                    .bind(key)
+            })
+            .await?;
+        Ok(rows == 1)
+    }
+
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+}
+
+/// A row of the inspect statement as what an operator sees.
+fn record_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
+    let state: i16 = row.try_get(0).map_err(unavailable)?;
+    let status: Option<i16> = row.try_get(1).map_err(unavailable)?;
+    let route: Option<String> = row.try_get(2).map_err(unavailable)?;
+    let created: Option<i64> = row.try_get(3).map_err(unavailable)?;
+    let (lease, expires, now): (i64, i64, i64) = (
+        row.try_get(4).map_err(unavailable)?,
+        row.try_get(5).map_err(unavailable)?,
+        row.try_get(6).map_err(unavailable)?,
+    );
+    let body_bytes: i64 = row.try_get(7).map_err(unavailable)?;
+    let header_bytes: i64 = row.try_get(8).map_err(unavailable)?;
+    let headers: Option<Vec<u8>> = row.try_get(9).map_err(unavailable)?;
+    let body: Option<Vec<u8>> = row.try_get(10).map_err(unavailable)?;
+    let completed = state == 1;
+    let status = status.and_then(|s| u16::try_from(s).ok());
+    let response = match (completed, status, headers) {
+        (true, Some(status), Some(headers)) => Some(Arc::new(RecordedResponse {
+            status,
+            headers: RecordedResponse::decode_headers(&headers)
+                .ok_or_else(|| corrupt("headers do not decode"))?,
+            body: Bytes::from(body.unwrap_or_default()),
+        })),
+        _ => None,
+    };
+    Ok(RecordInfo {
+        state: RecordState::judge(
+            completed,
+            time_from_millis(now),
+            time_from_millis(lease),
+            time_from_millis(expires),
+        ),
+        status,
+        route,
+        created_at: created.map(time_from_millis),
+        completed_at: completed.then(|| time_from_millis(lease)),
+        lease_until: (!completed).then(|| time_from_millis(lease)),
+        expires_at: time_from_millis(expires),
+        body_bytes: usize::try_from(body_bytes).unwrap_or(0),
+        header_bytes: usize::try_from(header_bytes).unwrap_or(0),
+        response,
+    })
 }
 
 #[cfg(test)]

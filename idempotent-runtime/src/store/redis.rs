@@ -44,7 +44,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
+    Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, Standing,
+    StandingState, Store, StoreError, header_bytes, time_from_millis,
 };
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
@@ -157,11 +158,32 @@ return 1
 "#
 );
 
+/// KEYS[1] the record; ARGV: 1 clock offset. Replies `{now, record}`, or nil when there is none.
+const INSPECT: &str = script!(
+    r#"
+local rec = redis.call('GET', KEYS[1])
+if not rec then
+  return false
+end
+return {now_ms(), rec}
+"#
+);
+
+/// KEYS[1] the record, deleted whatever its state and token (an operator's forget). Replies 1
+/// when there was one.
+const FORGET: &str = script!(
+    r#"
+return redis.call('DEL', KEYS[1])
+"#
+);
+
 struct Scripts {
     claim: Script,
     complete: Script,
     release: Script,
     renew: Script,
+    inspect: Script,
+    forget: Script,
 }
 
 impl Scripts {
@@ -171,11 +193,20 @@ impl Scripts {
             complete: Script::new(COMPLETE),
             release: Script::new(RELEASE),
             renew: Script::new(RENEW),
+            inspect: Script::new(INSPECT),
+            forget: Script::new(FORGET),
         }
     }
 
-    fn all(&self) -> [&Script; 4] {
-        [&self.claim, &self.complete, &self.release, &self.renew]
+    fn all(&self) -> [&Script; 6] {
+        [
+            &self.claim,
+            &self.complete,
+            &self.release,
+            &self.renew,
+            &self.inspect,
+            &self.forget,
+        ]
     }
 }
 
@@ -648,6 +679,63 @@ impl Store for RedisStore {
 
     /// Does nothing and deletes nothing: Redis expires every record by its key's TTL (set to
     /// the record's expiry), and claims judge expiry themselves.
+    /// One script: the record and the server's time. Redis records keep neither their route
+    /// nor their creation time (the layout stays one header and the response): both read as
+    /// unknown.
+    async fn inspect(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        with_response: bool,
+    ) -> Result<Option<RecordInfo>, StoreError> {
+        let reply = self
+            .run(&self.scripts.inspect, scope, key, |_, _| {})
+            .await?;
+        let (now, raw) = match &reply {
+            Value::Nil => return Ok(None),
+            Value::Array(items) => match items.as_slice() {
+                [Value::Int(now), Value::BulkString(raw)] => (*now, raw),
+                _ => return Err(unexpected(&reply)),
+            },
+            _ => return Err(unexpected(&reply)),
+        };
+        let record = Record::decode(raw)?;
+        let at = |ms: u64| time_from_millis(i64::try_from(ms).unwrap_or(i64::MAX));
+        let lease_until = at(record.lease_until_ms);
+        let expires_at = at(record.expires_at_ms);
+        let state = RecordState::judge(
+            record.completed,
+            time_from_millis(now),
+            lease_until,
+            expires_at,
+        );
+        let response = record.response.map(Arc::new);
+        Ok(Some(RecordInfo {
+            state,
+            status: response.as_ref().map(|r| r.status),
+            route: None,
+            created_at: None,
+            // A completed record's lease field holds its completion time (COMPLETE sets it).
+            completed_at: response.as_ref().map(|_| lease_until),
+            lease_until: response.is_none().then_some(lease_until),
+            expires_at,
+            body_bytes: response.as_ref().map_or(0, |r| r.body.len()),
+            header_bytes: response.as_ref().map_or(0, |r| header_bytes(&r.headers)),
+            response: response.filter(|_| with_response),
+        }))
+    }
+
+    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+        let reply = self
+            .run(&self.scripts.forget, scope, key, |_, _| {})
+            .await?;
+        flag(&reply)
+    }
+
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
     async fn sweep(&self, _batch: usize) -> Result<usize, StoreError> {
         Ok(0)
     }

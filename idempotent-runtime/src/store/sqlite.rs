@@ -34,7 +34,8 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
+    Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, Standing,
+    StandingState, Store, StoreError, time_from_millis,
 };
 use crate::clock::{Clock, SystemClock};
 use crate::fingerprint::Fingerprint;
@@ -42,11 +43,18 @@ use crate::scope::ScopeHash;
 
 /// The versioned DDL shipped with the crate, in order (`{table}`: quoted name, `{name}`: bare).
 /// Never edit a shipped migration: add one.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "create records",
-    include_str!("../../migrations/sqlite/0001_create_records.sql"),
-)];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "create records",
+        include_str!("../../migrations/sqlite/0001_create_records.sql"),
+    ),
+    (
+        2,
+        "record route and creation time",
+        include_str!("../../migrations/sqlite/0002_record_route_and_creation.sql"),
+    ),
+];
 
 /// How often a claim retries when its record vanishes between its insert and its read-back.
 const MAX_RERUNS: usize = 8;
@@ -193,6 +201,8 @@ struct Statements {
     release: Arc<str>,
     renew: Arc<str>,
     sweep: Arc<str>,
+    inspect: Arc<str>,
+    forget: Arc<str>,
 }
 
 impl Statements {
@@ -205,18 +215,19 @@ impl Statements {
             )
             .into(),
             // ?1 scope, ?2 key, ?3 token, ?4 fingerprint, ?5 version, ?6 lease_until,
-            // ?7 expires_at.
+            // ?7 expires_at, ?8 route, ?9 now.
             insert: format!(
                 "INSERT INTO {t} (scope, key, token, fingerprint, fp_version, state, lease_until, \
-                                  expires_at) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, 0, ?6, ?7) ON CONFLICT DO NOTHING"
+                                  expires_at, route, created_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, 0, ?6, ?7, ?8, ?9) ON CONFLICT DO NOTHING"
             )
             .into(),
             // ?8 now, ?9 the stale token: an expired record (whoever holds it) or an abandoned
-            // one still held by `stale`, the same rule as the in-memory store.
+            // one still held by `stale`, the same rule as the in-memory store. ?10 the route.
             reclaim: format!(
                 "UPDATE {t} SET token = ?3, fingerprint = ?4, fp_version = ?5, state = 0, \
-                     lease_until = ?6, expires_at = ?7, status = NULL, headers = NULL, body = NULL \
+                     lease_until = ?6, expires_at = ?7, status = NULL, headers = NULL, body = NULL, \
+                     route = ?10, created_at = ?8 \
                  WHERE scope = ?1 AND key = ?2 \
                    AND (expires_at <= ?8 OR (token = ?9 AND state = 0 AND lease_until <= ?8))"
             )
@@ -248,6 +259,15 @@ impl Statements {
                  AND expires_at <= ?1"
             )
             .into(),
+            // ?3: whether to read the response too. Sizes come from the stored lengths.
+            inspect: format!(
+                "SELECT state, status, route, created_at, lease_until, expires_at, \
+                        COALESCE(length(body), 0), COALESCE(length(headers), 0), \
+                        CASE WHEN ?3 THEN headers END, CASE WHEN ?3 THEN body END \
+                 FROM {t} WHERE scope = ?1 AND key = ?2"
+            )
+            .into(),
+            forget: format!("DELETE FROM {t} WHERE scope = ?1 AND key = ?2").into(),
         }
     }
 }
@@ -443,6 +463,8 @@ impl SqliteStore {
             .bind(i64::from(req.fingerprint.version))
             .bind(lease_until)
             .bind(lease_until.saturating_add(ms(req.retention)))
+            .bind(req.route)
+            .bind(now)
             .execute(&self.writer)
             .await
             .map_err(unavailable)?;
@@ -498,6 +520,7 @@ impl Store for SqliteStore {
             .bind(lease_until.saturating_add(ms(req.retention)))
             .bind(now)
             .bind(stale.as_i64())
+            .bind(req.route)
             .execute(&self.writer)
             .await
             .map_err(unavailable)?;
@@ -584,6 +607,81 @@ impl Store for SqliteStore {
             .map_err(unavailable)?;
         Ok(done.rows_affected() as usize)
     }
+
+    async fn inspect(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        with_response: bool,
+    ) -> Result<Option<RecordInfo>, StoreError> {
+        self.count();
+        // Through the writer, which has seen every committed write: an operator who just
+        // completed or forgot a record reads what they did.
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.inspect)))
+            .bind(&scope[..])
+            .bind(key)
+            .bind(with_response)
+            .fetch_optional(&self.writer)
+            .await
+            .map_err(unavailable)?;
+        let now = self.now();
+        row.map(|row| record_info(&row, now)).transpose()
+    }
+
+    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+        self.count();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.forget)))
+            .bind(&scope[..])
+            .bind(key)
+            .execute(&self.writer)
+            .await
+            .map_err(unavailable)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+}
+
+/// A row of the inspect statement as what an operator sees, judged by `now`.
+fn record_info(row: &SqliteRow, now: i64) -> Result<RecordInfo, StoreError> {
+    let get = |i: usize| row.try_get::<i64, _>(i).map_err(unavailable);
+    let completed = get(0)? == 1;
+    let status: Option<i64> = row.try_get(1).map_err(unavailable)?;
+    let route: Option<String> = row.try_get(2).map_err(unavailable)?;
+    let created: Option<i64> = row.try_get(3).map_err(unavailable)?;
+    let (lease, expires) = (get(4)?, get(5)?);
+    let (body_bytes, header_bytes) = (get(6)?, get(7)?);
+    let headers: Option<Vec<u8>> = row.try_get(8).map_err(unavailable)?;
+    let body: Option<Vec<u8>> = row.try_get(9).map_err(unavailable)?;
+    let status = status.and_then(|s| u16::try_from(s).ok());
+    let response = match (completed, status, headers) {
+        (true, Some(status), Some(headers)) => Some(Arc::new(RecordedResponse {
+            status,
+            headers: RecordedResponse::decode_headers(&headers)
+                .ok_or_else(|| corrupt("headers do not decode"))?,
+            body: Bytes::from(body.unwrap_or_default()),
+        })),
+        _ => None,
+    };
+    Ok(RecordInfo {
+        state: RecordState::judge(
+            completed,
+            time_from_millis(now),
+            time_from_millis(lease),
+            time_from_millis(expires),
+        ),
+        status,
+        route,
+        created_at: created.map(time_from_millis),
+        completed_at: completed.then(|| time_from_millis(lease)),
+        lease_until: (!completed).then(|| time_from_millis(lease)),
+        expires_at: time_from_millis(expires),
+        body_bytes: usize::try_from(body_bytes).unwrap_or(0),
+        header_bytes: usize::try_from(header_bytes).unwrap_or(0),
+        response,
+    })
 }
 
 #[cfg(test)]
