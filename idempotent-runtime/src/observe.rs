@@ -143,6 +143,7 @@ pub async fn timed<T>(
 /// The span every handled request runs in: `idempotency` at INFO level, with `route`, and
 /// `decision` and `scope` (the scope hash's first 8 hex digits) recorded once known. The key
 /// itself is never a field.
+#[cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
 pub(crate) fn request_span(route: &str) -> tracing::Span {
     tracing::info_span!(
         "idempotency",
