@@ -627,8 +627,9 @@ mod cases {
             .as_nanos();
         let db = std::env::temp_dir().join(format!("idempotent-lapse-{name}-{nanos}.db"));
         let db = db.to_str().unwrap().to_owned();
-        let lease = Duration::from_millis(1500);
-        let options = ["--store", "sqlite", "--database-url", &db, "--lease", "1.5"];
+        // Long enough that a restart on a loaded machine still probes inside the lease.
+        let lease = Duration::from_secs(4);
+        let options = ["--store", "sqlite", "--database-url", &db, "--lease", "4"];
         let crashed = Server::start(name, &options);
         let first = tokio::spawn(crashed.post("/slow?ms=1500").key("k-crash").try_send());
         crashed.wait_runs("/slow", 1).await;
@@ -640,6 +641,9 @@ mod cases {
         );
 
         let s = Server::start(name, &options);
+        // The bounds are judged from the first moment the restarted server could answer.
+        let first_probe = killed.elapsed();
+        let latest = lease.max(first_probe) + Duration::from_secs(1);
         let mut probes = 0;
         let (retry, freed) = loop {
             let sent = killed.elapsed();
@@ -650,23 +654,33 @@ mod cases {
             r.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
             probes += 1;
             assert!(
-                killed.elapsed() < lease + Duration::from_secs(2),
+                killed.elapsed() < latest + Duration::from_secs(1),
                 "the abandoned key was still held {:?} after the kill (lease {lease:?})",
                 killed.elapsed()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
-        eprintln!("{name}: reclaimed {freed:?} after the kill, after {probes} x 409");
-        assert!(
-            freed >= lease * 2 / 3 - Duration::from_millis(100),
-            "reclaimed {freed:?} after the kill, before a {lease:?} lease could have lapsed: \
-             was the reservation stored?"
+        eprintln!(
+            "{name}: reclaimed {freed:?} after the kill, after {probes} x 409 \
+             (restarted after {first_probe:?})"
         );
         assert!(
-            freed <= lease + Duration::from_secs(1),
-            "reclaimed only {freed:?} after the kill (lease {lease:?})"
+            freed <= latest,
+            "reclaimed only {freed:?} after the kill (lease {lease:?}, restarted after \
+             {first_probe:?})"
         );
-        assert!(probes > 0, "the restarted server never saw the reservation");
+        if first_probe < lease * 2 / 3 {
+            assert!(
+                freed >= lease * 2 / 3 - Duration::from_millis(100),
+                "reclaimed {freed:?} after the kill, before a {lease:?} lease could have lapsed: \
+                 was the reservation stored?"
+            );
+            assert!(probes > 0, "the restarted server never saw the reservation");
+        } else {
+            eprintln!(
+                "{name}: the restart outlasted most of the lease; its lower bound is not judged"
+            );
+        }
         assert_eq!(retry.status, 201, "{:?}", retry.body);
         assert!(!retry.replayed(), "the abandoned request never finished");
         assert_eq!(retry.json(), json!({"execution": 1}));
