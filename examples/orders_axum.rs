@@ -145,7 +145,9 @@ async fn idempotency_store() -> Result<Idempotency, Box<dyn std::error::Error>> 
             .connect(&url)
             .await?;
         eprintln!("idempotency store: Redis");
-        return Ok(Idempotency::new(store));
+        return Ok(Idempotency::builder(store)
+            .refusal_renderer(render_refusal)
+            .build());
     }
     match std::env::var("DATABASE_URL") {
         Ok(url) if url.starts_with("postgres") => {
