@@ -15,7 +15,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Chunks, Ended, Head, Reply};
+use crate::pipeline::{self, Chunks, Ended, Head, REPLAYED_HEADER, Reply};
 use crate::scope::Identity;
 
 /// A request head as the pipeline reads it: the request, with its matched route and decoded
@@ -140,6 +140,14 @@ impl Reply for HttpResponse {
             error,
             rest,
         }))
+    }
+
+    fn mark_replayed(mut self) -> Self {
+        self.headers_mut().insert(
+            HeaderName::from_static(REPLAYED_HEADER),
+            HeaderValue::from_static("true"),
+        );
+        self
     }
 
     fn build<'a>(

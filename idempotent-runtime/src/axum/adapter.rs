@@ -19,7 +19,9 @@ use tracing::Instrument as _;
 
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, ClaimMode, Claimed, Ended, Front, Head, Reply, Served};
+use crate::pipeline::{
+    self, ClaimMode, Claimed, Ended, Front, Head, REPLAYED_HEADER, Reply, Served,
+};
 use crate::reservation::Reservation;
 use crate::scope::Identity;
 
@@ -140,6 +142,14 @@ impl Reply for Response {
         let error = futures_util::stream::iter(error.map(Err));
         let stream = read.chain(error).chain(rest.into_data_stream());
         Response::from_parts(head, Body::from_stream(stream))
+    }
+
+    fn mark_replayed(mut self) -> Self {
+        self.headers_mut().insert(
+            HeaderName::from_static(REPLAYED_HEADER),
+            HeaderValue::from_static("true"),
+        );
+        self
     }
 
     fn build<'a>(

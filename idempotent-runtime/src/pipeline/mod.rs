@@ -130,11 +130,14 @@ pub(crate) trait Reply: Sized {
         Self::build(problem.status(), headers, rendered.body)
     }
 
+    /// This response with [`REPLAYED_HEADER`]` = true` (a static name: a replay should not pay
+    /// for parsing it).
+    fn mark_replayed(self) -> Self;
+
     /// A recorded response, marked with [`REPLAYED_HEADER`].
     fn replay(recorded: &RecordedResponse) -> Self {
         let headers = recorded.headers.iter().map(|(n, v)| (n.as_str(), &v[..]));
-        let marked = headers.chain([(REPLAYED_HEADER, &b"true"[..])]);
-        Self::build(recorded.status, marked, recorded.body.clone())
+        Self::build(recorded.status, headers, recorded.body.clone()).mark_replayed()
     }
 
     /// A plain 500 for a setup mistake the log line explains.

@@ -182,6 +182,11 @@ impl Reply for Sent {
         Self(head, rest)
     }
 
+    fn mark_replayed(mut self) -> Self {
+        self.0.replayed = true;
+        self
+    }
+
     fn build<'a>(
         status: u16,
         headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
