@@ -23,6 +23,7 @@ fn start() -> Orders {
         .env("ORDERS_ADDR", "127.0.0.1:0")
         .env("ORDERS_METRICS", "1")
         .env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

@@ -73,6 +73,7 @@ fn shows_a_replay(run: &str) {
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("ORDERS_ADDR", "127.0.0.1:0")
         .env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()

@@ -393,6 +393,10 @@ impl<S: Store> Store for CachedStore<S> {
     fn kind(&self) -> &'static str {
         self.inner.kind()
     }
+
+    fn expires_by_itself(&self) -> bool {
+        self.inner.expires_by_itself()
+    }
 }
 
 #[cfg(test)]

@@ -908,7 +908,7 @@ mod tests {
         let headroom = 5_000;
         let store = MemoryStore::builder()
             .limits(MemoryLimits {
-                max_bytes: 4 * (ENTRY_OVERHEAD + 2 + headroom),
+                max_bytes: 4 * (ENTRY_OVERHEAD + 2 + "/test".len() + headroom),
                 response_headroom: headroom,
                 ..MemoryLimits::default()
             })
@@ -950,7 +950,7 @@ mod tests {
             )
             .await;
         assert!(done.unwrap(), "a claimed answer was refused for room");
-        assert!(store.bytes() <= 4 * (ENTRY_OVERHEAD + 2 + headroom));
+        assert!(store.bytes() <= 4 * (ENTRY_OVERHEAD + 2 + "/test".len() + headroom));
     }
 
     #[tokio::test]

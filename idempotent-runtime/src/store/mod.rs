@@ -377,6 +377,12 @@ pub trait Store: std::any::Any + Send + Sync {
     fn kind(&self) -> &'static str {
         "custom"
     }
+
+    /// Whether records expire by themselves (Redis key TTLs), so [`sweep`](Self::sweep) has
+    /// nothing to delete and answers 0; default `false`.
+    fn expires_by_itself(&self) -> bool {
+        false
+    }
 }
 
 impl fmt::Debug for dyn Store {

@@ -73,7 +73,7 @@ macro_rules! script {
 }
 
 /// KEYS[1] the record; ARGV: 1 clock offset, 2 token (8 bytes), 3 fingerprint (2-byte version
-/// and digest), 4 lease ms, 5 retention ms, 6 stale token (reclaim) or empty (claim).
+/// and digest), 4 lease ms, 5 retention ms, 6 stale token (reclaim) or empty (claim), 7 route.
 /// Replies `{1}` when the request's token holds the key, else `{0, lease_until - now, record}`.
 const CLAIM: &str = script!(
     r#"
@@ -99,6 +99,9 @@ redis.call('SET', KEYS[1],
   '\1\0' .. ARGV[2] .. be64(now + lease) .. be64(now + lease + retention) .. ARGV[3]
     .. '\0\0\0\0\0\0',
   'PX', lease + retention)
+-- What an operator reads beside the record (creation time, route), in its slot, never on the
+-- replay path. A space cannot occur in a key, so no record is another's meta.
+redis.call('SET', KEYS[1] .. ' meta', be64(now) .. ARGV[7], 'PX', lease + retention)
 return {1}
 "#
 );
@@ -113,6 +116,8 @@ if #rec < 60 or string.sub(rec, 3, 10) ~= ARGV[2] then
 end
 if string.byte(rec, 2) ~= 0 then
   if ARGV[5] == '1' then return 1 end
+  -- Sent again after its first reply was lost: its own answer, recorded, is success.
+  if string.sub(redis.call('GET', KEYS[1]), 61) == ARGV[4] then return 1 end
   return 0
 end
 local now = now_ms()
@@ -120,6 +125,7 @@ local retention = tonumber(ARGV[3])
 redis.call('SET', KEYS[1],
   '\1\1' .. ARGV[2] .. be64(now) .. be64(now + retention) .. string.sub(rec, 27, 60) .. ARGV[4],
   'PX', retention)
+redis.call('PEXPIRE', KEYS[1] .. ' meta', retention)
 return 1
 "#
 );
@@ -136,7 +142,7 @@ end
 if string.sub(rec, 3, 10) ~= ARGV[2] or string.byte(rec, 2) ~= 0 then
   return 0
 end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[1] .. ' meta')
 return 1
 "#
 );
@@ -154,18 +160,20 @@ local lease = tonumber(ARGV[3])
 local keep = u64(rec, 19) - u64(rec, 11)
 redis.call('SETRANGE', KEYS[1], 10, be64(now + lease) .. be64(now + lease + keep))
 redis.call('PEXPIRE', KEYS[1], lease + keep)
+redis.call('PEXPIRE', KEYS[1] .. ' meta', lease + keep)
 return 1
 "#
 );
 
-/// KEYS[1] the record; ARGV: 1 clock offset. Replies `{now, record}`, or nil when there is none.
+/// KEYS[1] the record; ARGV: 1 clock offset. Replies `{now, record, meta}` (meta: created at,
+/// 8 bytes, then the route; empty when missing), or nil when there is no record.
 const INSPECT: &str = script!(
     r#"
 local rec = redis.call('GET', KEYS[1])
 if not rec then
   return false
 end
-return {now_ms(), rec}
+return {now_ms(), rec, redis.call('GET', KEYS[1] .. ' meta') or ''}
 "#
 );
 
@@ -173,7 +181,9 @@ return {now_ms(), rec}
 /// when there was one.
 const FORGET: &str = script!(
     r#"
-return redis.call('DEL', KEYS[1])
+local n = redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1] .. ' meta')
+return n
 "#
 );
 
@@ -575,7 +585,8 @@ impl RedisStore {
                     .arg(&fp[..])
                     .arg(millis(req.lease).max(1))
                     .arg(millis(req.retention))
-                    .arg(stale.as_ref().map_or(&[][..], |s| &s[..]));
+                    .arg(stale.as_ref().map_or(&[][..], |s| &s[..]))
+                    .arg(req.route);
             })
             .await?;
         let Value::Array(items) = &reply else {
@@ -679,9 +690,8 @@ impl Store for RedisStore {
 
     /// Does nothing and deletes nothing: Redis expires every record by its key's TTL (set to
     /// the record's expiry), and claims judge expiry themselves.
-    /// One script: the record and the server's time. Redis records keep neither their route
-    /// nor their creation time (the layout stays one header and the response): both read as
-    /// unknown.
+    /// One script: the record, its meta key (creation time and route, kept beside the record so
+    /// a replay never reads them) and the server's time.
     async fn inspect(
         &self,
         scope: &ScopeHash,
@@ -691,13 +701,27 @@ impl Store for RedisStore {
         let reply = self
             .run(&self.scripts.inspect, scope, key, |_, _| {})
             .await?;
-        let (now, raw) = match &reply {
+        let (now, raw, meta) = match &reply {
             Value::Nil => return Ok(None),
             Value::Array(items) => match items.as_slice() {
-                [Value::Int(now), Value::BulkString(raw)] => (*now, raw),
+                [
+                    Value::Int(now),
+                    Value::BulkString(raw),
+                    Value::BulkString(meta),
+                ] => (*now, raw, &meta[..]),
+                [Value::Int(now), Value::BulkString(raw), Value::Nil] => (*now, raw, &[][..]),
                 _ => return Err(unexpected(&reply)),
             },
             _ => return Err(unexpected(&reply)),
+        };
+        let (created_at, route) = match meta.split_first_chunk::<8>() {
+            Some((created, route)) => (
+                Some(time_from_millis(
+                    i64::try_from(u64::from_be_bytes(*created)).unwrap_or(i64::MAX),
+                )),
+                Some(String::from_utf8_lossy(route).into_owned()),
+            ),
+            None => (None, None),
         };
         let record = Record::decode(raw)?;
         let at = |ms: u64| time_from_millis(i64::try_from(ms).unwrap_or(i64::MAX));
@@ -713,8 +737,8 @@ impl Store for RedisStore {
         Ok(Some(RecordInfo {
             state,
             status: response.as_ref().map(|r| r.status),
-            route: None,
-            created_at: None,
+            route,
+            created_at,
             // A completed record's lease field holds its completion time (COMPLETE sets it).
             completed_at: response.as_ref().map(|_| lease_until),
             lease_until: response.is_none().then_some(lease_until),
@@ -734,6 +758,10 @@ impl Store for RedisStore {
 
     fn kind(&self) -> &'static str {
         "redis"
+    }
+
+    fn expires_by_itself(&self) -> bool {
+        true
     }
 
     async fn sweep(&self, _batch: usize) -> Result<usize, StoreError> {
