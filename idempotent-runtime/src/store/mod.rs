@@ -256,6 +256,54 @@ pub fn time_from_millis(ms: i64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
 }
 
+/// What an SQL store's inspect statement read, column by column (times in ms by the database's
+/// clock), before it is what an operator sees.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) struct InspectedRow {
+    pub(crate) completed: bool,
+    pub(crate) status: Option<i64>,
+    pub(crate) route: Option<String>,
+    pub(crate) created: Option<i64>,
+    pub(crate) lease: i64,
+    pub(crate) expires: i64,
+    pub(crate) now: i64,
+    pub(crate) body_bytes: i64,
+    pub(crate) header_bytes: i64,
+    pub(crate) headers: Option<Vec<u8>>,
+    pub(crate) body: Option<Vec<u8>>,
+}
+
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+impl InspectedRow {
+    /// The record as an operator sees it; `Err` when its stored headers do not decode.
+    pub(crate) fn into_info(self) -> Result<RecordInfo, StoreError> {
+        let status = self.status.and_then(|s| u16::try_from(s).ok());
+        let response = match (self.completed, status, self.headers) {
+            (true, Some(status), Some(headers)) => Some(Arc::new(RecordedResponse {
+                status,
+                headers: RecordedResponse::decode_headers(&headers).ok_or_else(|| {
+                    StoreError::unavailable("corrupt idempotency record: headers do not decode")
+                })?,
+                body: Bytes::from(self.body.unwrap_or_default()),
+            })),
+            _ => None,
+        };
+        let (lease, expires) = (time_from_millis(self.lease), time_from_millis(self.expires));
+        Ok(RecordInfo {
+            state: RecordState::judge(self.completed, time_from_millis(self.now), lease, expires),
+            status,
+            route: self.route,
+            created_at: self.created.map(time_from_millis),
+            completed_at: self.completed.then_some(lease),
+            lease_until: (!self.completed).then_some(lease),
+            expires_at: expires,
+            body_bytes: usize::try_from(self.body_bytes).unwrap_or(0),
+            header_bytes: usize::try_from(self.header_bytes).unwrap_or(0),
+            response,
+        })
+    }
+}
+
 /// Bytes of a record's headers as [`RecordInfo::header_bytes`] counts them: the length of
 /// their [stored encoding](RecordedResponse::encode_headers).
 pub fn header_bytes(headers: &[(String, Bytes)]) -> usize {

@@ -36,8 +36,8 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRo
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{
-    Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, Standing,
-    StandingState, Store, StoreError, time_from_millis,
+    Claim, ClaimRequest, FencingToken, InspectedRow, RecordInfo, RecordedResponse, Standing,
+    StandingState, Store, StoreError,
 };
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
@@ -886,45 +886,20 @@ impl Store for PostgresStore {
 fn record_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
     let state: i16 = row.try_get(0).map_err(unavailable)?;
     let status: Option<i16> = row.try_get(1).map_err(unavailable)?;
-    let route: Option<String> = row.try_get(2).map_err(unavailable)?;
-    let created: Option<i64> = row.try_get(3).map_err(unavailable)?;
-    let (lease, expires, now): (i64, i64, i64) = (
-        row.try_get(4).map_err(unavailable)?,
-        row.try_get(5).map_err(unavailable)?,
-        row.try_get(6).map_err(unavailable)?,
-    );
-    let body_bytes: i64 = row.try_get(7).map_err(unavailable)?;
-    let header_bytes: i64 = row.try_get(8).map_err(unavailable)?;
-    let headers: Option<Vec<u8>> = row.try_get(9).map_err(unavailable)?;
-    let body: Option<Vec<u8>> = row.try_get(10).map_err(unavailable)?;
-    let completed = state == 1;
-    let status = status.and_then(|s| u16::try_from(s).ok());
-    let response = match (completed, status, headers) {
-        (true, Some(status), Some(headers)) => Some(Arc::new(RecordedResponse {
-            status,
-            headers: RecordedResponse::decode_headers(&headers)
-                .ok_or_else(|| corrupt("headers do not decode"))?,
-            body: Bytes::from(body.unwrap_or_default()),
-        })),
-        _ => None,
-    };
-    Ok(RecordInfo {
-        state: RecordState::judge(
-            completed,
-            time_from_millis(now),
-            time_from_millis(lease),
-            time_from_millis(expires),
-        ),
-        status,
-        route,
-        created_at: created.map(time_from_millis),
-        completed_at: completed.then(|| time_from_millis(lease)),
-        lease_until: (!completed).then(|| time_from_millis(lease)),
-        expires_at: time_from_millis(expires),
-        body_bytes: usize::try_from(body_bytes).unwrap_or(0),
-        header_bytes: usize::try_from(header_bytes).unwrap_or(0),
-        response,
-    })
+    InspectedRow {
+        completed: state == 1,
+        status: status.map(i64::from),
+        route: row.try_get(2).map_err(unavailable)?,
+        created: row.try_get(3).map_err(unavailable)?,
+        lease: row.try_get(4).map_err(unavailable)?,
+        expires: row.try_get(5).map_err(unavailable)?,
+        now: row.try_get(6).map_err(unavailable)?,
+        body_bytes: row.try_get(7).map_err(unavailable)?,
+        header_bytes: row.try_get(8).map_err(unavailable)?,
+        headers: row.try_get(9).map_err(unavailable)?,
+        body: row.try_get(10).map_err(unavailable)?,
+    }
+    .into_info()
 }
 
 #[cfg(test)]

@@ -34,8 +34,8 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{
-    Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, Standing,
-    StandingState, Store, StoreError, time_from_millis,
+    Claim, ClaimRequest, FencingToken, InspectedRow, RecordInfo, RecordedResponse, Standing,
+    StandingState, Store, StoreError,
 };
 use crate::clock::{Clock, SystemClock};
 use crate::fingerprint::Fingerprint;
@@ -647,41 +647,20 @@ impl Store for SqliteStore {
 /// A row of the inspect statement as what an operator sees, judged by `now`.
 fn record_info(row: &SqliteRow, now: i64) -> Result<RecordInfo, StoreError> {
     let get = |i: usize| row.try_get::<i64, _>(i).map_err(unavailable);
-    let completed = get(0)? == 1;
-    let status: Option<i64> = row.try_get(1).map_err(unavailable)?;
-    let route: Option<String> = row.try_get(2).map_err(unavailable)?;
-    let created: Option<i64> = row.try_get(3).map_err(unavailable)?;
-    let (lease, expires) = (get(4)?, get(5)?);
-    let (body_bytes, header_bytes) = (get(6)?, get(7)?);
-    let headers: Option<Vec<u8>> = row.try_get(8).map_err(unavailable)?;
-    let body: Option<Vec<u8>> = row.try_get(9).map_err(unavailable)?;
-    let status = status.and_then(|s| u16::try_from(s).ok());
-    let response = match (completed, status, headers) {
-        (true, Some(status), Some(headers)) => Some(Arc::new(RecordedResponse {
-            status,
-            headers: RecordedResponse::decode_headers(&headers)
-                .ok_or_else(|| corrupt("headers do not decode"))?,
-            body: Bytes::from(body.unwrap_or_default()),
-        })),
-        _ => None,
-    };
-    Ok(RecordInfo {
-        state: RecordState::judge(
-            completed,
-            time_from_millis(now),
-            time_from_millis(lease),
-            time_from_millis(expires),
-        ),
-        status,
-        route,
-        created_at: created.map(time_from_millis),
-        completed_at: completed.then(|| time_from_millis(lease)),
-        lease_until: (!completed).then(|| time_from_millis(lease)),
-        expires_at: time_from_millis(expires),
-        body_bytes: usize::try_from(body_bytes).unwrap_or(0),
-        header_bytes: usize::try_from(header_bytes).unwrap_or(0),
-        response,
-    })
+    InspectedRow {
+        completed: get(0)? == 1,
+        status: row.try_get(1).map_err(unavailable)?,
+        route: row.try_get(2).map_err(unavailable)?,
+        created: row.try_get(3).map_err(unavailable)?,
+        lease: get(4)?,
+        expires: get(5)?,
+        now,
+        body_bytes: get(6)?,
+        header_bytes: get(7)?,
+        headers: row.try_get(8).map_err(unavailable)?,
+        body: row.try_get(9).map_err(unavailable)?,
+    }
+    .into_info()
 }
 
 #[cfg(test)]
