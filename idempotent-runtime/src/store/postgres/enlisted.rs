@@ -38,13 +38,20 @@ pub(super) struct Glance {
 
 impl Glance {
     pub(super) fn new(table: &str, size: u32) -> Self {
-        // One row whatever the table holds. The try-lock is the enlisted claim's own: taken in
-        // this statement's implicit transaction, it is released as the statement ends, and it
-        // fails only while another transaction holds the key. Advisory locks write no WAL, so
-        // a replay still writes nothing.
+        // One row whatever the table holds. Whether another transaction holds the key's lock
+        // is read from `pg_locks` (a bigint advisory key is `classid` high, `objid` low,
+        // `objsubid` 1), without taking the lock: glances of concurrent copies never see each
+        // other as holders, so one of them always goes on to claim; the claim's own try-lock
+        // still decides. It writes nothing, so a replay still writes no WAL.
         let sql = format!(
-            "WITH clock AS (SELECT {now} AS now) \
-             SELECT pg_try_advisory_xact_lock($3 # '{table}'::regclass::oid::bigint), \
+            "WITH clock AS (SELECT {now} AS now), \
+                  lock AS (SELECT $3 # '{table}'::regclass::oid::bigint AS k) \
+             SELECT NOT EXISTS (SELECT 1 FROM pg_locks l, lock \
+                      WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
+                        AND l.database = (SELECT oid FROM pg_database \
+                                          WHERE datname = current_database()) \
+                        AND l.classid = ((lock.k >> 32) & 4294967295)::oid \
+                        AND l.objid = (lock.k & 4294967295)::oid), \
                     r.fingerprint, r.fp_version, r.status, r.headers, r.body \
              FROM clock LEFT JOIN {table} r \
                ON r.scope = $1 AND r.key = $2 AND r.state = 1 AND r.expires_at > clock.now",
