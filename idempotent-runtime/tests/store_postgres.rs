@@ -192,7 +192,7 @@ async fn migrate_is_idempotent_and_safe_from_several_replicas_at_once() {
             "SELECT count(*) FROM \"{schema}\".records_migrations"
         ))
         .await,
-        2,
+        3,
         "each version is applied and recorded once"
     );
     let tables: Vec<String> = sqlx::query_scalar(
@@ -207,13 +207,30 @@ async fn migrate_is_idempotent_and_safe_from_several_replicas_at_once() {
         ["records", "records_migrations"],
         "never sqlx's _sqlx_migrations"
     );
-    let index: i64 = db
-        .scalar_i64(&format!(
-            "SELECT count(*) FROM pg_indexes WHERE schemaname = '{schema}' \
-             AND indexname = 'records_expires_at_idx'"
-        ))
-        .await;
-    assert_eq!(index, 1, "the sweeper's expiry index exists");
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 AND tablename = 'records' \
+         ORDER BY 1",
+    )
+    .bind(schema)
+    .fetch_all(&db.admin)
+    .await
+    .unwrap();
+    assert_eq!(
+        indexes,
+        ["records_pkey", "records_sweep_after_idx"],
+        "the key and the sweeper's index, none on a column a completion changes"
+    );
+    let options: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT unnest(reloptions) FROM pg_class WHERE oid = '\"{schema}\".records'::regclass"
+    )))
+    .fetch_all(&db.admin)
+    .await
+    .unwrap();
+    assert_eq!(
+        options,
+        ["fillfactor=70"],
+        "room on each page for completions"
+    );
     // The store works on the migrated table.
     let scope = contract::fresh_scope();
     assert_eq!(
@@ -810,5 +827,315 @@ async fn sweep_of_100k_expired_rows_while_claims_continue() {
         during.len(),
         pct(&during, 0.50),
         pct(&during, 0.99),
+    );
+}
+
+/// The store's record for `key`, read as a claim that must find it completed.
+async fn completed_body(store: &PostgresStore, scope: &ScopeHash, key: &str) -> bytes::Bytes {
+    match store
+        .claim(&req(scope, key, Duration::from_secs(30)))
+        .await
+        .unwrap()
+    {
+        Claim::Standing(st) => match st.state {
+            StandingState::Completed(r) => r.body.clone(),
+            other => panic!("{key}: {other:?}, not completed"),
+        },
+        Claim::Acquired => panic!("{key}: a completed key was acquired"),
+    }
+}
+
+// Group commit (DESIGN.md §5). On a current-thread runtime, `join_all` queues every claim before
+// the task that sends the statement first runs, so the burst goes out together.
+#[tokio::test]
+async fn claims_arriving_together_go_out_as_one_statement_each_answered_on_its_own() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let store = db
+        .builder()
+        .batches_in_flight(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let scope = contract::fresh_scope();
+    let keys: Vec<String> = (0..24).map(|i| format!("k{i:02}")).collect();
+    // Every key twice: the first eight duplicates share a statement with their original (32
+    // rows a statement), the rest come in the next one.
+    let reqs: Vec<ClaimRequest<'_>> = keys
+        .iter()
+        .chain(keys.iter())
+        .map(|k| req(&scope, k, Duration::from_secs(30)))
+        .collect();
+    let before = store.statements_executed();
+    let claims = futures_util::future::join_all(reqs.iter().map(|r| store.claim(r))).await;
+    let claim_statements = store.statements_executed() - before;
+    for (i, key) in keys.iter().enumerate() {
+        let (a, b) = (&claims[i], &claims[i + keys.len()]);
+        let (won, lost, winner) = match (a.as_ref().unwrap(), b.as_ref().unwrap()) {
+            (Claim::Acquired, other) => (i, other, &reqs[i]),
+            (other, Claim::Acquired) => (i + keys.len(), other, &reqs[i + keys.len()]),
+            other => panic!("{key}: neither copy acquired: {other:?}"),
+        };
+        match lost {
+            Claim::Standing(st) => {
+                assert_eq!(
+                    st.token, winner.token,
+                    "{key}: the loser sees the winner's token"
+                );
+                assert!(
+                    matches!(st.state, StandingState::Running { .. }),
+                    "{key}: {:?}",
+                    st.state
+                );
+            }
+            Claim::Acquired => panic!("{key}: both copies acquired"),
+        }
+        let _ = won;
+    }
+    // Two statements carry the 48 rows; the 8 duplicates that shared a statement with their
+    // original read back nothing there and are sent again (together).
+    assert!(
+        claim_statements <= 4,
+        "48 claims took {claim_statements} statements"
+    );
+
+    let winners: Vec<&ClaimRequest<'_>> = (0..keys.len())
+        .map(|i| match claims[i].as_ref().unwrap() {
+            Claim::Acquired => &reqs[i],
+            _ => &reqs[i + keys.len()],
+        })
+        .collect();
+    let before = store.statements_executed();
+    let store = &store;
+    let completed = futures_util::future::join_all(winners.iter().map(|r| {
+        let body = format!(r#"{{"key":"{}"}}"#, r.key);
+        async move {
+            store
+                .complete(
+                    r.scope,
+                    r.key,
+                    r.token,
+                    &response(&body),
+                    Duration::from_secs(60),
+                )
+                .await
+        }
+    }))
+    .await;
+    assert!(
+        completed.into_iter().all(|c| c.unwrap()),
+        "every holder completes"
+    );
+    let complete_statements = store.statements_executed() - before;
+    assert!(
+        complete_statements <= 2,
+        "24 completions took {complete_statements} statements"
+    );
+    // A stale token in a batch changes nothing and is answered false, beside rows that succeed.
+    let stale = futures_util::future::join_all([
+        store.complete(
+            &scope,
+            "k00",
+            FencingToken::mint(),
+            &response("{}"),
+            Duration::from_secs(60),
+        ),
+        store.complete(
+            &scope,
+            "k01",
+            winners[1].token,
+            &response(r#"{"key":"k01"}"#),
+            Duration::from_secs(60),
+        ),
+    ])
+    .await;
+    assert!(
+        !stale[0].as_ref().unwrap(),
+        "a stale token completes nothing"
+    );
+    assert!(
+        *stale[1].as_ref().unwrap(),
+        "a resent identical completion succeeds"
+    );
+    for key in &keys {
+        assert_eq!(
+            completed_body(&store, &scope, key).await,
+            format!(r#"{{"key":"{key}"}}"#).into_bytes(),
+            "each row was answered with its own record"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_batch_refused_as_a_whole_is_sent_row_by_row_so_one_bad_row_never_fails_its_neighbours() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let store = db
+        .builder()
+        .lock_timeout(Duration::from_millis(200))
+        .batches_in_flight(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let scope = contract::fresh_scope();
+    // Another transaction holds an uncommitted row for one key: the batch carrying it meets the
+    // lock and PostgreSQL refuses the whole statement.
+    let mut tx = db.admin.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".records (scope, key, token, fingerprint, fp_version, state, \
+         lease_until, expires_at) VALUES ($1, 'locked', 7, $2, 1, 0, \
+         now() + interval '1 minute', now() + interval '1 hour')",
+        db.schema
+    )))
+    .bind(&scope[..])
+    .bind(&fp(9).digest[..])
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let keys = ["a", "b", "c", "locked", "d", "e"];
+    let reqs: Vec<_> = keys
+        .iter()
+        .map(|k| req(&scope, k, Duration::from_secs(30)))
+        .collect();
+    let claims = futures_util::future::join_all(reqs.iter().map(|r| store.claim(r))).await;
+    for (key, claim) in keys.iter().zip(&claims) {
+        match (*key, claim.as_ref().expect("no row fails")) {
+            ("locked", Claim::Standing(st)) => assert!(
+                matches!(st.state, StandingState::Running { .. }),
+                "the locked key is in progress: {st:?}"
+            ),
+            ("locked", Claim::Acquired) => panic!("the locked key was acquired"),
+            (_, Claim::Acquired) => {}
+            (key, other) => panic!("{key}: {other:?}, not acquired beside the bad row"),
+        }
+    }
+    tx.rollback().await.unwrap();
+}
+
+#[tokio::test]
+async fn completions_are_heap_only_updates() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let store = db.store().await;
+    let scope = contract::fresh_scope();
+    let n = 60;
+    let body = "x".repeat(1024);
+    for i in 0..n {
+        let key = format!("order-{i}");
+        let r = req(&scope, &key, Duration::from_secs(30));
+        assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired);
+        assert!(
+            store
+                .complete(
+                    &scope,
+                    &key,
+                    r.token,
+                    &response(&body),
+                    Duration::from_secs(60)
+                )
+                .await
+                .unwrap()
+        );
+    }
+    // A backend reports its table statistics when it ends.
+    store.pool().close().await;
+    let stats = format!(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables \
+         WHERE schemaname = '{}' AND relname = 'records'",
+        db.schema
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (updates, hot) = loop {
+        let (updates, hot): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(stats.clone()))
+            .fetch_one(&db.admin)
+            .await
+            .unwrap();
+        if updates >= n || Instant::now() > deadline {
+            break (updates, hot);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(updates, n, "one update a completion");
+    assert!(
+        hot * 10 >= updates * 9,
+        "{hot} of {updates} completions were heap-only"
+    );
+}
+
+#[tokio::test]
+async fn migrating_a_table_of_the_previous_shape_keeps_its_records_and_sweeps_them() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let scope = contract::fresh_scope();
+    let table = format!("\"{}\".records", db.schema);
+    // The table as versions 1 and 2 left it, with a completed record, a live one and an
+    // expired one.
+    for (version, ddl) in [
+        (
+            1,
+            include_str!("../migrations/postgres/0001_create_records.sql"),
+        ),
+        (
+            2,
+            include_str!("../migrations/postgres/0002_record_route_and_creation.sql"),
+        ),
+    ] {
+        let ddl = ddl.replace("{table}", &table).replace("{name}", "records");
+        let setup = format!(
+            "CREATE SCHEMA IF NOT EXISTS \"{s}\"; {ddl}; \
+             CREATE TABLE IF NOT EXISTS \"{s}\".records_migrations (version bigint PRIMARY KEY, \
+                 description text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now()); \
+             INSERT INTO \"{s}\".records_migrations (version, description) VALUES ({version}, 'old')",
+            s = db.schema
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(setup))
+            .execute(&db.admin)
+            .await
+            .unwrap();
+    }
+    for (key, expires) in [("done", "1 hour"), ("gone", "-1 minute")] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (scope, key, token, fingerprint, fp_version, state, lease_until, \
+             expires_at, status, headers, body) VALUES ($1, $2, 7, $3, 1, 1, now(), \
+             now() + interval '{expires}', 201, $4, 'old')"
+        )))
+        .bind(&scope[..])
+        .bind(key)
+        .bind(&fp(1).digest[..])
+        .bind(response("").encode_headers())
+        .execute(&db.admin)
+        .await
+        .unwrap();
+    }
+    let store = db.store().await;
+    assert_eq!(
+        completed_body(&store, &scope, "done").await,
+        &b"old"[..],
+        "a record written before the migration replays after it"
+    );
+    assert_eq!(
+        store.sweep(100).await.unwrap(),
+        1,
+        "the expired old row is swept"
+    );
+    assert_eq!(
+        completed_body(&store, &scope, "done").await,
+        &b"old"[..],
+        "the live old row is kept"
+    );
+    // New records are swept by their own expiry too.
+    let r = req(&scope, "new", Duration::from_secs(1));
+    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired);
+    store.advance_clock_for_tests(Duration::from_secs(3602));
+    assert_eq!(
+        store.sweep(100).await.unwrap(),
+        2,
+        "the new row and the old live one"
     );
 }

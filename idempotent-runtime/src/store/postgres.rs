@@ -42,12 +42,14 @@ use super::{
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 
+mod batch;
 mod enlisted;
 
 pub(crate) use enlisted::Glanced;
 
 /// The versioned DDL shipped with the crate, in order. `{table}` is replaced by the quoted,
-/// qualified table name and `{name}` by the bare one. Never edit a shipped migration: add one.
+/// qualified table name, `{name}` by the bare one and `{schema}` by the quoted schema and a dot
+/// (or nothing, for the connection's default schema). Never edit a shipped migration: add one.
 const MIGRATIONS: &[(i64, &str, &str)] = &[
     (
         1,
@@ -58,6 +60,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         2,
         "record route and creation time",
         include_str!("../../migrations/postgres/0002_record_route_and_creation.sql"),
+    ),
+    (
+        3,
+        "heap-only completions",
+        include_str!("../../migrations/postgres/0003_heap_only_completions.sql"),
     ),
 ];
 
@@ -74,6 +81,12 @@ const MAX_RERUNS: usize = 8;
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "idempotency_records";
 
+/// Group commit's defaults: up to 32 requests a statement, two statements of a kind out at once.
+const DEFAULT_BATCH: batch::Limits = batch::Limits {
+    rows: 32,
+    in_flight: 2,
+};
+
 /// Builds a [`PostgresStore`]: table and schema names, and the settings of the pool it opens.
 #[derive(Debug, Clone)]
 #[must_use]
@@ -86,6 +99,7 @@ pub struct PostgresStoreBuilder {
     max_connections: u32,
     application_name: Option<String>,
     reserved_connections: u32,
+    batch: batch::Limits,
 }
 
 impl PostgresStoreBuilder {
@@ -141,6 +155,25 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// Group commit: at most `rows` requests' claims (or completions) in one statement
+    /// (default 32; 1 sends each request alone). Requests that arrive while
+    /// [`batches_in_flight`](Self::batches_in_flight) statements of their kind are out wait for
+    /// the next one and go out together, as one transaction; when fewer are out a request goes
+    /// at once, so an idle pool adds no wait ([the contract](crate::design) §5).
+    pub fn batch_rows(mut self, rows: usize) -> Self {
+        self.batch.rows = rows.max(1);
+        self
+    }
+
+    /// Statements of one kind (claims, completions) out at once before requests start waiting
+    /// to go out together (default 2). Fewer batches carry more rows each: less work for the
+    /// database per request, a little more latency under load. Each takes a pooled connection
+    /// while it is out.
+    pub fn batches_in_flight(mut self, statements: usize) -> Self {
+        self.batch.in_flight = statements.max(1);
+        self
+    }
+
     /// `application_name` of the store's connections (default `idempotent`), as shown in
     /// `pg_stat_activity`.
     pub fn application_name(mut self, name: impl Into<String>) -> Self {
@@ -185,9 +218,12 @@ impl PostgresStoreBuilder {
             // connection fails its statement instead (503) and is not reused.
             .test_before_acquire(false)
             .connect_lazy_with(options);
-        let mut store = PostgresStore::with_table(pool, table);
-        store.glance = enlisted::Glance::new(&store.table.qualified, self.reserved_connections);
-        Ok(store)
+        Ok(PostgresStore::with_table(
+            pool,
+            table,
+            self.reserved_connections,
+            self.batch,
+        ))
     }
 
     /// Builds the store over an existing pool. The pool's connections should set
@@ -196,9 +232,12 @@ impl PostgresStoreBuilder {
     /// this builder do not apply.
     pub fn build(self, pool: PgPool) -> Result<PostgresStore, sqlx::Error> {
         let table = TableName::new(self.schema.as_deref(), &self.table)?;
-        let mut store = PostgresStore::with_table(pool, table);
-        store.glance = enlisted::Glance::new(&store.table.qualified, self.reserved_connections);
-        Ok(store)
+        Ok(PostgresStore::with_table(
+            pool,
+            table,
+            self.reserved_connections,
+            self.batch,
+        ))
     }
 }
 
@@ -209,6 +248,8 @@ struct TableName {
     qualified: String,
     /// `"schema"."table_migrations"` or `"table_migrations"`.
     versions: String,
+    /// `"schema".` or nothing: what names the table's indexes.
+    prefix: String,
     schema: Option<String>,
     name: String,
 }
@@ -240,6 +281,7 @@ impl TableName {
         Ok(Self {
             qualified: format!("{prefix}\"{name}\""),
             versions: format!("{prefix}\"{name}_migrations\""),
+            prefix: prefix.clone(),
             schema: schema.map(str::to_owned),
             name: name.to_owned(),
         })
@@ -249,8 +291,10 @@ impl TableName {
 /// The statements, rendered once for the configured table.
 struct Statements {
     claim: Arc<str>,
+    claim_many: Arc<str>,
     reclaim: Arc<str>,
     complete: Arc<str>,
+    complete_many: Arc<str>,
     release: Arc<str>,
     renew: Arc<str>,
     sweep: Arc<str>,
@@ -266,7 +310,7 @@ fn now(n: usize) -> String {
 }
 
 /// The columns a standing row is reported with, from row `r` and the clock `clock.now`.
-const STANDING_COLUMNS: &str = "false, r.token, r.fingerprint, r.fp_version, \
+const STANDING_COLUMNS: &str = "r.token, r.fingerprint, r.fp_version, \
      CASE WHEN r.expires_at <= clock.now THEN 3 \
           WHEN r.state = 1 THEN 2 \
           WHEN r.lease_until > clock.now THEN 0 \
@@ -285,20 +329,53 @@ impl Statements {
         let clock = format!("clock AS (SELECT {} AS now)", now(8));
         let lease_until = "clock.now + $6::bigint * interval '1 millisecond'";
         let expires_at = "clock.now + ($6::bigint + $7::bigint) * interval '1 millisecond'";
+        // The earliest the record can expire (a completion is later than its claim): what the
+        // sweeper's index holds, so that a completion changes no indexed column.
+        let sweep_after = "clock.now + $7::bigint * interval '1 millisecond'";
         // The read-back sees the statement's snapshot: a conflicting row committed after it
         // reads back as nothing, and the caller re-runs the statement. Data-modifying CTEs are
         // invisible to the rest of the statement, so a successful insert reads back nothing.
         let claim = format!(
             "WITH {clock}, \
              ins AS (INSERT INTO {t} (scope, key, token, fingerprint, fp_version, state, \
-                                      lease_until, expires_at, route, created_at) \
-                     SELECT $1, $2, $3, $4, $5, 0, {lease_until}, {expires_at}, $9, clock.now \
+                                      lease_until, expires_at, sweep_after, route, created_at) \
+                     SELECT $1, $2, $3, $4, $5, 0, {lease_until}, {expires_at}, {sweep_after}, \
+                            $9, clock.now \
                      FROM clock \
                      ON CONFLICT DO NOTHING \
                      RETURNING token) \
              SELECT {ACQUIRED_COLUMNS} FROM ins \
              UNION ALL \
-             SELECT {STANDING_COLUMNS} FROM {t} r, clock WHERE r.scope = $1 AND r.key = $2"
+             SELECT false, {STANDING_COLUMNS} FROM {t} r, clock WHERE r.scope = $1 AND r.key = $2"
+        );
+        // The same claim for many requests: arrays of the parameters above ($9 the clock
+        // offset). Rows are inserted in `(scope, key)` order, so two batches never wait on each
+        // other in a cycle. A key carried twice is inserted once and both rows match its
+        // `RETURNING` row by key, so a request has acquired only when the returned token is its
+        // own; the other reads back nothing (its row is this statement's own insert, invisible
+        // to its read-back) and is re-run, like a row committed after the snapshot.
+        let claim_many = format!(
+            "WITH clock AS (SELECT {n} AS now), \
+             i AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::bigint[], $4::bytea[], \
+                                        $5::smallint[], $6::bigint[], $7::bigint[], $8::text[]) \
+                   WITH ORDINALITY AS i(scope, key, token, fingerprint, fp_version, lease_ms, \
+                                        retention_ms, route, n)), \
+             ins AS (INSERT INTO {t} (scope, key, token, fingerprint, fp_version, state, \
+                                      lease_until, expires_at, sweep_after, route, created_at) \
+                     SELECT i.scope, i.key, i.token, i.fingerprint, i.fp_version, 0, \
+                            clock.now + i.lease_ms * interval '1 millisecond', \
+                            clock.now + (i.lease_ms + i.retention_ms) * interval '1 millisecond', \
+                            clock.now + i.retention_ms * interval '1 millisecond', \
+                            i.route, clock.now \
+                     FROM i, clock ORDER BY i.scope, i.key \
+                     ON CONFLICT DO NOTHING \
+                     RETURNING scope, key, token) \
+             SELECT COALESCE(ins.token = i.token, false), {STANDING_COLUMNS} \
+             FROM i CROSS JOIN clock \
+             LEFT JOIN ins ON ins.scope = i.scope AND ins.key = i.key \
+             LEFT JOIN {t} r ON r.scope = i.scope AND r.key = i.key \
+             ORDER BY i.n",
+            n = now(9)
         );
         // $9: the stale token. Takes over an expired record (whoever holds it) or an abandoned
         // one still held by `stale`, the same rule as the in-memory store.
@@ -307,7 +384,7 @@ impl Statements {
              upd AS (UPDATE {t} r SET token = $3, fingerprint = $4, fp_version = $5, state = 0, \
                          lease_until = {lease_until}, expires_at = {expires_at}, \
                          status = NULL, headers = NULL, body = NULL, \
-                         route = $10, created_at = clock.now \
+                         sweep_after = {sweep_after}, route = $10, created_at = clock.now \
                      FROM clock \
                      WHERE r.scope = $1 AND r.key = $2 \
                        AND (r.expires_at <= clock.now \
@@ -315,14 +392,33 @@ impl Statements {
                      RETURNING r.token) \
              SELECT {ACQUIRED_COLUMNS} FROM upd \
              UNION ALL \
-             SELECT {STANDING_COLUMNS} FROM {t} r, clock \
+             SELECT false, {STANDING_COLUMNS} FROM {t} r, clock \
              WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM upd)"
         );
+        // No indexed column changes (the sweeper's index holds `sweep_after`): where the page
+        // has room, the completion is a heap-only update and writes no index entry.
         let complete = format!(
             "UPDATE {t} SET state = 1, status = $4, headers = $5, body = $6, \
                  lease_until = {n}, expires_at = {n} + $7::bigint * interval '1 millisecond' \
              WHERE scope = $1 AND key = $2 AND token = $3 \
                AND (state = 0 OR (status = $4 AND headers = $5 AND body = $6))",
+            n = now(8)
+        );
+        // The same for many requests: arrays of the parameters above ($8 the clock offset),
+        // answering the ordinals of the rows it completed.
+        let complete_many = format!(
+            "WITH clock AS (SELECT {n} AS now) \
+             UPDATE {t} r SET state = 1, status = u.status, headers = u.headers, body = u.body, \
+                 lease_until = clock.now, \
+                 expires_at = clock.now + u.retention_ms * interval '1 millisecond' \
+             FROM unnest($1::bytea[], $2::text[], $3::bigint[], $4::smallint[], $5::bytea[], \
+                         $6::bytea[], $7::bigint[]) \
+                  WITH ORDINALITY AS u(scope, key, token, status, headers, body, retention_ms, n), \
+                  clock \
+             WHERE r.scope = u.scope AND r.key = u.key AND r.token = u.token \
+               AND (r.state = 0 \
+                    OR (r.status = u.status AND r.headers = u.headers AND r.body = u.body)) \
+             RETURNING u.n",
             n = now(8)
         );
         let release =
@@ -339,7 +435,7 @@ impl Statements {
         // row reclaimed between the select and the delete is never freed.
         let sweep = format!(
             "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {t} WHERE expires_at <= {n} \
+                 SELECT ctid FROM {t} WHERE sweep_after <= {n} AND expires_at <= {n} \
                  LIMIT $1 FOR UPDATE SKIP LOCKED)) \
              AND expires_at <= {n}",
             n = now(2)
@@ -363,8 +459,10 @@ impl Statements {
             inspect: inspect.into(),
             forget: forget.into(),
             claim: claim.into(),
+            claim_many: claim_many.into(),
             reclaim: reclaim.into(),
             complete: complete.into(),
+            complete_many: complete_many.into(),
             release: release.into(),
             renew: renew.into(),
             sweep: sweep.into(),
@@ -375,13 +473,22 @@ impl Statements {
 /// The PostgreSQL store. Cheap to share behind an `Arc`; build it with
 /// [`PostgresStore::connect`], [`PostgresStore::new`] or [`PostgresStore::builder`].
 pub struct PostgresStore {
-    pool: PgPool,
+    core: Arc<Core>,
     table: TableName,
+    /// Detached claims, sent together under load (group commit).
+    claims: Arc<batch::Batcher<Claims>>,
+    /// Completions, sent together under load.
+    completions: Arc<batch::Batcher<Completions>>,
+    /// The enlisted mode's read before any transaction, on connections of its own.
+    glance: enlisted::Glance,
+}
+
+/// What every statement needs, shared with the tasks that send batches.
+struct Core {
+    pool: PgPool,
     sql: Statements,
     clock_offset_ms: AtomicI64,
     statements: AtomicU64,
-    /// The enlisted mode's read before any transaction, on connections of its own.
-    glance: enlisted::Glance,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -441,6 +548,27 @@ fn decode(rows: Vec<PgRow>) -> Result<Outcome, StoreError> {
     if acquired {
         return Ok(Outcome::Acquired);
     }
+    standing(&row).map(Outcome::Standing)
+}
+
+/// One row of the batched claim: whether this request acquired, else the row read back (none:
+/// re-run it).
+fn decode_batched(row: &PgRow) -> Result<Outcome, StoreError> {
+    if row.try_get::<bool, _>(0).map_err(unavailable)? {
+        return Ok(Outcome::Acquired);
+    }
+    if row
+        .try_get::<Option<i64>, _>(1)
+        .map_err(unavailable)?
+        .is_none()
+    {
+        return Ok(Outcome::Nothing);
+    }
+    standing(row).map(Outcome::Standing)
+}
+
+/// The standing record in columns 1.. of a claim's row ([`STANDING_COLUMNS`]).
+fn standing(row: &PgRow) -> Result<Standing, StoreError> {
     let token: i64 = row.try_get(1).map_err(unavailable)?;
     let digest: Vec<u8> = row.try_get(2).map_err(unavailable)?;
     let version: i16 = row.try_get(3).map_err(unavailable)?;
@@ -476,11 +604,165 @@ fn decode(rows: Vec<PgRow>) -> Result<Outcome, StoreError> {
         }
         _ => StandingState::Expired,
     };
-    Ok(Outcome::Standing(Standing {
+    Ok(Standing {
         token: FencingToken::from_i64(token),
         fingerprint,
         state,
-    }))
+    })
+}
+
+/// A claim's parameters, owned, as a batch carries them.
+struct ClaimRow {
+    scope: ScopeHash,
+    key: String,
+    token: i64,
+    fingerprint: Fingerprint,
+    lease: Duration,
+    retention: Duration,
+    route: String,
+}
+
+impl ClaimRow {
+    fn new(req: &ClaimRequest<'_>) -> Self {
+        Self {
+            scope: *req.scope,
+            key: req.key.to_owned(),
+            token: req.token.as_i64(),
+            fingerprint: req.fingerprint,
+            lease: req.lease,
+            retention: req.retention,
+            route: req.route.to_owned(),
+        }
+    }
+}
+
+/// Detached claims, batched.
+struct Claims;
+
+impl batch::Job for Claims {
+    type Row = ClaimRow;
+    type Out = Outcome;
+
+    fn order(a: &ClaimRow, b: &ClaimRow) -> std::cmp::Ordering {
+        (&a.scope, &a.key).cmp(&(&b.scope, &b.key))
+    }
+
+    async fn many(
+        core: &Core,
+        rows: &[ClaimRow],
+    ) -> Result<Vec<Result<Outcome, StoreError>>, sqlx::Error> {
+        let answered = sqlx::query(AssertSqlSafe(Arc::clone(&core.sql.claim_many)))
+            .bind(rows.iter().map(|r| &r.scope[..]).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.key.as_str()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.token).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|r| &r.fingerprint.digest[..])
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                rows.iter()
+                    .map(|r| r.fingerprint.version as i16)
+                    .collect::<Vec<_>>(),
+            )
+            .bind(rows.iter().map(|r| millis_i64(r.lease)).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|r| millis_i64(r.retention))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(rows.iter().map(|r| r.route.as_str()).collect::<Vec<_>>())
+            .bind(core.offset())
+            .fetch_all(&core.pool)
+            .await?;
+        Ok(answered.iter().map(decode_batched).collect())
+    }
+
+    async fn one(core: &Core, row: &ClaimRow) -> Result<Outcome, StoreError> {
+        core.claim_statement(&mut On::Pool, row, None).await
+    }
+}
+
+/// A completion's parameters, owned, as a batch carries them.
+struct CompleteRow {
+    scope: ScopeHash,
+    key: String,
+    token: i64,
+    status: i16,
+    headers: Vec<u8>,
+    body: Bytes,
+    retention: Duration,
+}
+
+/// Completions, batched.
+struct Completions;
+
+impl batch::Job for Completions {
+    type Row = CompleteRow;
+    type Out = bool;
+
+    fn order(a: &CompleteRow, b: &CompleteRow) -> std::cmp::Ordering {
+        (&a.scope, &a.key).cmp(&(&b.scope, &b.key))
+    }
+
+    async fn many(
+        core: &Core,
+        rows: &[CompleteRow],
+    ) -> Result<Vec<Result<bool, StoreError>>, sqlx::Error> {
+        let done: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&core.sql.complete_many)))
+            .bind(rows.iter().map(|r| &r.scope[..]).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.key.as_str()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.token).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.status).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| &r.headers[..]).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| &r.body[..]).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|r| millis_i64(r.retention))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(core.offset())
+            .fetch_all(&core.pool)
+            .await?;
+        let mut completed = vec![false; rows.len()];
+        for n in done {
+            if let Some(slot) = usize::try_from(n - 1)
+                .ok()
+                .and_then(|i| completed.get_mut(i))
+            {
+                *slot = true;
+            }
+        }
+        // The same completion carried twice updates its row once and is answered once: the
+        // other copy completed too.
+        for i in 0..rows.len() {
+            if !completed[i] {
+                let same = |j: &usize| {
+                    let (a, b) = (&rows[i], &rows[*j]);
+                    completed[*j] && a.token == b.token && a.key == b.key && a.scope == b.scope
+                };
+                completed[i] = (0..rows.len()).any(|j| same(&j));
+            }
+        }
+        Ok(completed.into_iter().map(Ok).collect())
+    }
+
+    async fn one(core: &Core, row: &CompleteRow) -> Result<bool, StoreError> {
+        let rows = core
+            .conditional_write(|| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&core.sql.complete)))
+                    .bind(&row.scope[..])
+                    .bind(row.key.as_str())
+                    .bind(row.token)
+                    .bind(row.status)
+                    .bind(&row.headers[..])
+                    .bind(&row.body[..])
+                    .bind(millis_i64(row.retention))
+                    .bind(core.offset())
+            })
+            .await?;
+        Ok(rows == 1)
+    }
 }
 
 impl PostgresStore {
@@ -495,6 +777,7 @@ impl PostgresStore {
             max_connections: 10,
             application_name: None,
             reserved_connections: enlisted::RESERVED_CONNECTIONS,
+            batch: DEFAULT_BATCH,
         }
     }
 
@@ -516,23 +799,28 @@ impl PostgresStore {
     /// connection's default schema. See [`PostgresStoreBuilder::build`] about `lock_timeout`.
     pub fn new(pool: PgPool) -> Self {
         let table = TableName::new(None, DEFAULT_TABLE).expect("the default table name is valid");
-        Self::with_table(pool, table)
+        Self::with_table(pool, table, enlisted::RESERVED_CONNECTIONS, DEFAULT_BATCH)
     }
 
-    fn with_table(pool: PgPool, table: TableName) -> Self {
-        Self {
+    fn with_table(pool: PgPool, table: TableName, reserved: u32, batch: batch::Limits) -> Self {
+        let core = Arc::new(Core {
             sql: Statements::new(&table.qualified),
-            glance: enlisted::Glance::new(&table.qualified, enlisted::RESERVED_CONNECTIONS),
             pool,
-            table,
             clock_offset_ms: AtomicI64::new(0),
             statements: AtomicU64::new(0),
+        });
+        Self {
+            claims: batch::Batcher::new(Arc::clone(&core), batch),
+            completions: batch::Batcher::new(Arc::clone(&core), batch),
+            glance: enlisted::Glance::new(&table.qualified, reserved),
+            core,
+            table,
         }
     }
 
     /// The pool the store runs on.
     pub fn pool(&self) -> &PgPool {
-        &self.pool
+        &self.core.pool
     }
 
     /// The quoted, schema-qualified table name, e.g. `"app"."idempotency_records"`.
@@ -545,7 +833,7 @@ impl PostgresStore {
     /// versions are kept in `<table>_migrations` beside the table, never in sqlx's
     /// `_sqlx_migrations`, so the application's own migrations are unaffected.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.core.pool.begin().await?;
         // Migrating replicas queue behind each other; the store's short lock_timeout is for
         // claims, not for this.
         sqlx::query("SET LOCAL lock_timeout = '60s'")
@@ -583,7 +871,8 @@ impl PostgresStore {
             }
             let ddl = ddl
                 .replace("{table}", &self.table.qualified)
-                .replace("{name}", &self.table.name);
+                .replace("{name}", &self.table.name)
+                .replace("{schema}", &self.table.prefix);
             sqlx::raw_sql(AssertSqlSafe(ddl)).execute(&mut *tx).await?;
             sqlx::query(AssertSqlSafe(format!(
                 "INSERT INTO {} (version, description) VALUES ($1, $2)",
@@ -601,16 +890,71 @@ impl PostgresStore {
     /// every statement), so the contract suite can test leases and retention without sleeping.
     #[doc(hidden)]
     pub fn advance_clock_for_tests(&self, by: Duration) {
-        self.clock_offset_ms
+        self.core
+            .clock_offset_ms
             .fetch_add(millis_i64(by), Ordering::SeqCst);
     }
 
-    /// Statements sent to the database so far (each one round trip).
+    /// Statements sent to the database so far (each one round trip; a batch is one).
     #[doc(hidden)]
     pub fn statements_executed(&self) -> u64 {
-        self.statements.load(Ordering::Relaxed)
+        self.core.statements.load(Ordering::Relaxed)
     }
 
+    fn offset(&self) -> i64 {
+        self.core.offset()
+    }
+
+    fn count(&self) {
+        self.core.count();
+    }
+
+    /// [`Store::claim`] on `on`, re-run while its snapshot misses a concurrent commit.
+    async fn claim_on(&self, on: &mut On<'_>, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        for _ in 0..MAX_RERUNS {
+            let row = ClaimRow::new(req);
+            let outcome = match on {
+                On::Pool => self.claims.submit(row).await?,
+                On::Transaction(_) => self.core.claim_statement(on, &row, None).await?,
+            };
+            match outcome {
+                Outcome::Acquired => return Ok(Claim::Acquired),
+                Outcome::Standing(standing) => return Ok(Claim::Standing(standing)),
+                Outcome::Nothing => continue,
+            }
+        }
+        Ok(still_running(req))
+    }
+
+    /// [`Store::reclaim`] on `on`, re-run while its snapshot misses a concurrent commit.
+    async fn reclaim_on(
+        &self,
+        on: &mut On<'_>,
+        req: &ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> Result<Claim, StoreError> {
+        for _ in 0..MAX_RERUNS {
+            let row = ClaimRow::new(req);
+            match self.core.claim_statement(on, &row, Some(stale)).await? {
+                Outcome::Acquired => return Ok(Claim::Acquired),
+                // The row vanished (released or swept): claim it afresh.
+                Outcome::Nothing => return self.claim_on(on, req).await,
+                Outcome::Standing(standing) => {
+                    let takeable = standing.state == StandingState::Expired
+                        || (standing.token == stale && standing.state == StandingState::Abandoned);
+                    if !takeable {
+                        return Ok(Claim::Standing(standing));
+                    }
+                    // The update skipped a row the snapshot still shows as takeable: another
+                    // transaction changed it after the snapshot. Look again.
+                }
+            }
+        }
+        Ok(still_running(req))
+    }
+}
+
+impl Core {
     fn offset(&self) -> i64 {
         self.clock_offset_ms.load(Ordering::SeqCst)
     }
@@ -648,7 +992,7 @@ impl PostgresStore {
     async fn claim_statement(
         &self,
         on: &mut On<'_>,
-        req: &ClaimRequest<'_>,
+        row: &ClaimRow,
         stale: Option<FencingToken>,
     ) -> Result<Outcome, StoreError> {
         let sql = match stale {
@@ -657,19 +1001,19 @@ impl PostgresStore {
         };
         let query = || {
             let query = sqlx::query(AssertSqlSafe(Arc::clone(sql)))
-                .bind(&req.scope[..])
-                .bind(req.key)
-                .bind(req.token.as_i64())
-                .bind(&req.fingerprint.digest[..])
-                .bind(req.fingerprint.version as i16)
-                .bind(millis_i64(req.lease))
-                .bind(millis_i64(req.retention))
+                .bind(&row.scope[..])
+                .bind(row.key.as_str())
+                .bind(row.token)
+                .bind(&row.fingerprint.digest[..])
+                .bind(row.fingerprint.version as i16)
+                .bind(millis_i64(row.lease))
+                .bind(millis_i64(row.retention))
                 .bind(self.offset());
             match stale {
                 Some(stale) => query.bind(stale.as_i64()),
                 None => query,
             }
-            .bind(req.route)
+            .bind(row.route.as_str())
         };
         // On the pool it is sent again, like the conditional writes, when its pooled connection
         // was already dead: the database is there, only that connection is not. If the first
@@ -688,49 +1032,13 @@ impl PostgresStore {
             };
             match rows {
                 Ok(rows) => return decode(rows),
-                Err(e) if is_lock_timeout(&e) => return Ok(Outcome::Standing(busy(req))),
+                Err(e) if is_lock_timeout(&e) => {
+                    return Ok(Outcome::Standing(busy(row.fingerprint, row.lease)));
+                }
                 Err(e) if attempts_left > 0 && connection_dropped(&e) => attempts_left -= 1,
                 Err(e) => return Err(unavailable(e)),
             }
         }
-    }
-
-    /// [`Store::claim`] on `on`, re-run while its snapshot misses a concurrent commit.
-    async fn claim_on(&self, on: &mut On<'_>, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        for _ in 0..MAX_RERUNS {
-            match self.claim_statement(on, req, None).await? {
-                Outcome::Acquired => return Ok(Claim::Acquired),
-                Outcome::Standing(standing) => return Ok(Claim::Standing(standing)),
-                Outcome::Nothing => continue,
-            }
-        }
-        Ok(still_running(req))
-    }
-
-    /// [`Store::reclaim`] on `on`, re-run while its snapshot misses a concurrent commit.
-    async fn reclaim_on(
-        &self,
-        on: &mut On<'_>,
-        req: &ClaimRequest<'_>,
-        stale: FencingToken,
-    ) -> Result<Claim, StoreError> {
-        for _ in 0..MAX_RERUNS {
-            match self.claim_statement(on, req, Some(stale)).await? {
-                Outcome::Acquired => return Ok(Claim::Acquired),
-                // The row vanished (released or swept): claim it afresh.
-                Outcome::Nothing => return self.claim_on(on, req).await,
-                Outcome::Standing(standing) => {
-                    let takeable = standing.state == StandingState::Expired
-                        || (standing.token == stale && standing.state == StandingState::Abandoned);
-                    if !takeable {
-                        return Ok(Claim::Standing(standing));
-                    }
-                    // The update skipped a row the snapshot still shows as takeable: another
-                    // transaction changed it after the snapshot. Look again.
-                }
-            }
-        }
-        Ok(still_running(req))
     }
 }
 
@@ -745,20 +1053,18 @@ enum On<'c> {
 /// the request's own fingerprint (the key is in progress whatever that request's body) and the
 /// request's lease as what is left, since the holder's is unknown; the claim loop answers "in
 /// progress" and sends nothing more (an enlisted transaction that met the lock is aborted).
-fn busy(req: &ClaimRequest<'_>) -> Standing {
+fn busy(fingerprint: Fingerprint, lease: Duration) -> Standing {
     Standing {
         token: FencingToken(0),
-        fingerprint: req.fingerprint,
-        state: StandingState::Running {
-            lease_left: req.lease,
-        },
+        fingerprint,
+        state: StandingState::Running { lease_left: lease },
     }
 }
 
 fn still_running(req: &ClaimRequest<'_>) -> Claim {
     // Every re-run met a record committed after its snapshot: the key is being fought over
     // right now, which is what "in progress" means.
-    Claim::Standing(busy(req))
+    Claim::Standing(busy(req.fingerprint, req.lease))
 }
 
 #[async_trait]
@@ -783,21 +1089,17 @@ impl Store for PostgresStore {
         response: &RecordedResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let headers = response.encode_headers();
-        let rows = self
-            .conditional_write(|| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.complete)))
-                    .bind(&scope[..])
-                    .bind(key)
-                    .bind(token.as_i64())
-                    .bind(response.status as i16)
-                    .bind(headers.clone())
-                    .bind(&response.body[..])
-                    .bind(millis_i64(retention))
-                    .bind(self.offset())
+        self.completions
+            .submit(CompleteRow {
+                scope: *scope,
+                key: key.to_owned(),
+                token: token.as_i64(),
+                status: response.status as i16,
+                headers: response.encode_headers(),
+                body: response.body.clone(),
+                retention,
             })
-            .await?;
-        Ok(rows == 1)
+            .await
     }
 
     async fn release(
@@ -807,8 +1109,9 @@ impl Store for PostgresStore {
         token: FencingToken,
     ) -> Result<bool, StoreError> {
         let rows = self
+            .core
             .conditional_write(|| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.release)))
                     .bind(&scope[..])
                     .bind(key)
                     .bind(token.as_i64())
@@ -825,8 +1128,9 @@ impl Store for PostgresStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let rows = self
+            .core
             .conditional_write(|| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.renew)))
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.renew)))
                     .bind(&scope[..])
                     .bind(key)
                     .bind(token.as_i64())
@@ -839,10 +1143,10 @@ impl Store for PostgresStore {
 
     async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
         self.count();
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.sweep)))
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.sweep)))
             .bind(i64::try_from(batch).unwrap_or(i64::MAX))
             .bind(self.offset())
-            .execute(&self.pool)
+            .execute(&self.core.pool)
             .await
             .map_err(unavailable)?;
         Ok(done.rows_affected() as usize)
@@ -855,12 +1159,12 @@ impl Store for PostgresStore {
         with_response: bool,
     ) -> Result<Option<RecordInfo>, StoreError> {
         self.count();
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.inspect)))
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.inspect)))
             .bind(&scope[..])
             .bind(key)
             .bind(with_response)
             .bind(self.offset())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.core.pool)
             .await
             .map_err(unavailable)?;
         row.map(|row| record_info(&row)).transpose()
@@ -868,8 +1172,9 @@ impl Store for PostgresStore {
 
     async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
         let rows = self
+            .core
             .conditional_write(|| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.forget)))
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.forget)))
                     .bind(&scope[..])
                     .bind(key)
             })

@@ -83,12 +83,12 @@ impl PostgresStore {
     /// The reserved pool (see [`PostgresStoreBuilder::reserved_connections`](super::PostgresStoreBuilder::reserved_connections)).
     fn glance_pool(&self) -> &PgPool {
         self.glance.pool.get_or_init(|| {
-            let options = self.pool.options();
+            let options = self.core.pool.options();
             PgPoolOptions::new()
                 .max_connections(self.glance.size)
                 .acquire_timeout(options.get_acquire_timeout())
                 .test_before_acquire(false)
-                .connect_lazy_with((*self.pool.connect_options()).clone())
+                .connect_lazy_with((*self.core.pool.connect_options()).clone())
         })
     }
 
@@ -144,7 +144,7 @@ impl PostgresStore {
         &self,
     ) -> Result<Transaction<'static, Postgres>, StoreError> {
         self.count();
-        self.pool.begin().await.map_err(unavailable)
+        self.core.pool.begin().await.map_err(unavailable)
     }
 
     /// The advisory lock key of `(scope, key)` in this table.
@@ -241,7 +241,7 @@ impl PostgresStore {
         retention: Duration,
     ) -> Result<bool, StoreError> {
         self.count();
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.complete)))
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.complete)))
             .bind(&scope[..])
             .bind(key)
             .bind(token.as_i64())

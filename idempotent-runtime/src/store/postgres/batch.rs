@@ -1,0 +1,203 @@
+//! Group commit ([the contract](crate::design) §5): claims (and completions) that arrive while
+//! statements of their kind are in flight wait for the next one and go out together, as one
+//! statement over arrays (`unnest`), one transaction, one WAL flush.
+//!
+//! A [`Batcher`] keeps at most `in_flight` statements of one kind out at once. A request that
+//! finds fewer out sends at once, so an idle pool adds no wait; a request that finds them all out
+//! queues, and the next statement to go carries every queued row (up to `rows`). Rows go out
+//! sorted by `(scope, key)`, so two batches lock the rows they share in the same order and never
+//! deadlock. Each row is answered on its own. A batch of one goes out as the single-row
+//! statement. A failure PostgreSQL reports for the whole statement (a lock timeout on one row,
+//! a deadlock, a constraint) is retried row by row, so one bad row never fails its neighbours;
+//! a failure of the connection itself is answered to every row, since each alone would meet it
+//! too.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::oneshot;
+
+use super::super::StoreError;
+use super::{Core, connection_dropped, unavailable};
+
+/// How a kind of statement is sent alone and in a batch.
+pub(super) trait Job: Send + Sync + 'static {
+    /// One request's row, owned: it waits in the queue beyond the request's borrow.
+    type Row: Send + Sync + 'static;
+    /// One row's answer.
+    type Out: Send + 'static;
+
+    /// The order rows go out in: `(scope, key)`.
+    fn order(a: &Self::Row, b: &Self::Row) -> std::cmp::Ordering;
+
+    /// Sends `rows` (at least two, sorted) as one statement; one answer per row, in order.
+    #[allow(clippy::type_complexity)]
+    fn many(
+        core: &Core,
+        rows: &[Self::Row],
+    ) -> impl Future<Output = Result<Vec<Result<Self::Out, StoreError>>, sqlx::Error>> + Send;
+
+    /// Sends one row alone, with its own error handling: a batch of one, or each row of a
+    /// batch whose statement PostgreSQL refused as a whole.
+    fn one(
+        core: &Core,
+        row: &Self::Row,
+    ) -> impl Future<Output = Result<Self::Out, StoreError>> + Send;
+}
+
+/// How large and how many batches of one kind may be out at once.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Limits {
+    /// Rows per statement (1: every request alone, no batching).
+    pub(super) rows: usize,
+    /// Statements of this kind in flight at once.
+    pub(super) in_flight: usize,
+}
+
+struct Waiter<J: Job> {
+    row: J::Row,
+    answer: oneshot::Sender<Result<J::Out, StoreError>>,
+}
+
+struct Queue<J: Job> {
+    waiting: Vec<Waiter<J>>,
+    in_flight: usize,
+}
+
+/// The queue of one kind of statement (see the module docs).
+pub(super) struct Batcher<J: Job> {
+    core: Arc<Core>,
+    limits: Limits,
+    queue: Mutex<Queue<J>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl<J: Job> Batcher<J> {
+    pub(super) fn new(core: Arc<Core>, limits: Limits) -> Arc<Self> {
+        Arc::new(Self {
+            core,
+            limits: Limits {
+                rows: limits.rows.max(1),
+                in_flight: limits.in_flight.max(1),
+            },
+            queue: Mutex::new(Queue {
+                waiting: Vec::new(),
+                in_flight: 0,
+            }),
+        })
+    }
+
+    /// Sends `row`, alone or with others, and answers it.
+    pub(super) async fn submit(self: &Arc<Self>, row: J::Row) -> Result<J::Out, StoreError> {
+        if self.limits.rows == 1 {
+            return J::one(&self.core, &row).await;
+        }
+        let (answer, answered) = oneshot::channel();
+        let start = {
+            let mut queue = lock(&self.queue);
+            queue.waiting.push(Waiter { row, answer });
+            let start = queue.in_flight < self.limits.in_flight;
+            queue.in_flight += usize::from(start);
+            start
+        };
+        if start {
+            // Its own task: a request that gives up waiting (a client gone) must not take the
+            // statement that carries its neighbours' rows with it.
+            tokio::spawn(Arc::clone(self).drain());
+        }
+        answered
+            .await
+            .unwrap_or_else(|_| Err(StoreError::unavailable("the batch statement's task ended")))
+    }
+
+    /// Sends queued rows, a batch at a time, until none is left.
+    async fn drain(self: Arc<Self>) {
+        loop {
+            let batch = {
+                let mut queue = lock(&self.queue);
+                // Rows whose request is gone are not sent: nobody would release what they
+                // claimed.
+                queue.waiting.retain(|w| !w.answer.is_closed());
+                if queue.waiting.is_empty() {
+                    queue.in_flight -= 1;
+                    return;
+                }
+                let n = queue.waiting.len().min(self.limits.rows);
+                queue.waiting.drain(..n).collect::<Vec<_>>()
+            };
+            self.send(batch).await;
+        }
+    }
+
+    async fn send(&self, mut batch: Vec<Waiter<J>>) {
+        if batch.len() == 1 {
+            let Waiter { row, answer } = batch.pop().expect("one row");
+            let _ = answer.send(J::one(&self.core, &row).await);
+            return;
+        }
+        batch.sort_by(|a, b| J::order(&a.row, &b.row));
+        let (rows, answers): (Vec<_>, Vec<_>) =
+            batch.into_iter().map(|w| (w.row, w.answer)).unzip();
+        match self.many(&rows).await {
+            Ok(outs) if outs.len() == rows.len() => {
+                for (answer, out) in answers.into_iter().zip(outs) {
+                    let _ = answer.send(out);
+                }
+            }
+            Ok(outs) => {
+                let e = StoreError::unavailable(format!(
+                    "a batch of {} rows was answered with {}",
+                    rows.len(),
+                    outs.len()
+                ));
+                tracing::error!(error = %e, "batch statement");
+                self.one_by_one(rows, answers).await;
+            }
+            Err(sqlx::Error::Database(e)) => {
+                tracing::debug!(error = %e, rows = rows.len(), "batch refused; sending each row alone");
+                self.one_by_one(rows, answers).await;
+            }
+            Err(e) => {
+                let message = e.to_string();
+                let mut error = Some(unavailable(e));
+                for answer in answers {
+                    let e = error
+                        .take()
+                        .unwrap_or_else(|| StoreError::unavailable(message.clone()));
+                    let _ = answer.send(Err(e));
+                }
+            }
+        }
+    }
+
+    /// The batch statement, sent again when the connection it went out on was already dead (a
+    /// restart or `pg_terminate_backend` leaves such connections in the pool). Every statement
+    /// batched here is safe to send twice: claims read back their own token, completions are
+    /// conditional on it.
+    #[allow(clippy::type_complexity)]
+    async fn many(&self, rows: &[J::Row]) -> Result<Vec<Result<J::Out, StoreError>>, sqlx::Error> {
+        let mut attempts_left = self.core.pool.options().get_max_connections();
+        loop {
+            self.core.count();
+            match J::many(&self.core, rows).await {
+                Err(e) if attempts_left > 0 && connection_dropped(&e) => attempts_left -= 1,
+                done => return done,
+            }
+        }
+    }
+
+    async fn one_by_one(
+        &self,
+        rows: Vec<J::Row>,
+        answers: Vec<oneshot::Sender<Result<J::Out, StoreError>>>,
+    ) {
+        for (row, answer) in rows.iter().zip(answers) {
+            if !answer.is_closed() {
+                let _ = answer.send(J::one(&self.core, row).await);
+            }
+        }
+    }
+}
