@@ -544,7 +544,9 @@ async fn terminated_connections_never_run_a_key_twice_and_the_pool_recovers() {
     let errors = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
 
-    let workers: Vec<_> = (0..8)
+    // More workers than connections: claims and completions queue and go out in batches, so
+    // connections die with batches in flight.
+    let workers: Vec<_> = (0..24)
         .map(|w| {
             let (store, runs, errors) =
                 (Arc::clone(&store), Arc::clone(&runs), Arc::clone(&errors));
@@ -637,6 +639,12 @@ async fn terminated_connections_never_run_a_key_twice_and_the_pool_recovers() {
         errors.load(Ordering::Relaxed)
     );
     assert!(terminated > 0, "no store connection was found to terminate");
+    let statements = store.statements_executed();
+    eprintln!("{keys} keys, {statements} statements");
+    assert!(
+        statements < 2 * keys as u64,
+        "{statements} statements for {keys} keys: the claims and completions were not batched"
+    );
     let runs = std::mem::take(&mut *runs.lock().unwrap());
     assert_eq!(runs.len(), keys, "every key ran");
     let twice: Vec<_> = runs.iter().filter(|(_, n)| **n != 1).collect();
