@@ -70,7 +70,12 @@ async fn a_store_with_only_the_required_methods_gets_documented_defaults() {
     assert!(!store.expires_by_itself());
 
     let inspected = store.inspect(&scope, "order-1", true).await;
-    let Err(error @ StoreError::Unsupported { operation: "inspect" }) = inspected else {
+    let Err(
+        error @ StoreError::Unsupported {
+            operation: "inspect",
+        },
+    ) = inspected
+    else {
         panic!("inspect's default is not Unsupported: {inspected:?}");
     };
     assert_eq!(
@@ -79,7 +84,12 @@ async fn a_store_with_only_the_required_methods_gets_documented_defaults() {
     );
 
     let forgotten = store.forget(&scope, "order-1").await;
-    let Err(error @ StoreError::Unsupported { operation: "forget" }) = forgotten else {
+    let Err(
+        error @ StoreError::Unsupported {
+            operation: "forget",
+        },
+    ) = forgotten
+    else {
         panic!("forget's default is not Unsupported: {forgotten:?}");
     };
     assert_eq!(
