@@ -285,7 +285,11 @@ impl Idempotency {
             StoreError::Full | StoreError::QuotaExceeded => {
                 (ProblemCode::StoreFull, Event::StoreFull)
             }
-            StoreError::Unavailable(_) => (ProblemCode::StoreUnavailable, Event::StoreError),
+            // A claim is required of every store; a wrapper that reports it unsupported is a
+            // store that cannot serve, which the client sees as unavailable.
+            StoreError::Unavailable(_) | StoreError::Unsupported { .. } => {
+                (ProblemCode::StoreUnavailable, Event::StoreError)
+            }
         };
         observe::count(event, route);
         observe::decided(event.name());

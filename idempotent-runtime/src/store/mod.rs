@@ -20,6 +20,10 @@ pub mod memory;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
+#[cfg(feature = "postgres")]
+// Called by `PostgresStoreBuilder::connect_with`; until that call lands, only its tests use it.
+#[allow(dead_code)]
+pub(crate) mod postgres_tls;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
@@ -320,6 +324,12 @@ pub enum StoreError {
     Full,
     /// The caller's scope is at its record quota.
     QuotaExceeded,
+    /// The store does not implement `operation` (a [`Store`] method with a default, such as
+    /// [`inspect`](Store::inspect), that this store leaves out). Nothing was read or changed.
+    Unsupported {
+        /// The [`Store`] method's name.
+        operation: &'static str,
+    },
 }
 
 impl StoreError {
@@ -336,6 +346,9 @@ impl fmt::Display for StoreError {
             Self::Full => f.write_str("idempotency store full"),
             Self::QuotaExceeded => {
                 f.write_str("the caller's share of the idempotency store is full")
+            }
+            Self::Unsupported { operation } => {
+                write!(f, "this idempotency store does not support `{operation}`")
             }
         }
     }
@@ -356,6 +369,13 @@ impl std::error::Error for StoreError {
 /// contract suite (`store::contract`, feature `testing`) checks an implementation. (`Any` lets the
 /// enlisted mode find the PostgreSQL store behind an `Arc<dyn Store>`; every `'static` type is
 /// `Any`, so it asks nothing of an implementation.)
+///
+/// The request path needs the required methods (claim, reclaim, complete, release, renew,
+/// sweep). The rest have defaults, and every operation added in a later version will come with
+/// one, so a third-party store keeps compiling across minor versions: where no honest answer
+/// exists without the backend (the operator's [`inspect`](Self::inspect) and
+/// [`forget`](Self::forget)), the default fails with [`StoreError::Unsupported`] naming the
+/// operation, rather than pretending nothing is stored.
 #[async_trait]
 pub trait Store: std::any::Any + Send + Sync {
     /// Installs `req.token` under `(scope, key)` if nothing live stands there; otherwise reports
@@ -409,17 +429,31 @@ pub trait Store: std::any::Any + Send + Sync {
     /// not yet swept included), without changing it. `with_response` asks for the recorded
     /// response too; otherwise [`RecordInfo::response`] is `None` and a store should not read
     /// the body. `Ok(None)` when there is no record.
+    ///
+    /// Default: [`StoreError::Unsupported`] (`operation: "inspect"`).
     async fn inspect(
         &self,
         scope: &ScopeHash,
         key: &str,
         with_response: bool,
-    ) -> Result<Option<RecordInfo>, StoreError>;
+    ) -> Result<Option<RecordInfo>, StoreError> {
+        let _ = (scope, key, with_response);
+        Err(StoreError::Unsupported {
+            operation: "inspect",
+        })
+    }
 
     /// Deletes the record under `(scope, key)` whatever its state and token, for an operator
     /// clearing a stuck or wrong record. `Ok(false)` when there was none. A handler still
     /// running under a forgotten reservation is fenced: its completion finds no record.
-    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError>;
+    ///
+    /// Default: [`StoreError::Unsupported`] (`operation: "forget"`); nothing is deleted.
+    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+        let _ = (scope, key);
+        Err(StoreError::Unsupported {
+            operation: "forget",
+        })
+    }
 
     /// A short name for metrics labels (`memory`, `postgres`, `sqlite`, …); default `custom`.
     fn kind(&self) -> &'static str {
