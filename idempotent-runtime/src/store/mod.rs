@@ -21,8 +21,6 @@ pub mod memory;
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
 #[cfg(feature = "postgres")]
-// Called by `PostgresStoreBuilder::connect_with`; until that call lands, only its tests use it.
-#[allow(dead_code)]
 pub(crate) mod postgres_tls;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]

@@ -195,6 +195,9 @@ impl PostgresStoreBuilder {
         self,
         options: PgConnectOptions,
     ) -> Result<PostgresStore, sqlx::Error> {
+        // The pool connects lazily: without this, a missing TLS feature surfaces at the first
+        // statement, naming sqlx's features instead of this crate's.
+        super::postgres_tls::require_tls_support(&options, super::postgres_tls::TLS_COMPILED)?;
         let table = TableName::new(self.schema.as_deref(), &self.table)?;
         let mut options = options.options([
             (
