@@ -95,7 +95,29 @@ pub fn idempotent_router(store: Idempotency) -> Router {
 /// A memory store that never refuses for room: a load test from one address is one scope, and
 /// it must measure the claim path, not the per-scope quota's refusal.
 pub fn unbounded_memory_store() -> Idempotency {
-    let store = MemoryStore::builder()
+    Idempotency::builder(unbounded_memory())
+        .max_buffered_bytes(usize::MAX / 2)
+        .build()
+}
+
+/// The same memory store with a short `retention`, the steady state of a long-running service
+/// when `sweeper` is on (records are freed as fast as they arrive, so the store stops growing);
+/// with it off, expired records stay and the store grows as [`unbounded_memory_store`]'s does.
+/// Must be called inside a Tokio runtime for the sweeper to start.
+pub fn steady_memory_store(retention: Duration, sweeper: bool) -> Idempotency {
+    Idempotency::builder(unbounded_memory())
+        .config(
+            idempotent_runtime::config::Config::builder()
+                .retention(retention)
+                .build(),
+        )
+        .sweeper(sweeper)
+        .max_buffered_bytes(usize::MAX / 2)
+        .build()
+}
+
+fn unbounded_memory() -> MemoryStore {
+    MemoryStore::builder()
         .limits(MemoryLimits {
             max_records: usize::MAX,
             max_bytes: usize::MAX,
@@ -103,21 +125,24 @@ pub fn unbounded_memory_store() -> Idempotency {
             max_bytes_per_scope: usize::MAX,
             ..MemoryLimits::default()
         })
-        .build();
-    Idempotency::builder(store)
-        .max_buffered_bytes(usize::MAX / 2)
         .build()
 }
 
-/// Our PostgreSQL store at `url`, migrated, with a pool of `connections`.
-pub async fn postgres_store(url: &str, connections: u32) -> Idempotency {
+/// Our PostgreSQL store at `url`, migrated, with a pool of `connections`; with `cached`, behind
+/// a [`CachedStore`](idempotent_runtime::store::cache::CachedStore) of its defaults (what the
+/// conformance servers' `--local-cache` builds).
+pub async fn postgres_store(url: &str, connections: u32, cached: bool) -> Idempotency {
     let store = idempotent_runtime::store::postgres::PostgresStore::builder()
         .max_connections(connections)
         .connect(url)
         .await
         .expect("connect to PostgreSQL");
     store.migrate().await.expect("migrate");
-    Idempotency::new(store)
+    if cached {
+        Idempotency::new(idempotent_runtime::store::cache::CachedStore::new(store))
+    } else {
+        Idempotency::new(store)
+    }
 }
 
 /// Our SQLite store in the file at `path`, migrated.
