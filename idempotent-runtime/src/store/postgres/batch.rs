@@ -9,16 +9,22 @@
 //! deadlock. Each row is answered on its own. A batch of one goes out as the single-row
 //! statement. A failure PostgreSQL reports for the whole statement (a lock timeout on one row,
 //! a deadlock, a constraint) is retried row by row, so one bad row never fails its neighbours;
-//! a failure of the connection itself is answered to every row, since each alone would meet it
-//! too.
+//! a failure of the connection itself, or a statement cancelled by `statement_timeout`, is
+//! answered to every row, since each alone would meet it too.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt as _;
 use tokio::sync::oneshot;
 
 use super::super::StoreError;
 use super::{Core, connection_dropped, unavailable};
+
+/// SQLSTATE `query_canceled`: `statement_timeout` elapsed (or the statement was cancelled).
+const QUERY_CANCELED: &str = "57014";
 
 /// How a kind of statement is sent alone and in a batch.
 pub(super) trait Job: Send + Sync + 'static {
@@ -128,7 +134,15 @@ impl<J: Job> Batcher<J> {
                 let n = queue.waiting.len().min(self.limits.rows);
                 queue.waiting.drain(..n).collect::<Vec<_>>()
             };
-            self.send(batch).await;
+            // A panic while sending drops this batch's answers (its requests fail as the store
+            // being unavailable would) but never the queue's capacity: the loop goes on.
+            if AssertUnwindSafe(self.send(batch))
+                .catch_unwind()
+                .await
+                .is_err()
+            {
+                tracing::error!("a batch statement panicked; its requests were answered 503");
+            }
         }
     }
 
@@ -156,7 +170,9 @@ impl<J: Job> Batcher<J> {
                 tracing::error!(error = %e, "batch statement");
                 self.one_by_one(rows, answers).await;
             }
-            Err(sqlx::Error::Database(e)) => {
+            // A statement cancelled for its time (`statement_timeout`) changed nothing; each row
+            // alone would wait as long again.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() != Some(QUERY_CANCELED) => {
                 tracing::debug!(error = %e, rows = rows.len(), "batch refused; sending each row alone");
                 self.one_by_one(rows, answers).await;
             }
