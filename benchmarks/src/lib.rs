@@ -130,13 +130,23 @@ fn unbounded_memory() -> MemoryStore {
 
 /// Our PostgreSQL store at `url`, migrated, with a pool of `connections`; with `cached`, behind
 /// a [`CachedStore`](idempotent_runtime::store::cache::CachedStore) of its defaults (what the
-/// conformance servers' `--local-cache` builds).
+/// conformance servers' `--local-cache` builds). Group commit keeps its defaults unless
+/// `BENCH_PG_BATCH_ROWS` or `BENCH_PG_BATCHES_IN_FLIGHT` say otherwise (for tuning them).
 pub async fn postgres_store(url: &str, connections: u32, cached: bool) -> Idempotency {
-    let store = idempotent_runtime::store::postgres::PostgresStore::builder()
-        .max_connections(connections)
-        .connect(url)
-        .await
-        .expect("connect to PostgreSQL");
+    let mut builder =
+        idempotent_runtime::store::postgres::PostgresStore::builder().max_connections(connections);
+    let setting = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    };
+    if let Some(rows) = setting("BENCH_PG_BATCH_ROWS") {
+        builder = builder.batch_rows(rows);
+    }
+    if let Some(n) = setting("BENCH_PG_BATCHES_IN_FLIGHT") {
+        builder = builder.batches_in_flight(n);
+    }
+    let store = builder.connect(url).await.expect("connect to PostgreSQL");
     store.migrate().await.expect("migrate");
     if cached {
         Idempotency::new(idempotent_runtime::store::cache::CachedStore::new(store))

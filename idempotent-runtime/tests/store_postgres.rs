@@ -903,9 +903,10 @@ async fn claims_arriving_together_go_out_as_one_statement_each_answered_on_its_o
         let _ = won;
     }
     // Two statements carry the 48 rows; the 8 duplicates that shared a statement with their
-    // original read back nothing there and are sent again (together).
+    // original read back nothing there and are sent again (together). A slow machine may start
+    // a statement beside one that seems stalled, so the bound has room; one a claim would be 48.
     assert!(
-        claim_statements <= 4,
+        claim_statements <= 8,
         "48 claims took {claim_statements} statements"
     );
 
@@ -938,7 +939,7 @@ async fn claims_arriving_together_go_out_as_one_statement_each_answered_on_its_o
     );
     let complete_statements = store.statements_executed() - before;
     assert!(
-        complete_statements <= 2,
+        complete_statements <= 4,
         "24 completions took {complete_statements} statements"
     );
     // A stale token in a batch changes nothing and is answered false, beside rows that succeed.
@@ -969,7 +970,7 @@ async fn claims_arriving_together_go_out_as_one_statement_each_answered_on_its_o
     );
     for key in &keys {
         assert_eq!(
-            completed_body(&store, &scope, key).await,
+            completed_body(store, &scope, key).await,
             format!(r#"{{"key":"{key}"}}"#).into_bytes(),
             "each row was answered with its own record"
         );
@@ -1146,4 +1147,80 @@ async fn migrating_a_table_of_the_previous_shape_keeps_its_records_and_sweeps_th
         2,
         "the new row and the old live one"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_waiting_on_a_lock_never_holds_the_queue() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    // The claim of the locked key can only come back once the other transaction ends.
+    let store = Arc::new(
+        db.builder()
+            .lock_timeout(Duration::from_secs(600))
+            .batches_in_flight(1)
+            .connect(&db.url)
+            .await
+            .unwrap(),
+    );
+    store.migrate().await.unwrap();
+    let scope = contract::fresh_scope();
+    let mut tx = db.admin.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".records (scope, key, token, fingerprint, fp_version, state, \
+         lease_until, expires_at) VALUES ($1, 'locked', 7, $2, 1, 0, \
+         now() + interval '1 minute', now() + interval '1 hour')",
+        db.schema
+    )))
+    .bind(&scope[..])
+    .bind(&fp(9).digest[..])
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let waiting = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            store
+                .claim(&req(&scope, "locked", Duration::from_secs(30)))
+                .await
+        })
+    };
+    // Until the statement carrying it is on the wire and waiting.
+    let app = db.application_name();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let blocked: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+             AND wait_event_type = 'Lock'",
+        )
+        .bind(&app)
+        .fetch_one(&db.admin)
+        .await
+        .unwrap();
+        if blocked > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the claim never reached the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Other keys' claims go out beside the stalled statement and come back while it waits.
+    for i in 0..5 {
+        let key = format!("free-{i}");
+        let claim = tokio::time::timeout(
+            Duration::from_secs(60),
+            store.claim(&req(&scope, &key, Duration::from_secs(30))),
+        )
+        .await
+        .expect("a claim queued behind the statement waiting on the lock");
+        assert_eq!(claim.unwrap(), Claim::Acquired);
+    }
+    assert!(
+        !waiting.is_finished(),
+        "the locked key's claim came back before the lock was freed"
+    );
+    tx.rollback().await.unwrap();
+    assert_eq!(waiting.await.unwrap().unwrap(), Claim::Acquired);
 }

@@ -14,6 +14,7 @@
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use std::panic::AssertUnwindSafe;
 
@@ -68,7 +69,17 @@ struct Waiter<J: Job> {
 struct Queue<J: Job> {
     waiting: Vec<Waiter<J>>,
     in_flight: usize,
+    /// When a statement of this kind last started or came back.
+    progress: Instant,
 }
+
+/// How long statements may be out without one coming back before another may start beside
+/// them: a statement waiting on a lock (another transaction's uncommitted row, up to
+/// `lock_timeout`) must not hold every other request of its kind in the queue.
+const STALL: Duration = Duration::from_millis(20);
+
+/// Statements started beside stalled ones, at most, on top of [`Limits::in_flight`].
+const STALLED_EXTRA: usize = 3;
 
 /// The queue of one kind of statement (see the module docs).
 pub(super) struct Batcher<J: Job> {
@@ -92,6 +103,7 @@ impl<J: Job> Batcher<J> {
             queue: Mutex::new(Queue {
                 waiting: Vec::new(),
                 in_flight: 0,
+                progress: Instant::now(),
             }),
         })
     }
@@ -101,22 +113,39 @@ impl<J: Job> Batcher<J> {
         if self.limits.rows == 1 {
             return J::one(&self.core, &row).await;
         }
-        let (answer, answered) = oneshot::channel();
-        let start = {
+        let (answer, mut answered) = oneshot::channel();
+        {
             let mut queue = lock(&self.queue);
             queue.waiting.push(Waiter { row, answer });
-            let start = queue.in_flight < self.limits.in_flight;
-            queue.in_flight += usize::from(start);
-            start
-        };
-        if start {
+            self.start_if_due(&mut queue);
+        }
+        loop {
+            match tokio::time::timeout(STALL, &mut answered).await {
+                Ok(answer) => {
+                    return answer.unwrap_or_else(|_| {
+                        Err(StoreError::unavailable("the batch statement's task ended"))
+                    });
+                }
+                // Still queued: the statements out may be stalled.
+                Err(_) => self.start_if_due(&mut lock(&self.queue)),
+            }
+        }
+    }
+
+    /// Starts another statement when rows wait and fewer than `in_flight` are out, or when
+    /// those out have all been stalled for [`STALL`].
+    fn start_if_due(self: &Arc<Self>, queue: &mut Queue<J>) {
+        let due = !queue.waiting.is_empty()
+            && (queue.in_flight < self.limits.in_flight
+                || (queue.in_flight < self.limits.in_flight + STALLED_EXTRA
+                    && queue.progress.elapsed() >= STALL));
+        if due {
+            queue.in_flight += 1;
+            queue.progress = Instant::now();
             // Its own task: a request that gives up waiting (a client gone) must not take the
             // statement that carries its neighbours' rows with it.
             tokio::spawn(Arc::clone(self).drain());
         }
-        answered
-            .await
-            .unwrap_or_else(|_| Err(StoreError::unavailable("the batch statement's task ended")))
     }
 
     /// Sends queued rows, a batch at a time, until none is left.
@@ -143,6 +172,7 @@ impl<J: Job> Batcher<J> {
             {
                 tracing::error!("a batch statement panicked; its requests were answered 503");
             }
+            lock(&self.queue).progress = Instant::now();
         }
     }
 
@@ -168,13 +198,13 @@ impl<J: Job> Batcher<J> {
                     outs.len()
                 ));
                 tracing::error!(error = %e, "batch statement");
-                self.one_by_one(rows, answers).await;
+                self.one_by_one(rows, answers);
             }
             // A statement cancelled for its time (`statement_timeout`) changed nothing; each row
             // alone would wait as long again.
             Err(sqlx::Error::Database(e)) if e.code().as_deref() != Some(QUERY_CANCELED) => {
                 tracing::debug!(error = %e, rows = rows.len(), "batch refused; sending each row alone");
-                self.one_by_one(rows, answers).await;
+                self.one_by_one(rows, answers);
             }
             Err(e) => {
                 let message = e.to_string();
@@ -205,15 +235,20 @@ impl<J: Job> Batcher<J> {
         }
     }
 
-    async fn one_by_one(
+    /// Sends each row of a refused batch alone, each in its own task, so that a row waiting on
+    /// a lock holds neither its neighbours nor the queue.
+    fn one_by_one(
         &self,
         rows: Vec<J::Row>,
         answers: Vec<oneshot::Sender<Result<J::Out, StoreError>>>,
     ) {
-        for (row, answer) in rows.iter().zip(answers) {
-            if !answer.is_closed() {
-                let _ = answer.send(J::one(&self.core, row).await);
-            }
+        for (row, answer) in rows.into_iter().zip(answers) {
+            let core = Arc::clone(&self.core);
+            tokio::spawn(async move {
+                if !answer.is_closed() {
+                    let _ = answer.send(J::one(&core, &row).await);
+                }
+            });
         }
     }
 }
