@@ -1045,7 +1045,9 @@ async fn completions_are_heap_only_updates() {
                     &key,
                     r.token,
                     &response(&body),
-                    Duration::from_secs(60)
+                    // The claim's retention, as the engine sends: a shorter one would move
+                    // `sweep_after` earlier, an indexed column.
+                    r.retention
                 )
                 .await
                 .unwrap()

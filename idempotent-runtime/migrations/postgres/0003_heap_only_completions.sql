@@ -6,7 +6,9 @@
 -- `sweep_after`, set when a record is claimed to the earliest it can expire: claim time plus
 -- retention. A reservation expires at `lease_until + retention`, a completed record at
 -- completion time plus retention, and both times are later than the claim, so
--- `sweep_after <= expires_at` always. The sweeper reads `sweep_after <= now AND expires_at <= now`.
+-- `sweep_after <= expires_at` (a completion kept for less than the claim's retention lowers
+-- `sweep_after` to its own expiry; one kept as long leaves it unchanged, which does not stand in
+-- the way of a heap-only update). The sweeper reads `sweep_after <= now AND expires_at <= now`.
 --
 -- Rows claimed before this migration read `-infinity` (no rewrite: a constant default is stored
 -- once, not in every row) and are checked against their `expires_at` by each sweep until they

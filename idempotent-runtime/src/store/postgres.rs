@@ -402,10 +402,13 @@ impl Statements {
              WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM upd)"
         );
         // No indexed column changes (the sweeper's index holds `sweep_after`): where the page
-        // has room, the completion is a heap-only update and writes no index entry.
+        // has room, the completion is a heap-only update and writes no index entry. Only a
+        // completion kept for less than the claim's retention moves `sweep_after` earlier (an
+        // unchanged value does not stand in the way of a heap-only update).
         let complete = format!(
             "UPDATE {t} SET state = 1, status = $4, headers = $5, body = $6, \
-                 lease_until = {n}, expires_at = {n} + $7::bigint * interval '1 millisecond' \
+                 lease_until = {n}, expires_at = {n} + $7::bigint * interval '1 millisecond', \
+                 sweep_after = LEAST(sweep_after, {n} + $7::bigint * interval '1 millisecond') \
              WHERE scope = $1 AND key = $2 AND token = $3 \
                AND (state = 0 OR (status = $4 AND headers = $5 AND body = $6))",
             n = now(8)
@@ -416,7 +419,9 @@ impl Statements {
             "WITH clock AS (SELECT {n} AS now) \
              UPDATE {t} r SET state = 1, status = u.status, headers = u.headers, body = u.body, \
                  lease_until = clock.now, \
-                 expires_at = clock.now + u.retention_ms * interval '1 millisecond' \
+                 expires_at = clock.now + u.retention_ms * interval '1 millisecond', \
+                 sweep_after = LEAST(r.sweep_after, \
+                                     clock.now + u.retention_ms * interval '1 millisecond') \
              FROM unnest($1::bytea[], $2::text[], $3::bigint[], $4::smallint[], $5::bytea[], \
                          $6::bytea[], $7::bigint[]) \
                   WITH ORDINALITY AS u(scope, key, token, status, headers, body, retention_ms, n), \
