@@ -30,9 +30,11 @@ fn start() -> Orders {
         .spawn()
         .expect("start orders_axum");
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    stdout.read_line(&mut line).unwrap();
+    // Keep reading what it prints after that line: a closed pipe would make its next print fail
+    // and the server exit.
+    std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
     let url = line
         .trim()
         .strip_prefix("listening on ")
