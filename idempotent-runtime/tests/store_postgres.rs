@@ -73,6 +73,30 @@ impl TestDb {
         store
     }
 
+    /// Another transaction's uncommitted reservation of `key` (an enlisted request's, say), held
+    /// until the returned transaction ends.
+    async fn hold_uncommitted(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        fingerprint: Fingerprint,
+    ) -> sqlx::Transaction<'static, sqlx::Postgres> {
+        let mut tx = self.admin.begin().await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO \"{}\".records (scope, key, token, fingerprint, fp_version, state, \
+             lease_until, expires_at) VALUES ($1, $2, 7, $3, 1, 0, now() + interval '1 minute', \
+             now() + interval '1 hour')",
+            self.schema
+        )))
+        .bind(&scope[..])
+        .bind(key)
+        .bind(&fingerprint.digest[..])
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        tx
+    }
+
     async fn scalar_i64(&self, sql: &str) -> i64 {
         sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
             .fetch_one(&self.admin)
@@ -404,18 +428,7 @@ async fn a_claim_meeting_an_uncommitted_row_answers_in_progress_instead_of_waiti
     let scope = contract::fresh_scope();
 
     // Another transaction holds an uncommitted row for the key (an enlisted request, say).
-    let mut tx = db.admin.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO \"{}\".records (scope, key, token, fingerprint, fp_version, state, \
-         lease_until, expires_at) VALUES ($1, 'k', 7, $2, 1, 0, now() + interval '1 minute', \
-         now() + interval '1 hour')",
-        db.schema
-    )))
-    .bind(&scope[..])
-    .bind(&fp(9).digest[..])
-    .execute(&mut *tx)
-    .await
-    .unwrap();
+    let tx = db.hold_uncommitted(&scope, "k", fp(9)).await;
 
     let started = Instant::now();
     let claimed = record::claim(
@@ -465,18 +478,7 @@ async fn a_row_committed_after_the_claims_snapshot_is_read_back_by_a_rerun() {
     store.migrate().await.unwrap();
     let scope = contract::fresh_scope();
 
-    let mut tx = db.admin.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO \"{}\".records (scope, key, token, fingerprint, fp_version, state, \
-         lease_until, expires_at) VALUES ($1, 'k', 7, $2, 1, 0, now() + interval '1 minute', \
-         now() + interval '1 hour')",
-        db.schema
-    )))
-    .bind(&scope[..])
-    .bind(&fp(1).digest[..])
-    .execute(&mut *tx)
-    .await
-    .unwrap();
+    let tx = db.hold_uncommitted(&scope, "k", fp(1)).await;
 
     // The claim's statement starts (and takes its snapshot) while the row is uncommitted, waits
     // on it, and finds the conflict once it commits: its read-back cannot see the row.
@@ -993,18 +995,7 @@ async fn a_batch_refused_as_a_whole_is_sent_row_by_row_so_one_bad_row_never_fail
     let scope = contract::fresh_scope();
     // Another transaction holds an uncommitted row for one key: the batch carrying it meets the
     // lock and PostgreSQL refuses the whole statement.
-    let mut tx = db.admin.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO \"{}\".records (scope, key, token, fingerprint, fp_version, state, \
-         lease_until, expires_at) VALUES ($1, 'locked', 7, $2, 1, 0, \
-         now() + interval '1 minute', now() + interval '1 hour')",
-        db.schema
-    )))
-    .bind(&scope[..])
-    .bind(&fp(9).digest[..])
-    .execute(&mut *tx)
-    .await
-    .unwrap();
+    let tx = db.hold_uncommitted(&scope, "locked", fp(9)).await;
     let keys = ["a", "b", "c", "locked", "d", "e"];
     let reqs: Vec<_> = keys
         .iter()
@@ -1167,18 +1158,7 @@ async fn a_statement_waiting_on_a_lock_never_holds_the_queue() {
     );
     store.migrate().await.unwrap();
     let scope = contract::fresh_scope();
-    let mut tx = db.admin.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO \"{}\".records (scope, key, token, fingerprint, fp_version, state, \
-         lease_until, expires_at) VALUES ($1, 'locked', 7, $2, 1, 0, \
-         now() + interval '1 minute', now() + interval '1 hour')",
-        db.schema
-    )))
-    .bind(&scope[..])
-    .bind(&fp(9).digest[..])
-    .execute(&mut *tx)
-    .await
-    .unwrap();
+    let tx = db.hold_uncommitted(&scope, "locked", fp(9)).await;
     let waiting = {
         let store = Arc::clone(&store);
         tokio::spawn(async move {
