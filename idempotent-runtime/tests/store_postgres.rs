@@ -1069,6 +1069,77 @@ async fn completions_are_heap_only_updates() {
     );
 }
 
+/// A batch statement planned while the table is young must still look rows up by primary key
+/// once it has grown: PostgreSQL keeps a connection's plan of a prepared statement (it planned
+/// the former `UPDATE … FROM unnest(…)` as a hash join over a sequential scan of the young
+/// table, and every later batch read the whole table, until an `ANALYZE` replaced the plan).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batches_planned_on_a_young_table_never_scan_it_once_it_has_grown() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    // Few connections, many workers: every connection runs its batch statements more than the
+    // five times after which PostgreSQL may keep a generic plan, while the table is young.
+    let store = Arc::new(
+        db.builder()
+            .max_connections(3)
+            .connect(&db.url)
+            .await
+            .unwrap(),
+    );
+    store.migrate().await.unwrap();
+    let scope = contract::fresh_scope();
+    let body = "x".repeat(1024);
+    let workers: Vec<_> = (0..24)
+        .map(|w| {
+            let (store, scope, body) = (Arc::clone(&store), scope.clone(), body.clone());
+            tokio::spawn(async move {
+                for k in 0..40 {
+                    let key = format!("w{w}-k{k}");
+                    let r = req(&scope, &key, Duration::from_secs(30));
+                    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired, "{key}");
+                    let answer = response(&body);
+                    let done = store.complete(&scope, &key, r.token, &answer, r.retention);
+                    assert!(done.await.unwrap(), "{key}");
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    let requests = 24 * 40;
+    assert!(
+        store.statements_executed() < requests,
+        "{} statements for {requests} claims and completions: the work was not batched",
+        store.statements_executed()
+    );
+    // A backend reports its table statistics when it ends.
+    store.pool().close().await;
+    let stats = format!(
+        "SELECT n_tup_ins, seq_tup_read, idx_scan FROM pg_stat_user_tables \
+         WHERE schemaname = '{}' AND relname = 'records'",
+        db.schema
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (inserted, scanned) = loop {
+        let (inserted, scanned, _): (i64, i64, Option<i64>) =
+            sqlx::query_as(sqlx::AssertSqlSafe(stats.clone()))
+                .fetch_one(&db.admin)
+                .await
+                .unwrap();
+        if inserted >= requests as i64 || Instant::now() > deadline {
+            break (inserted, scanned);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(inserted, requests as i64);
+    assert_eq!(
+        scanned, 0,
+        "statements read {scanned} rows by sequential scans of a table of {inserted}"
+    );
+}
+
 #[tokio::test]
 async fn migrating_a_table_of_the_previous_shape_keeps_its_records_and_sweeps_them() {
     let Some(db) = TestDb::new().await else {

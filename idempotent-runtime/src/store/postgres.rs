@@ -84,6 +84,9 @@ pub const DEFAULT_TABLE: &str = "idempotency_records";
 /// Group commit's defaults: up to 32 requests a statement, one statement of a kind out at once
 /// (more only while it is stalled). Measured in `scripts/bench`'s pinned setup, one statement out
 /// made the largest batches and cost the database the least: a commit's WAL flush dominates.
+/// A completion batch binds 7 parameters a row; PostgreSQL takes at most 65,535.
+const MAX_BATCH_ROWS: usize = 128;
+
 const DEFAULT_BATCH: batch::Limits = batch::Limits {
     rows: 32,
     in_flight: 1,
@@ -158,12 +161,12 @@ impl PostgresStoreBuilder {
     }
 
     /// Group commit: at most `rows` requests' claims (or completions) in one statement
-    /// (default 32; 1 sends each request alone). Requests that arrive while
+    /// (default 32, at most 128; 1 sends each request alone). Requests that arrive while
     /// [`batches_in_flight`](Self::batches_in_flight) statements of their kind are out wait for
     /// the next one and go out together, as one transaction; when fewer are out a request goes
     /// at once, so an idle pool adds no wait ([the contract](crate::design) §5).
     pub fn batch_rows(mut self, rows: usize) -> Self {
-        self.batch.rows = rows.max(1);
+        self.batch.rows = rows.clamp(1, MAX_BATCH_ROWS);
         self
     }
 
@@ -300,7 +303,8 @@ struct Statements {
     claim_many: Arc<str>,
     reclaim: Arc<str>,
     complete: Arc<str>,
-    complete_many: Arc<str>,
+    /// [`complete_many`] for 2, 4, 8, … rows, up to the batch's limit.
+    complete_many: Vec<Arc<str>>,
     release: Arc<str>,
     renew: Arc<str>,
     sweep: Arc<str>,
@@ -327,8 +331,54 @@ const STANDING_COLUMNS: &str = "r.token, r.fingerprint, r.fp_version, \
 const ACQUIRED_COLUMNS: &str = "true, token, NULL::bytea, NULL::smallint, NULL::smallint, \
      NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea";
 
+/// The padded sizes of completion batches: 2, 4, 8, … up to the first at least `max_rows`, so
+/// a connection prepares a handful of statements, not one a size.
+fn complete_many_sizes(max_rows: usize) -> impl Iterator<Item = usize> {
+    (1..)
+        .map(|shift| 1usize << shift)
+        .take_while(move |&rows| rows / 2 < max_rows.max(2))
+}
+
+/// The statement that completes up to `rows` records: one `UPDATE` by primary key a row, each
+/// its own data-modifying CTE, answering the ordinals (from 1) of the rows it completed. Row
+/// `k` binds `$7k+1…$7k+7` (scope, key, token, status, headers, body, retention in ms), the
+/// clock offset comes last; a row bound with a NULL scope matches nothing (padding).
+///
+/// Not one `UPDATE … FROM unnest(…)`: PostgreSQL plans that join once per connection and keeps
+/// the plan, and a plan made while the table is young (a hash join over a sequential scan of
+/// the table) is kept as it grows, until the next `ANALYZE` replaces it: every completion would
+/// read the whole table. A lookup by primary key a row plans as an index scan whatever the
+/// table's size, as the single-row statement does. The CTEs run in order, so rows (sorted by
+/// `(scope, key)`) are locked in order.
+fn complete_many(t: &str, rows: usize) -> String {
+    let n = now(7 * rows + 1);
+    let mut sql = format!("WITH clock AS (SELECT {n} AS now)");
+    for k in 0..rows {
+        let p = |i: usize| 7 * k + i;
+        let (scope, key, token, status, headers, body, retention) =
+            (p(1), p(2), p(3), p(4), p(5), p(6), p(7));
+        let expiry = format!("clock.now + ${retention}::bigint * interval '1 millisecond'");
+        sql.push_str(&format!(
+            ", c{k} AS (UPDATE {t} r SET state = 1, status = ${status}::smallint, \
+                 headers = ${headers}::bytea, body = ${body}::bytea, lease_until = clock.now, \
+                 expires_at = {expiry}, sweep_after = LEAST(r.sweep_after, {expiry}) \
+             FROM clock \
+             WHERE r.scope = ${scope}::bytea AND r.key = ${key}::text \
+               AND r.token = ${token}::bigint \
+               AND (r.state = 0 OR (r.status = ${status} AND r.headers = ${headers} \
+                                    AND r.body = ${body})) \
+             RETURNING {ordinal}::bigint AS n)",
+            ordinal = k + 1
+        ));
+    }
+    let union: Vec<String> = (0..rows).map(|k| format!("SELECT n FROM c{k}")).collect();
+    sql.push(' ');
+    sql.push_str(&union.join(" UNION ALL "));
+    sql
+}
+
 impl Statements {
-    fn new(t: &str) -> Self {
+    fn new(t: &str, max_rows: usize) -> Self {
         // Parameters shared by claim and reclaim: $1 scope, $2 key, $3 token, $4 fingerprint,
         // $5 fingerprint version, $6 lease (ms), $7 retention (ms), $8 clock offset (ms); the
         // route is $9 in a claim and $10 in a reclaim.
@@ -379,7 +429,8 @@ impl Statements {
              SELECT COALESCE(ins.token = i.token, false), {STANDING_COLUMNS} \
              FROM i CROSS JOIN clock \
              LEFT JOIN ins ON ins.scope = i.scope AND ins.key = i.key \
-             LEFT JOIN {t} r ON r.scope = i.scope AND r.key = i.key \
+             LEFT JOIN LATERAL (SELECT * FROM {t} r \
+                                WHERE r.scope = i.scope AND r.key = i.key LIMIT 1) r ON true \
              ORDER BY i.n",
             n = now(9)
         );
@@ -411,25 +462,6 @@ impl Statements {
                  sweep_after = LEAST(sweep_after, {n} + $7::bigint * interval '1 millisecond') \
              WHERE scope = $1 AND key = $2 AND token = $3 \
                AND (state = 0 OR (status = $4 AND headers = $5 AND body = $6))",
-            n = now(8)
-        );
-        // The same for many requests: arrays of the parameters above ($8 the clock offset),
-        // answering the ordinals of the rows it completed.
-        let complete_many = format!(
-            "WITH clock AS (SELECT {n} AS now) \
-             UPDATE {t} r SET state = 1, status = u.status, headers = u.headers, body = u.body, \
-                 lease_until = clock.now, \
-                 expires_at = clock.now + u.retention_ms * interval '1 millisecond', \
-                 sweep_after = LEAST(r.sweep_after, \
-                                     clock.now + u.retention_ms * interval '1 millisecond') \
-             FROM unnest($1::bytea[], $2::text[], $3::bigint[], $4::smallint[], $5::bytea[], \
-                         $6::bytea[], $7::bigint[]) \
-                  WITH ORDINALITY AS u(scope, key, token, status, headers, body, retention_ms, n), \
-                  clock \
-             WHERE r.scope = u.scope AND r.key = u.key AND r.token = u.token \
-               AND (r.state = 0 \
-                    OR (r.status = u.status AND r.headers = u.headers AND r.body = u.body)) \
-             RETURNING u.n",
             n = now(8)
         );
         let release =
@@ -473,7 +505,9 @@ impl Statements {
             claim_many: claim_many.into(),
             reclaim: reclaim.into(),
             complete: complete.into(),
-            complete_many: complete_many.into(),
+            complete_many: complete_many_sizes(max_rows)
+                .map(|rows| complete_many(t, rows).into())
+                .collect(),
             release: release.into(),
             renew: renew.into(),
             sweep: sweep.into(),
@@ -720,21 +754,32 @@ impl batch::Job for Completions {
         core: &Core,
         rows: &[CompleteRow],
     ) -> Result<Vec<Result<bool, StoreError>>, sqlx::Error> {
-        let done: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&core.sql.complete_many)))
-            .bind(rows.iter().map(|r| &r.scope[..]).collect::<Vec<_>>())
-            .bind(rows.iter().map(|r| r.key.as_str()).collect::<Vec<_>>())
-            .bind(rows.iter().map(|r| r.token).collect::<Vec<_>>())
-            .bind(rows.iter().map(|r| r.status).collect::<Vec<_>>())
-            .bind(rows.iter().map(|r| &r.headers[..]).collect::<Vec<_>>())
-            .bind(rows.iter().map(|r| &r.body[..]).collect::<Vec<_>>())
-            .bind(
-                rows.iter()
-                    .map(|r| millis_i64(r.retention))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(core.offset())
-            .fetch_all(&core.pool)
-            .await?;
+        let (size, statement) = complete_many_sizes(rows.len())
+            .zip(&core.sql.complete_many)
+            .last()
+            .expect("the batch's limit bounds its rows");
+        let mut query = sqlx::query_scalar::<_, i64>(AssertSqlSafe(Arc::clone(statement)));
+        for row in rows {
+            query = query
+                .bind(Some(&row.scope[..]))
+                .bind(row.key.as_str())
+                .bind(row.token)
+                .bind(row.status)
+                .bind(&row.headers[..])
+                .bind(&row.body[..])
+                .bind(millis_i64(row.retention));
+        }
+        for _ in rows.len()..size {
+            query = query
+                .bind(None::<&[u8]>)
+                .bind(None::<&str>)
+                .bind(None::<i64>)
+                .bind(None::<i16>)
+                .bind(None::<&[u8]>)
+                .bind(None::<&[u8]>)
+                .bind(None::<i64>);
+        }
+        let done = query.bind(core.offset()).fetch_all(&core.pool).await?;
         let mut completed = vec![false; rows.len()];
         for n in done {
             if let Some(slot) = usize::try_from(n - 1)
@@ -815,7 +860,7 @@ impl PostgresStore {
 
     fn with_table(pool: PgPool, table: TableName, reserved: u32, batch: batch::Limits) -> Self {
         let core = Arc::new(Core {
-            sql: Statements::new(&table.qualified),
+            sql: Statements::new(&table.qualified, batch.rows),
             pool,
             clock_offset_ms: AtomicI64::new(0),
             statements: AtomicU64::new(0),
