@@ -409,7 +409,9 @@ impl Statements {
         // other in a cycle. A key carried twice is inserted once and both rows match its
         // `RETURNING` row by key, so a request has acquired only when the returned token is its
         // own; the other reads back nothing (its row is this statement's own insert, invisible
-        // to its read-back) and is re-run, like a row committed after the snapshot.
+        // to its read-back) and is re-run, like a row committed after the snapshot. Only a row
+        // that inserted nothing is read back, a lookup by primary key a row (`LATERAL … LIMIT`
+        // is never turned into a join: see [`complete_many`] for why that matters).
         let claim_many = format!(
             "WITH clock AS (SELECT {n} AS now), \
              i AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::bigint[], $4::bytea[], \
@@ -430,7 +432,8 @@ impl Statements {
              FROM i CROSS JOIN clock \
              LEFT JOIN ins ON ins.scope = i.scope AND ins.key = i.key \
              LEFT JOIN LATERAL (SELECT * FROM {t} r \
-                                WHERE r.scope = i.scope AND r.key = i.key LIMIT 1) r ON true \
+                                WHERE ins.token IS NULL \
+                                  AND r.scope = i.scope AND r.key = i.key LIMIT 1) r ON true \
              ORDER BY i.n",
             n = now(9)
         );
