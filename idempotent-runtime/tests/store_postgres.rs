@@ -1069,6 +1069,46 @@ async fn completions_are_heap_only_updates() {
     );
 }
 
+/// Requests that become runnable together (woken by one batch's answer, say) reach the store
+/// one after another on the same worker; the first must not go out alone with the rest queued
+/// behind it for a whole round trip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn requests_runnable_together_share_one_statement() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let store = Arc::new(db.store().await);
+    let scope = contract::fresh_scope();
+    // Warm a connection, so the claims below find one ready.
+    let warm = req(&scope, "warm", Duration::from_secs(30));
+    assert_eq!(store.claim(&warm).await.unwrap(), Claim::Acquired);
+    let before = store.statements_executed();
+    let (store2, scope2) = (Arc::clone(&store), scope.clone());
+    // Spawned from the worker, so the claims are all runnable before any of them runs.
+    tokio::spawn(async move {
+        let claims: Vec<_> = (0..8)
+            .map(|i| {
+                let (store, scope) = (Arc::clone(&store2), scope2.clone());
+                tokio::spawn(async move {
+                    let key = format!("k{i}");
+                    let r = req(&scope, &key, Duration::from_secs(30));
+                    store.claim(&r).await.unwrap()
+                })
+            })
+            .collect();
+        for claim in claims {
+            assert_eq!(claim.await.unwrap(), Claim::Acquired);
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        store.statements_executed() - before,
+        1,
+        "8 claims runnable at once went out in more than one statement"
+    );
+}
+
 /// A batch statement planned while the table is young must still look rows up by primary key
 /// once it has grown: PostgreSQL keeps a connection's plan of a prepared statement (it planned
 /// the former `UPDATE … FROM unnest(…)` as a hash join over a sequential scan of the young

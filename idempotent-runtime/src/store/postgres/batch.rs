@@ -151,6 +151,12 @@ impl<J: Job> Batcher<J> {
     /// Sends queued rows, a batch at a time, until none is left.
     async fn drain(self: Arc<Self>) {
         loop {
+            // Requests woken together (by the answer to one claim batch, say) reach their next
+            // statement one after another; the first one's would otherwise go out alone, with
+            // the rest queued behind it for a whole round trip. Yielding once lets those already
+            // runnable join the batch; with nothing else to run it returns at once, so an idle
+            // pool still adds no wait.
+            tokio::task::yield_now().await;
             let batch = {
                 let mut queue = lock(&self.queue);
                 // Rows whose request is gone are not sent: nobody would release what they
