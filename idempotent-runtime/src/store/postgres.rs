@@ -303,8 +303,8 @@ struct Statements {
     claim_many: Arc<str>,
     reclaim: Arc<str>,
     complete: Arc<str>,
-    /// [`complete_many`] for 2, 4, 8, … rows, up to the batch's limit.
-    complete_many: Vec<Arc<str>>,
+    /// [`complete_many`] for each of [`complete_many_sizes`]: (rows, statement).
+    complete_many: Vec<(usize, Arc<str>)>,
     release: Arc<str>,
     renew: Arc<str>,
     sweep: Arc<str>,
@@ -331,12 +331,18 @@ const STANDING_COLUMNS: &str = "r.token, r.fingerprint, r.fp_version, \
 const ACQUIRED_COLUMNS: &str = "true, token, NULL::bytea, NULL::smallint, NULL::smallint, \
      NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea";
 
-/// The padded sizes of completion batches: 2, 4, 8, … up to the first at least `max_rows`, so
-/// a connection prepares a handful of statements, not one a size.
-fn complete_many_sizes(max_rows: usize) -> impl Iterator<Item = usize> {
-    (1..)
-        .map(|shift| 1usize << shift)
-        .take_while(move |&rows| rows / 2 < max_rows.max(2))
+/// The padded sizes of completion batches: 2, 3, 4, 6, 8, 12, 16, 24, … up to the first at
+/// least `max_rows`. A connection prepares a handful of statements, not one a size, and a batch
+/// carries at most a third more (empty) rows than it has.
+fn complete_many_sizes(max_rows: usize) -> Vec<usize> {
+    let mut sizes = Vec::new();
+    for size in (1..).flat_map(|shift| [1usize << shift, 3usize << (shift - 1)]) {
+        sizes.push(size);
+        if size >= max_rows {
+            return sizes;
+        }
+    }
+    unreachable!("the sizes grow past any usize a batch is limited to")
 }
 
 /// The statement that completes up to `rows` records: one `UPDATE` by primary key a row, each
@@ -351,18 +357,19 @@ fn complete_many_sizes(max_rows: usize) -> impl Iterator<Item = usize> {
 /// table's size, as the single-row statement does. The CTEs run in order, so rows (sorted by
 /// `(scope, key)`) are locked in order.
 fn complete_many(t: &str, rows: usize) -> String {
-    let n = now(7 * rows + 1);
-    let mut sql = format!("WITH clock AS (SELECT {n} AS now)");
+    // The clock inline in each row, not a CTE joined to each: `statement_timestamp()` is the
+    // same throughout the statement, and a join a row would cost each its own nested loop.
+    let now = now(7 * rows + 1);
+    let mut ctes = Vec::with_capacity(rows);
     for k in 0..rows {
         let p = |i: usize| 7 * k + i;
         let (scope, key, token, status, headers, body, retention) =
             (p(1), p(2), p(3), p(4), p(5), p(6), p(7));
-        let expiry = format!("clock.now + ${retention}::bigint * interval '1 millisecond'");
-        sql.push_str(&format!(
-            ", c{k} AS (UPDATE {t} r SET state = 1, status = ${status}::smallint, \
-                 headers = ${headers}::bytea, body = ${body}::bytea, lease_until = clock.now, \
+        let expiry = format!("{now} + ${retention}::bigint * interval '1 millisecond'");
+        ctes.push(format!(
+            "c{k} AS (UPDATE {t} r SET state = 1, status = ${status}::smallint, \
+                 headers = ${headers}::bytea, body = ${body}::bytea, lease_until = {now}, \
                  expires_at = {expiry}, sweep_after = LEAST(r.sweep_after, {expiry}) \
-             FROM clock \
              WHERE r.scope = ${scope}::bytea AND r.key = ${key}::text \
                AND r.token = ${token}::bigint \
                AND (r.state = 0 OR (r.status = ${status} AND r.headers = ${headers} \
@@ -372,9 +379,7 @@ fn complete_many(t: &str, rows: usize) -> String {
         ));
     }
     let union: Vec<String> = (0..rows).map(|k| format!("SELECT n FROM c{k}")).collect();
-    sql.push(' ');
-    sql.push_str(&union.join(" UNION ALL "));
-    sql
+    format!("WITH {} {}", ctes.join(", "), union.join(" UNION ALL "))
 }
 
 impl Statements {
@@ -509,7 +514,8 @@ impl Statements {
             reclaim: reclaim.into(),
             complete: complete.into(),
             complete_many: complete_many_sizes(max_rows)
-                .map(|rows| complete_many(t, rows).into())
+                .into_iter()
+                .map(|rows| (rows, complete_many(t, rows).into()))
                 .collect(),
             release: release.into(),
             renew: renew.into(),
@@ -757,9 +763,11 @@ impl batch::Job for Completions {
         core: &Core,
         rows: &[CompleteRow],
     ) -> Result<Vec<Result<bool, StoreError>>, sqlx::Error> {
-        let (size, statement) = complete_many_sizes(rows.len())
-            .zip(&core.sql.complete_many)
-            .last()
+        let (size, statement) = core
+            .sql
+            .complete_many
+            .iter()
+            .find(|(size, _)| *size >= rows.len())
             .expect("the batch's limit bounds its rows");
         let mut query = sqlx::query_scalar::<_, i64>(AssertSqlSafe(Arc::clone(statement)));
         for row in rows {
@@ -772,7 +780,7 @@ impl batch::Job for Completions {
                 .bind(&row.body[..])
                 .bind(millis_i64(row.retention));
         }
-        for _ in rows.len()..size {
+        for _ in rows.len()..*size {
             query = query
                 .bind(None::<&[u8]>)
                 .bind(None::<&str>)
@@ -1269,6 +1277,19 @@ fn record_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn completion_batches_are_padded_to_a_few_sizes() {
+        assert_eq!(complete_many_sizes(1), [2]);
+        assert_eq!(complete_many_sizes(32), [2, 3, 4, 6, 8, 12, 16, 24, 32]);
+        assert_eq!(complete_many_sizes(33).last(), Some(&48));
+        assert_eq!(complete_many_sizes(MAX_BATCH_ROWS).last(), Some(&128));
+        let sql = complete_many("t", 3);
+        assert_eq!(sql.matches("UPDATE t r").count(), 3);
+        // Row 3's body is $20; the clock offset comes after the last row.
+        assert!(sql.contains("body = $20::bytea") && sql.contains("$22::bigint * interval"));
+        assert!(!sql.contains("$23"));
+    }
 
     #[test]
     fn table_names_are_validated_and_quoted() {
