@@ -1,6 +1,6 @@
 //! Group commit ([the contract](crate::design) §5): claims (and completions) that arrive while
 //! statements of their kind are in flight wait for the next one and go out together, as one
-//! statement over arrays (`unnest`), one transaction, one WAL flush.
+//! statement, one transaction, one WAL flush.
 //!
 //! A [`Batcher`] keeps at most `in_flight` statements of one kind out at once. A request that
 //! finds fewer out sends at once, so an idle pool adds no wait; a request that finds them all out
