@@ -19,7 +19,8 @@ use idempotent_runtime::record::{self, Claimed};
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::postgres::PostgresStore;
 use idempotent_runtime::store::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, StandingState, Store, StoreError, contract,
+    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store,
+    StoreError, contract,
 };
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -996,12 +997,33 @@ async fn a_batch_refused_as_a_whole_is_sent_row_by_row_so_one_bad_row_never_fail
     // Another transaction holds an uncommitted row for one key: the batch carrying it meets the
     // lock and PostgreSQL refuses the whole statement.
     let tx = db.hold_uncommitted(&scope, "locked", fp(9)).await;
+    // Two keys held here, completed in the same round as the claims.
+    let held: Vec<_> = ["h1", "h2"]
+        .iter()
+        .map(|k| req(&scope, k, Duration::from_secs(30)))
+        .collect();
+    for r in &held {
+        assert_eq!(store.claim(r).await.unwrap(), Claim::Acquired);
+    }
     let keys = ["a", "b", "c", "locked", "d", "e"];
     let reqs: Vec<_> = keys
         .iter()
         .map(|k| req(&scope, k, Duration::from_secs(30)))
         .collect();
-    let claims = futures_util::future::join_all(reqs.iter().map(|r| store.claim(r))).await;
+    let answer = response("{}");
+    let completions = futures_util::future::join_all(
+        held.iter()
+            .map(|r| store.complete(r.scope, r.key, r.token, &answer, Duration::from_secs(60))),
+    );
+    let claims = futures_util::future::join_all(reqs.iter().map(|r| store.claim(r)));
+    let (completed, claims) = futures_util::future::join(completions, claims).await;
+    for (r, done) in held.iter().zip(completed) {
+        assert!(
+            done.expect("no row fails"),
+            "{} completes beside the bad row",
+            r.key
+        );
+    }
     for (key, claim) in keys.iter().zip(&claims) {
         match (*key, claim.as_ref().expect("no row fails")) {
             ("locked", Claim::Standing(st)) => assert!(
@@ -1066,6 +1088,153 @@ async fn completions_are_heap_only_updates() {
     assert!(
         hot * 10 >= updates * 9,
         "{hot} of {updates} completions were heap-only"
+    );
+}
+
+/// Claims and completions that arrive together go out as one round: one statement, one commit,
+/// each row answered as its kind. A duplicate of a key completed in the same round reads the
+/// round's snapshot: the key still in progress, as if it had come just before the completion.
+#[tokio::test]
+async fn claims_and_completions_arriving_together_share_one_round() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let store = db.store().await;
+    let scope = contract::fresh_scope();
+    let held: Vec<String> = (0..4).map(|i| format!("held-{i}")).collect();
+    let held_reqs: Vec<ClaimRequest<'_>> = held
+        .iter()
+        .map(|k| req(&scope, k, Duration::from_secs(30)))
+        .collect();
+    for r in &held_reqs {
+        assert_eq!(store.claim(r).await.unwrap(), Claim::Acquired);
+    }
+    let fresh: Vec<String> = (0..4).map(|i| format!("fresh-{i}")).collect();
+    let fresh_reqs: Vec<ClaimRequest<'_>> = fresh
+        .iter()
+        .map(|k| req(&scope, k, Duration::from_secs(30)))
+        .collect();
+    let duplicate = req(&scope, &held[0], Duration::from_secs(30));
+    let answer = response(r#"{"ok":true}"#);
+    let before = store.statements_executed();
+    let store = &store;
+    let completions = futures_util::future::join_all(
+        held_reqs
+            .iter()
+            .map(|r| store.complete(r.scope, r.key, r.token, &answer, Duration::from_secs(60))),
+    );
+    let claims = futures_util::future::join_all(
+        fresh_reqs
+            .iter()
+            .chain(std::iter::once(&duplicate))
+            .map(|r| store.claim(r)),
+    );
+    let (completed, claimed) = futures_util::future::join(completions, claims).await;
+    assert_eq!(
+        store.statements_executed() - before,
+        1,
+        "4 completions and 5 claims together"
+    );
+    assert!(
+        completed.into_iter().all(|c| c.unwrap()),
+        "every holder completes"
+    );
+    for (r, claim) in fresh_reqs.iter().zip(&claimed) {
+        assert_eq!(claim.as_ref().unwrap(), &Claim::Acquired, "{}", r.key);
+    }
+    match claimed[4].as_ref().unwrap() {
+        Claim::Standing(st) => {
+            assert_eq!(st.token, held_reqs[0].token);
+            assert!(
+                matches!(st.state, StandingState::Running { .. }),
+                "{:?}",
+                st.state
+            );
+        }
+        other => panic!("the duplicate acquired a held key: {other:?}"),
+    }
+    // After the round, the duplicate finds the completion.
+    match store.claim(&duplicate).await.unwrap() {
+        Claim::Standing(st) => match st.state {
+            StandingState::Completed(recorded) => assert_eq!(recorded.body, answer.body),
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Rounds from two processes (two pools) that carry duplicates of each other's keys, claims of
+/// keys the other is completing among them, never deadlock: a round's claims run before its
+/// completions, so a round waiting in its claims holds only rows nobody completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rounds_of_two_replicas_sharing_keys_never_deadlock() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let deadlocks = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()";
+    let before = db.scalar_i64(deadlocks).await;
+    let replica = || async {
+        Arc::new(
+            db.builder()
+                .max_connections(3)
+                .lock_timeout(Duration::from_secs(30))
+                .connect(&db.url)
+                .await
+                .unwrap(),
+        )
+    };
+    let (a, b) = (replica().await, replica().await);
+    a.migrate().await.unwrap();
+    let scope = contract::fresh_scope();
+    let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let workers: Vec<_> = (0..24)
+        .map(|w| {
+            let store = Arc::clone(if w % 2 == 0 { &a } else { &b });
+            let (scope, runs) = (scope.clone(), Arc::clone(&runs));
+            tokio::spawn(async move {
+                // Every key sent by four workers, two on each replica, in a different order.
+                for i in 0..60 {
+                    let key = format!("k{}", (i * 7 + w / 4 * 13) % 90);
+                    loop {
+                        let r = req(&scope, &key, Duration::from_secs(30));
+                        match store.claim(&r).await.unwrap() {
+                            Claim::Acquired => {
+                                *runs.lock().unwrap().entry(key.clone()).or_default() += 1;
+                                let answer = response(&key);
+                                let done =
+                                    store.complete(&scope, &key, r.token, &answer, r.retention);
+                                assert!(done.await.unwrap(), "{key}");
+                                break;
+                            }
+                            Claim::Standing(Standing {
+                                state: StandingState::Completed(recorded),
+                                ..
+                            }) => {
+                                assert_eq!(recorded.body, key.as_bytes());
+                                break;
+                            }
+                            Claim::Standing(_) => tokio::task::yield_now().await,
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    assert!(
+        runs.lock().unwrap().values().all(|&n| n == 1),
+        "a key ran twice"
+    );
+    // A backend reports its statistics when it ends.
+    a.pool().close().await;
+    b.pool().close().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        db.scalar_i64(deadlocks).await - before,
+        0,
+        "rounds deadlocked"
     );
 }
 

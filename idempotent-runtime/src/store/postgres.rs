@@ -305,6 +305,8 @@ struct Statements {
     complete: Arc<str>,
     /// [`complete_many`] for each of [`complete_many_sizes`]: (rows, statement).
     complete_many: Vec<(usize, Arc<str>)>,
+    /// [`round`] for each of [`complete_many_sizes`]: (completion rows, statement).
+    rounds: Vec<(usize, Arc<str>)>,
     release: Arc<str>,
     renew: Arc<str>,
     sweep: Arc<str>,
@@ -357,29 +359,106 @@ fn complete_many_sizes(max_rows: usize) -> Vec<usize> {
 /// table's size, as the single-row statement does. The CTEs run in order, so rows (sorted by
 /// `(scope, key)`) are locked in order.
 fn complete_many(t: &str, rows: usize) -> String {
-    // The clock inline in each row, not a CTE joined to each: `statement_timestamp()` is the
-    // same throughout the statement, and a join a row would cost each its own nested loop.
-    let now = now(7 * rows + 1);
-    let mut ctes = Vec::with_capacity(rows);
-    for k in 0..rows {
-        let p = |i: usize| 7 * k + i;
-        let (scope, key, token, status, headers, body, retention) =
-            (p(1), p(2), p(3), p(4), p(5), p(6), p(7));
-        let expiry = format!("{now} + ${retention}::bigint * interval '1 millisecond'");
-        ctes.push(format!(
-            "c{k} AS (UPDATE {t} r SET state = 1, status = ${status}::smallint, \
-                 headers = ${headers}::bytea, body = ${body}::bytea, lease_until = {now}, \
-                 expires_at = {expiry}, sweep_after = LEAST(r.sweep_after, {expiry}) \
-             WHERE r.scope = ${scope}::bytea AND r.key = ${key}::text \
-               AND r.token = ${token}::bigint \
-               AND (r.state = 0 OR (r.status = ${status} AND r.headers = ${headers} \
-                                    AND r.body = ${body})) \
-             RETURNING {ordinal}::bigint AS n)",
-            ordinal = k + 1
-        ));
-    }
+    let ctes = completion_ctes(t, rows, 0, &now(7 * rows + 1));
     let union: Vec<String> = (0..rows).map(|k| format!("SELECT n FROM c{k}")).collect();
     format!("WITH {} {}", ctes.join(", "), union.join(" UNION ALL "))
+}
+
+/// The CTEs `c0…` of [`complete_many`], row `k` binding `$base+7k+1…$base+7k+7`, each
+/// returning its ordinal (from 1) as `n`.
+fn completion_ctes(t: &str, rows: usize, base: usize, now: &str) -> Vec<String> {
+    (0..rows)
+        .map(|k| {
+            let p = |i: usize| base + 7 * k + i;
+            let (scope, key, token, status, headers, body, retention) =
+                (p(1), p(2), p(3), p(4), p(5), p(6), p(7));
+            let expiry = format!("{now} + ${retention}::bigint * interval '1 millisecond'");
+            format!(
+                "c{k} AS (UPDATE {t} r SET state = 1, status = ${status}::smallint, \
+                     headers = ${headers}::bytea, body = ${body}::bytea, lease_until = {now}, \
+                     expires_at = {expiry}, sweep_after = LEAST(r.sweep_after, {expiry}) \
+                 WHERE r.scope = ${scope}::bytea AND r.key = ${key}::text \
+                   AND r.token = ${token}::bigint \
+                   AND (r.state = 0 OR (r.status = ${status} AND r.headers = ${headers} \
+                                        AND r.body = ${body})) \
+                 RETURNING {ordinal}::bigint AS n)",
+                ordinal = k + 1
+            )
+        })
+        .collect()
+}
+
+/// The CTEs and the final `SELECT` of the batched claim: arrays `$1…$8` (scope, key, token,
+/// fingerprint, its version, lease and retention in ms, route), the clock offset `$clock`. The
+/// `SELECT` answers each request's row: [`decode_batched`]'s columns, then its ordinal `i.n`.
+///
+/// Rows are inserted in `(scope, key)` order, so two batches never wait on each other in a
+/// cycle. A key carried twice is inserted once and both rows match its `RETURNING` row by key,
+/// so a request has acquired only when the returned token is its own; the other reads back
+/// nothing (its row is this statement's own insert, invisible to its read-back) and is re-run,
+/// like a row committed after the snapshot. Only a row that inserted nothing is read back, a
+/// lookup by primary key a row (`LATERAL … LIMIT` is never turned into a join: see
+/// [`complete_many`] for why that matters).
+fn claim_many_parts(t: &str, clock: usize) -> (String, String) {
+    let ctes = format!(
+        "clock AS (SELECT {n} AS now), \
+         i AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::bigint[], $4::bytea[], \
+                                    $5::smallint[], $6::bigint[], $7::bigint[], $8::text[]) \
+               WITH ORDINALITY AS i(scope, key, token, fingerprint, fp_version, lease_ms, \
+                                    retention_ms, route, n)), \
+         ins AS (INSERT INTO {t} (scope, key, token, fingerprint, fp_version, state, \
+                                  lease_until, expires_at, sweep_after, route, created_at) \
+                 SELECT i.scope, i.key, i.token, i.fingerprint, i.fp_version, 0, \
+                        clock.now + i.lease_ms * interval '1 millisecond', \
+                        clock.now + (i.lease_ms + i.retention_ms) * interval '1 millisecond', \
+                        clock.now + i.retention_ms * interval '1 millisecond', \
+                        i.route, clock.now \
+                 FROM i, clock ORDER BY i.scope, i.key \
+                 ON CONFLICT DO NOTHING \
+                 RETURNING scope, key, token)",
+        n = now(clock)
+    );
+    let select = format!(
+        "SELECT COALESCE(ins.token = i.token, false), {STANDING_COLUMNS}, i.n \
+         FROM i CROSS JOIN clock \
+         LEFT JOIN ins ON ins.scope = i.scope AND ins.key = i.key \
+         LEFT JOIN LATERAL (SELECT * FROM {t} r \
+                            WHERE ins.token IS NULL \
+                              AND r.scope = i.scope AND r.key = i.key LIMIT 1) r ON true"
+    );
+    (ctes, select)
+}
+
+/// One round of group commit carrying both kinds: the batched claim over arrays `$1…$8` and
+/// `completions` completion rows from `$9` (7 a row), the clock offset last. Claims answer
+/// their ordinal (from 1) in the last column; completion `k` answers `-(k+1)` there and NULL in
+/// the others.
+///
+/// One statement is one commit (one WAL flush) for both. The claims' insert runs first (the
+/// first branch of the `UNION ALL` reads it), then the completions in order. That order keeps
+/// rounds from deadlocking: a claim waits only on rows others are writing (an uncommitted insert
+/// of the same key, or a completion's update of a key it conflicts with), while a completion
+/// waits only on another writer of its row; so a round waiting in its claims holds nothing but
+/// its own new rows, which no completion touches, and rounds waiting in their completions lock
+/// rows in `(scope, key)` order.
+fn round(t: &str, completions: usize) -> String {
+    let clock = 8 + 7 * completions + 1;
+    let (claim_ctes, claims) = claim_many_parts(t, clock);
+    let ctes = completion_ctes(t, completions, 8, &now(clock));
+    let done: Vec<String> = (0..completions)
+        .map(|k| {
+            format!(
+                "SELECT NULL::boolean, NULL::bigint, NULL::bytea, NULL::smallint, \
+                        NULL::smallint, NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea, \
+                        -n FROM c{k}"
+            )
+        })
+        .collect();
+    format!(
+        "WITH {claim_ctes}, {} {claims} UNION ALL {}",
+        ctes.join(", "),
+        done.join(" UNION ALL ")
+    )
 }
 
 impl Statements {
@@ -417,31 +496,10 @@ impl Statements {
         // to its read-back) and is re-run, like a row committed after the snapshot. Only a row
         // that inserted nothing is read back, a lookup by primary key a row (`LATERAL … LIMIT`
         // is never turned into a join: see [`complete_many`] for why that matters).
-        let claim_many = format!(
-            "WITH clock AS (SELECT {n} AS now), \
-             i AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::bigint[], $4::bytea[], \
-                                        $5::smallint[], $6::bigint[], $7::bigint[], $8::text[]) \
-                   WITH ORDINALITY AS i(scope, key, token, fingerprint, fp_version, lease_ms, \
-                                        retention_ms, route, n)), \
-             ins AS (INSERT INTO {t} (scope, key, token, fingerprint, fp_version, state, \
-                                      lease_until, expires_at, sweep_after, route, created_at) \
-                     SELECT i.scope, i.key, i.token, i.fingerprint, i.fp_version, 0, \
-                            clock.now + i.lease_ms * interval '1 millisecond', \
-                            clock.now + (i.lease_ms + i.retention_ms) * interval '1 millisecond', \
-                            clock.now + i.retention_ms * interval '1 millisecond', \
-                            i.route, clock.now \
-                     FROM i, clock ORDER BY i.scope, i.key \
-                     ON CONFLICT DO NOTHING \
-                     RETURNING scope, key, token) \
-             SELECT COALESCE(ins.token = i.token, false), {STANDING_COLUMNS} \
-             FROM i CROSS JOIN clock \
-             LEFT JOIN ins ON ins.scope = i.scope AND ins.key = i.key \
-             LEFT JOIN LATERAL (SELECT * FROM {t} r \
-                                WHERE ins.token IS NULL \
-                                  AND r.scope = i.scope AND r.key = i.key LIMIT 1) r ON true \
-             ORDER BY i.n",
-            n = now(9)
-        );
+        let claim_many = {
+            let (ctes, select) = claim_many_parts(t, 9);
+            format!("WITH {ctes} {select} ORDER BY i.n")
+        };
         // $9: the stale token. Takes over an expired record (whoever holds it) or an abandoned
         // one still held by `stale`, the same rule as the in-memory store.
         let reclaim = format!(
@@ -517,6 +575,10 @@ impl Statements {
                 .into_iter()
                 .map(|rows| (rows, complete_many(t, rows).into()))
                 .collect(),
+            rounds: complete_many_sizes(max_rows)
+                .into_iter()
+                .map(|rows| (rows, round(t, rows).into()))
+                .collect(),
             release: release.into(),
             renew: renew.into(),
             sweep: sweep.into(),
@@ -529,10 +591,8 @@ impl Statements {
 pub struct PostgresStore {
     core: Arc<Core>,
     table: TableName,
-    /// Detached claims, sent together under load (group commit).
-    claims: Arc<batch::Batcher<Claims>>,
-    /// Completions, sent together under load.
-    completions: Arc<batch::Batcher<Completions>>,
+    /// Detached claims and completions, sent together under load (group commit).
+    rounds: Arc<batch::Batcher<Rounds>>,
     /// The enlisted mode's read before any transaction, on connections of its own.
     glance: enlisted::Glance,
 }
@@ -690,50 +750,189 @@ impl ClaimRow {
     }
 }
 
-/// Detached claims, batched.
-struct Claims;
+/// A statement with some of its parameters bound.
+type Bound<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
 
-impl batch::Job for Claims {
-    type Row = ClaimRow;
-    type Out = Outcome;
+/// Binds the batched claim's arrays `$1…$8` ([`claim_many_parts`]).
+fn bind_claims<'q>(query: Bound<'q>, rows: &[&'q ClaimRow]) -> Bound<'q> {
+    query
+        .bind(rows.iter().map(|r| &r.scope[..]).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.key.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.token).collect::<Vec<_>>())
+        .bind(
+            rows.iter()
+                .map(|r| &r.fingerprint.digest[..])
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            rows.iter()
+                .map(|r| r.fingerprint.version as i16)
+                .collect::<Vec<_>>(),
+        )
+        .bind(rows.iter().map(|r| millis_i64(r.lease)).collect::<Vec<_>>())
+        .bind(
+            rows.iter()
+                .map(|r| millis_i64(r.retention))
+                .collect::<Vec<_>>(),
+        )
+        .bind(rows.iter().map(|r| r.route.as_str()).collect::<Vec<_>>())
+}
 
-    fn order(a: &ClaimRow, b: &ClaimRow) -> std::cmp::Ordering {
-        (&a.scope, &a.key).cmp(&(&b.scope, &b.key))
+/// Binds [`completion_ctes`]' rows, then NULL rows (which match nothing) up to `size`.
+fn bind_completions<'q>(mut query: Bound<'q>, rows: &[&'q CompleteRow], size: usize) -> Bound<'q> {
+    for row in rows {
+        query = query
+            .bind(Some(&row.scope[..]))
+            .bind(row.key.as_str())
+            .bind(row.token)
+            .bind(row.status)
+            .bind(&row.headers[..])
+            .bind(&row.body[..])
+            .bind(millis_i64(row.retention));
+    }
+    for _ in rows.len()..size {
+        query = query
+            .bind(None::<&[u8]>)
+            .bind(None::<&str>)
+            .bind(None::<i64>)
+            .bind(None::<i16>)
+            .bind(None::<&[u8]>)
+            .bind(None::<&[u8]>)
+            .bind(None::<i64>);
+    }
+    query
+}
+
+/// The statement of `statements` padded for `rows` completion rows, and its size.
+fn padded(statements: &[(usize, Arc<str>)], rows: usize) -> (usize, &Arc<str>) {
+    let (size, statement) = statements
+        .iter()
+        .find(|(size, _)| *size >= rows)
+        .expect("the batch's limit bounds its rows");
+    (*size, statement)
+}
+
+/// Which of `rows` completed, from the ordinals (from 1) the statement answered.
+fn completed(rows: &[&CompleteRow], done: impl IntoIterator<Item = i64>) -> Vec<bool> {
+    let mut completed = vec![false; rows.len()];
+    for n in done {
+        if let Some(slot) = usize::try_from(n - 1)
+            .ok()
+            .and_then(|i| completed.get_mut(i))
+        {
+            *slot = true;
+        }
+    }
+    // The same completion carried twice updates its row once and is answered once: the other
+    // copy completed too.
+    for i in 0..rows.len() {
+        if !completed[i] {
+            let same = |j: &usize| {
+                let (a, b) = (&rows[i], &rows[*j]);
+                completed[*j] && a.token == b.token && a.key == b.key && a.scope == b.scope
+            };
+            completed[i] = (0..rows.len()).any(|j| same(&j));
+        }
+    }
+    completed
+}
+
+/// A claim or a completion, as a round carries them.
+enum Op {
+    Claim(ClaimRow),
+    Complete(CompleteRow),
+}
+
+/// An [`Op`]'s answer.
+enum Done {
+    Claimed(Outcome),
+    Completed(bool),
+}
+
+/// Group commit of claims and completions together: a round that carries both is one statement
+/// ([`round`]), one commit.
+struct Rounds;
+
+impl batch::Job for Rounds {
+    type Row = Op;
+    type Out = Done;
+
+    /// Claims first, then completions, each by `(scope, key)`: the order [`round`] needs.
+    fn order(a: &Op, b: &Op) -> std::cmp::Ordering {
+        match (a, b) {
+            (Op::Claim(a), Op::Claim(b)) => (&a.scope, &a.key).cmp(&(&b.scope, &b.key)),
+            (Op::Complete(a), Op::Complete(b)) => (&a.scope, &a.key).cmp(&(&b.scope, &b.key)),
+            (Op::Claim(_), Op::Complete(_)) => std::cmp::Ordering::Less,
+            (Op::Complete(_), Op::Claim(_)) => std::cmp::Ordering::Greater,
+        }
     }
 
-    async fn many(
-        core: &Core,
-        rows: &[ClaimRow],
-    ) -> Result<Vec<Result<Outcome, StoreError>>, sqlx::Error> {
-        let answered = sqlx::query(AssertSqlSafe(Arc::clone(&core.sql.claim_many)))
-            .bind(rows.iter().map(|r| &r.scope[..]).collect::<Vec<_>>())
-            .bind(rows.iter().map(|r| r.key.as_str()).collect::<Vec<_>>())
-            .bind(rows.iter().map(|r| r.token).collect::<Vec<_>>())
-            .bind(
-                rows.iter()
-                    .map(|r| &r.fingerprint.digest[..])
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                rows.iter()
-                    .map(|r| r.fingerprint.version as i16)
-                    .collect::<Vec<_>>(),
-            )
-            .bind(rows.iter().map(|r| millis_i64(r.lease)).collect::<Vec<_>>())
-            .bind(
-                rows.iter()
-                    .map(|r| millis_i64(r.retention))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(rows.iter().map(|r| r.route.as_str()).collect::<Vec<_>>())
-            .bind(core.offset())
-            .fetch_all(&core.pool)
-            .await?;
-        Ok(answered.iter().map(decode_batched).collect())
+    async fn many(core: &Core, rows: &[Op]) -> Result<Vec<Result<Done, StoreError>>, sqlx::Error> {
+        // Sorted claims first, so the answers below (claims, then completions) are in order.
+        let claims: Vec<&ClaimRow> = rows
+            .iter()
+            .filter_map(|op| match op {
+                Op::Claim(row) => Some(row),
+                Op::Complete(_) => None,
+            })
+            .collect();
+        let completions: Vec<&CompleteRow> = rows
+            .iter()
+            .filter_map(|op| match op {
+                Op::Complete(row) => Some(row),
+                Op::Claim(_) => None,
+            })
+            .collect();
+        let sql = &core.sql;
+        let (size, statement) = match (claims.is_empty(), completions.is_empty()) {
+            (false, true) => (0, &sql.claim_many),
+            (true, _) => padded(&sql.complete_many, completions.len()),
+            (false, false) => padded(&sql.rounds, completions.len()),
+        };
+        let mut query = sqlx::query(AssertSqlSafe(Arc::clone(statement)));
+        if !claims.is_empty() {
+            query = bind_claims(query, &claims);
+        }
+        if !completions.is_empty() {
+            query = bind_completions(query, &completions, size);
+        }
+        let answered = query.bind(core.offset()).fetch_all(&core.pool).await?;
+
+        let mut outcomes: Vec<Option<Result<Outcome, StoreError>>> = Vec::new();
+        outcomes.resize_with(claims.len(), || None);
+        let mut done = Vec::new();
+        for row in &answered {
+            // A claim answers its ordinal in its last column (a round's completions, minus
+            // theirs); a batch of completions alone answers only its ordinals.
+            let n: i64 = row.try_get(row.len() - 1)?;
+            if claims.is_empty() || n < 0 {
+                done.push(n.abs());
+            } else if let Some(slot) = usize::try_from(n - 1)
+                .ok()
+                .and_then(|i| outcomes.get_mut(i))
+            {
+                *slot = Some(decode_batched(row));
+            }
+        }
+        let claimed = outcomes.into_iter().map(|outcome| {
+            outcome
+                .unwrap_or_else(|| Err(StoreError::unavailable("a batched claim got no answer")))
+                .map(Done::Claimed)
+        });
+        let completed = completed(&completions, done)
+            .into_iter()
+            .map(|done| Ok(Done::Completed(done)));
+        Ok(claimed.chain(completed).collect())
     }
 
-    async fn one(core: &Core, row: &ClaimRow) -> Result<Outcome, StoreError> {
-        core.claim_statement(&mut On::Pool, row, None).await
+    async fn one(core: &Core, row: &Op) -> Result<Done, StoreError> {
+        match row {
+            Op::Claim(row) => core
+                .claim_statement(&mut On::Pool, row, None)
+                .await
+                .map(Done::Claimed),
+            Op::Complete(row) => complete_one(core, row).await.map(Done::Completed),
+        }
     }
 }
 
@@ -748,88 +947,22 @@ struct CompleteRow {
     retention: Duration,
 }
 
-/// Completions, batched.
-struct Completions;
-
-impl batch::Job for Completions {
-    type Row = CompleteRow;
-    type Out = bool;
-
-    fn order(a: &CompleteRow, b: &CompleteRow) -> std::cmp::Ordering {
-        (&a.scope, &a.key).cmp(&(&b.scope, &b.key))
-    }
-
-    async fn many(
-        core: &Core,
-        rows: &[CompleteRow],
-    ) -> Result<Vec<Result<bool, StoreError>>, sqlx::Error> {
-        let (size, statement) = core
-            .sql
-            .complete_many
-            .iter()
-            .find(|(size, _)| *size >= rows.len())
-            .expect("the batch's limit bounds its rows");
-        let mut query = sqlx::query_scalar::<_, i64>(AssertSqlSafe(Arc::clone(statement)));
-        for row in rows {
-            query = query
-                .bind(Some(&row.scope[..]))
+/// One completion alone: [`Store::complete`]'s statement.
+async fn complete_one(core: &Core, row: &CompleteRow) -> Result<bool, StoreError> {
+    let rows = core
+        .conditional_write(|| {
+            sqlx::query(AssertSqlSafe(Arc::clone(&core.sql.complete)))
+                .bind(&row.scope[..])
                 .bind(row.key.as_str())
                 .bind(row.token)
                 .bind(row.status)
                 .bind(&row.headers[..])
                 .bind(&row.body[..])
-                .bind(millis_i64(row.retention));
-        }
-        for _ in rows.len()..*size {
-            query = query
-                .bind(None::<&[u8]>)
-                .bind(None::<&str>)
-                .bind(None::<i64>)
-                .bind(None::<i16>)
-                .bind(None::<&[u8]>)
-                .bind(None::<&[u8]>)
-                .bind(None::<i64>);
-        }
-        let done = query.bind(core.offset()).fetch_all(&core.pool).await?;
-        let mut completed = vec![false; rows.len()];
-        for n in done {
-            if let Some(slot) = usize::try_from(n - 1)
-                .ok()
-                .and_then(|i| completed.get_mut(i))
-            {
-                *slot = true;
-            }
-        }
-        // The same completion carried twice updates its row once and is answered once: the
-        // other copy completed too.
-        for i in 0..rows.len() {
-            if !completed[i] {
-                let same = |j: &usize| {
-                    let (a, b) = (&rows[i], &rows[*j]);
-                    completed[*j] && a.token == b.token && a.key == b.key && a.scope == b.scope
-                };
-                completed[i] = (0..rows.len()).any(|j| same(&j));
-            }
-        }
-        Ok(completed.into_iter().map(Ok).collect())
-    }
-
-    async fn one(core: &Core, row: &CompleteRow) -> Result<bool, StoreError> {
-        let rows = core
-            .conditional_write(|| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&core.sql.complete)))
-                    .bind(&row.scope[..])
-                    .bind(row.key.as_str())
-                    .bind(row.token)
-                    .bind(row.status)
-                    .bind(&row.headers[..])
-                    .bind(&row.body[..])
-                    .bind(millis_i64(row.retention))
-                    .bind(core.offset())
-            })
-            .await?;
-        Ok(rows == 1)
-    }
+                .bind(millis_i64(row.retention))
+                .bind(core.offset())
+        })
+        .await?;
+    Ok(rows == 1)
 }
 
 impl PostgresStore {
@@ -877,8 +1010,7 @@ impl PostgresStore {
             statements: AtomicU64::new(0),
         });
         Self {
-            claims: batch::Batcher::new(Arc::clone(&core), batch),
-            completions: batch::Batcher::new(Arc::clone(&core), batch),
+            rounds: batch::Batcher::new(Arc::clone(&core), batch),
             glance: enlisted::Glance::new(&table.qualified, reserved),
             core,
             table,
@@ -981,7 +1113,10 @@ impl PostgresStore {
         for _ in 0..MAX_RERUNS {
             let row = ClaimRow::new(req);
             let outcome = match on {
-                On::Pool => self.claims.submit(row).await?,
+                On::Pool => match self.rounds.submit(Op::Claim(row)).await? {
+                    Done::Claimed(outcome) => outcome,
+                    Done::Completed(_) => unreachable!("a claim is answered as a claim"),
+                },
                 On::Transaction(_) => self.core.claim_statement(on, &row, None).await?,
             };
             match outcome {
@@ -1156,17 +1291,19 @@ impl Store for PostgresStore {
         response: &RecordedResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        self.completions
-            .submit(CompleteRow {
-                scope: *scope,
-                key: key.to_owned(),
-                token: token.as_i64(),
-                status: response.status as i16,
-                headers: response.encode_headers(),
-                body: response.body.clone(),
-                retention,
-            })
-            .await
+        let row = CompleteRow {
+            scope: *scope,
+            key: key.to_owned(),
+            token: token.as_i64(),
+            status: response.status as i16,
+            headers: response.encode_headers(),
+            body: response.body.clone(),
+            retention,
+        };
+        match self.rounds.submit(Op::Complete(row)).await? {
+            Done::Completed(done) => Ok(done),
+            Done::Claimed(_) => unreachable!("a completion is answered as a completion"),
+        }
     }
 
     async fn release(
