@@ -1190,7 +1190,7 @@ async fn rounds_of_two_replicas_sharing_keys_never_deadlock() {
     let workers: Vec<_> = (0..24)
         .map(|w| {
             let store = Arc::clone(if w % 2 == 0 { &a } else { &b });
-            let (scope, runs) = (scope.clone(), Arc::clone(&runs));
+            let (scope, runs) = (scope, Arc::clone(&runs));
             tokio::spawn(async move {
                 // Every key sent by four workers, two on each replica, in a different order.
                 for i in 0..60 {
@@ -1252,12 +1252,12 @@ async fn requests_runnable_together_share_one_statement() {
     let warm = req(&scope, "warm", Duration::from_secs(30));
     assert_eq!(store.claim(&warm).await.unwrap(), Claim::Acquired);
     let before = store.statements_executed();
-    let (store2, scope2) = (Arc::clone(&store), scope.clone());
+    let (store2, scope2) = (Arc::clone(&store), scope);
     // Spawned from the worker, so the claims are all runnable before any of them runs.
     tokio::spawn(async move {
         let claims: Vec<_> = (0..8)
             .map(|i| {
-                let (store, scope) = (Arc::clone(&store2), scope2.clone());
+                let (store, scope) = (Arc::clone(&store2), scope2);
                 tokio::spawn(async move {
                     let key = format!("k{i}");
                     let r = req(&scope, &key, Duration::from_secs(30));
@@ -1301,7 +1301,7 @@ async fn batches_planned_on_a_young_table_never_scan_it_once_it_has_grown() {
     let body = "x".repeat(1024);
     let workers: Vec<_> = (0..24)
         .map(|w| {
-            let (store, scope, body) = (Arc::clone(&store), scope.clone(), body.clone());
+            let (store, scope, body) = (Arc::clone(&store), scope, body.clone());
             tokio::spawn(async move {
                 for k in 0..40 {
                     let key = format!("w{w}-k{k}");

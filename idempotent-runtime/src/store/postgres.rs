@@ -81,9 +81,9 @@ const MAX_RERUNS: usize = 8;
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "idempotency_records";
 
-/// Group commit's defaults: up to 32 requests a statement, one statement of a kind out at once
-/// (more only while it is stalled). Measured in `scripts/bench`'s pinned setup, one statement out
-/// made the largest batches and cost the database the least: a commit's WAL flush dominates.
+/// Group commit's defaults: up to 32 requests a statement, one statement out at once (more only
+/// while it is stalled). Measured in `scripts/bench`'s pinned setup, one statement out made the
+/// largest batches and cost the database the least: a commit's WAL flush dominates.
 /// A completion batch binds 7 parameters a row; PostgreSQL takes at most 65,535.
 const MAX_BATCH_ROWS: usize = 128;
 
@@ -160,18 +160,17 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// Group commit: at most `rows` requests' claims (or completions) in one statement
+    /// Group commit: at most `rows` requests' claims and completions in one statement
     /// (default 32, at most 128; 1 sends each request alone). Requests that arrive while
-    /// [`batches_in_flight`](Self::batches_in_flight) statements of their kind are out wait for
-    /// the next one and go out together, as one transaction; when fewer are out a request goes
-    /// at once, so an idle pool adds no wait ([the contract](crate::design) §5).
+    /// [`batches_in_flight`](Self::batches_in_flight) statements are out wait for the next one
+    /// and go out together, claims and completions alike, as one transaction; when fewer are out
+    /// a request goes at once, so an idle pool adds no wait ([the contract](crate::design) §5).
     pub fn batch_rows(mut self, rows: usize) -> Self {
         self.batch.rows = rows.clamp(1, MAX_BATCH_ROWS);
         self
     }
 
-    /// Statements of one kind (claims, completions) out at once before requests start waiting
-    /// to go out together (default 1). Fewer batches carry more rows each: less work for the
+    /// Statements out at once before requests start waiting to go out together (default 1). Fewer batches carry more rows each: less work for the
     /// database per request, a little more latency under load. Each takes a pooled connection
     /// while it is out. When none has come back for 20 ms (one waits on a lock, say), up to
     /// three more may start beside them, so a stalled statement never holds the whole queue.

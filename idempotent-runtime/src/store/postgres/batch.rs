@@ -1,16 +1,16 @@
-//! Group commit ([the contract](crate::design) §5): claims (and completions) that arrive while
-//! statements of their kind are in flight wait for the next one and go out together, as one
-//! statement, one transaction, one WAL flush.
+//! Group commit ([the contract](crate::design) §5): claims and completions that arrive while a
+//! statement is in flight wait for the next one and go out together, as one statement (a round),
+//! one transaction, one WAL flush.
 //!
-//! A [`Batcher`] keeps at most `in_flight` statements of one kind out at once. A request that
-//! finds fewer out sends at once, so an idle pool adds no wait; a request that finds them all out
-//! queues, and the next statement to go carries every queued row (up to `rows`). Rows go out
-//! sorted by `(scope, key)`, so two batches lock the rows they share in the same order and never
-//! deadlock. Each row is answered on its own. A batch of one goes out as the single-row
-//! statement. A failure PostgreSQL reports for the whole statement (a lock timeout on one row,
-//! a deadlock, a constraint) is retried row by row, so one bad row never fails its neighbours;
-//! a failure of the connection itself, or a statement cancelled by `statement_timeout`, is
-//! answered to every row, since each alone would meet it too.
+//! A [`Batcher`] keeps at most `in_flight` statements out at once. A request that finds fewer out
+//! sends at once, so an idle pool adds no wait; a request that finds them all out queues, and the
+//! next statement to go carries every queued row (up to `rows`), in the order [`Job::order`]
+//! gives, the order that keeps two statements from waiting on each other in a cycle. Each row is
+//! answered on its own. A batch of one goes out as the single-row statement. A failure
+//! PostgreSQL reports for the whole statement (a lock timeout on one row, a deadlock, a
+//! constraint) is retried row by row, so one bad row never fails its neighbours; a failure of the
+//! connection itself, or a statement cancelled by `statement_timeout`, is answered to every row,
+//! since each alone would meet it too.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,14 +27,14 @@ use super::{Core, connection_dropped, unavailable};
 /// SQLSTATE `query_canceled`: `statement_timeout` elapsed (or the statement was cancelled).
 const QUERY_CANCELED: &str = "57014";
 
-/// How a kind of statement is sent alone and in a batch.
+/// How rows are sent alone and together.
 pub(super) trait Job: Send + Sync + 'static {
     /// One request's row, owned: it waits in the queue beyond the request's borrow.
     type Row: Send + Sync + 'static;
     /// One row's answer.
     type Out: Send + 'static;
 
-    /// The order rows go out in: `(scope, key)`.
+    /// The order rows go out in (claims, then completions, each by `(scope, key)`).
     fn order(a: &Self::Row, b: &Self::Row) -> std::cmp::Ordering;
 
     /// Sends `rows` (at least two, sorted) as one statement; one answer per row, in order.
@@ -52,12 +52,12 @@ pub(super) trait Job: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Self::Out, StoreError>> + Send;
 }
 
-/// How large and how many batches of one kind may be out at once.
+/// How large and how many batches may be out at once.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Limits {
     /// Rows per statement (1: every request alone, no batching).
     pub(super) rows: usize,
-    /// Statements of this kind in flight at once.
+    /// Statements in flight at once.
     pub(super) in_flight: usize,
 }
 
@@ -69,19 +69,19 @@ struct Waiter<J: Job> {
 struct Queue<J: Job> {
     waiting: Vec<Waiter<J>>,
     in_flight: usize,
-    /// When a statement of this kind last started or came back.
+    /// When a statement last started or came back.
     progress: Instant,
 }
 
 /// How long statements may be out without one coming back before another may start beside
 /// them: a statement waiting on a lock (another transaction's uncommitted row, up to
-/// `lock_timeout`) must not hold every other request of its kind in the queue.
+/// `lock_timeout`) must not hold every other request in the queue.
 const STALL: Duration = Duration::from_millis(20);
 
 /// Statements started beside stalled ones, at most, on top of [`Limits::in_flight`].
 const STALLED_EXTRA: usize = 3;
 
-/// The queue of one kind of statement (see the module docs).
+/// The queue of rows waiting to go out (see the module docs).
 pub(super) struct Batcher<J: Job> {
     core: Arc<Core>,
     limits: Limits,
