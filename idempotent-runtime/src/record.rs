@@ -232,6 +232,7 @@ mod tests {
             token: FencingToken(1),
             fingerprint: fp(1),
             state,
+            expires_in: None,
         }
     }
 
@@ -322,6 +323,7 @@ mod tests {
                 state: StandingState::Running {
                     lease_left: req.lease,
                 },
+                expires_in: None,
             }))
         }
         async fn reclaim(

@@ -188,6 +188,50 @@ async fn the_cache_in_front_of_it_passes_the_store_contract() {
     assert!(store.hits() > 0, "no replay of the contract met the cache");
 }
 
+/// A replica's cache keeps a record another replica completed from its first replay on: the
+/// store reports how long the record has left.
+#[tokio::test]
+async fn a_cache_keeps_a_record_another_replica_completed() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let elsewhere = db.store().await;
+    let scope = contract::fresh_scope();
+    let first = req(&scope, "k", Duration::from_secs(30));
+    assert_eq!(elsewhere.claim(&first).await.unwrap(), Claim::Acquired);
+    let answer = response(r#"{"id":7}"#);
+    let retention = Duration::from_secs(600);
+    assert!(
+        elsewhere
+            .complete(&scope, "k", first.token, &answer, retention)
+            .await
+            .unwrap()
+    );
+    let cached = idempotent_runtime::store::cache::CachedStore::new(db.store().await);
+    let before = cached.inner().statements_executed();
+    for _ in 0..3 {
+        match cached
+            .claim(&req(&scope, "k", Duration::from_secs(30)))
+            .await
+            .unwrap()
+        {
+            Claim::Standing(st) => {
+                assert_eq!(st.token, first.token);
+                assert_eq!(st.state, StandingState::Completed(Arc::new(answer.clone())));
+                let left = st.expires_in.expect("PostgreSQL reports the time left");
+                assert!(left <= retention, "{left:?} left of {retention:?}");
+            }
+            Claim::Acquired => panic!("a completed key was acquired"),
+        }
+    }
+    assert_eq!(
+        cached.inner().statements_executed() - before,
+        1,
+        "only the first of three replays reached the database"
+    );
+    assert_eq!(cached.hits(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_is_idempotent_and_safe_from_several_replicas_at_once() {
     let Some(db) = TestDb::new().await else {

@@ -232,7 +232,38 @@ impl<S> CachedStore<S> {
             token: c.token,
             fingerprint: c.fingerprint,
             state: StandingState::Completed(Arc::clone(&c.response)),
+            expires_in: Some(Duration::from_millis(c.expires_at - now)),
         })
+    }
+
+    /// Keeps a copy of `standing` when it is a completed record whose expiry is known: from
+    /// `since` (this process's clock, read before the store was asked, so the copy never
+    /// outlives the store's record) for `expires_in`.
+    fn keep(&self, scope: &ScopeHash, key: &str, standing: &Standing, since: Millis) {
+        let (StandingState::Completed(response), Some(expires_in)) =
+            (&standing.state, standing.expires_in)
+        else {
+            return;
+        };
+        let weight = ENTRY_OVERHEAD + key.len() + response.weight();
+        if weight > self.shard_budget() {
+            return;
+        }
+        let expires_at = since.saturating_add(millis(expires_in));
+        let (hash, shard) = self.locate(scope, key);
+        let entry = Cached {
+            hash,
+            scope: *scope,
+            key: key.into(),
+            token: standing.token,
+            fingerprint: standing.fingerprint,
+            response: Arc::clone(response),
+            expires_at,
+            fresh_until: since.saturating_add(self.max_age).min(expires_at),
+            weight,
+            seq: 0,
+        };
+        lock(shard).insert(entry, self.shard_budget());
     }
 
     fn note_pending(&self, req: &ClaimRequest<'_>) {
@@ -292,7 +323,9 @@ impl<S: Store> Store for CachedStore<S> {
                 self.note_pending(req);
             }
             (Claim::Standing(_), Some(held)) => self.recheck(req, held, &claim, now),
-            (Claim::Standing(_), None) => {}
+            // A record completed elsewhere (another process, or before this one started):
+            // replayed from here on, until its expiry as the store reported it.
+            (Claim::Standing(standing), None) => self.keep(req.scope, req.key, standing, now),
         }
         Ok(claim)
     }
@@ -326,25 +359,14 @@ impl<S: Store> Store for CachedStore<S> {
             .inner
             .complete(scope, key, token, response, retention)
             .await?;
-        let weight = ENTRY_OVERHEAD + key.len() + response.weight();
-        if let (true, Some(fingerprint)) = (done, fingerprint)
-            && weight <= self.shard_budget()
-        {
-            let expires_at = sent_at.saturating_add(millis(retention));
-            let (hash, shard) = self.locate(scope, key);
-            let entry = Cached {
-                hash,
-                scope: *scope,
-                key: key.into(),
+        if let (true, Some(fingerprint)) = (done, fingerprint) {
+            let copy = Standing {
                 token,
                 fingerprint,
-                response: Arc::new(response.clone()),
-                expires_at,
-                fresh_until: sent_at.saturating_add(self.max_age).min(expires_at),
-                weight,
-                seq: 0,
+                state: StandingState::Completed(Arc::new(response.clone())),
+                expires_in: Some(retention),
             };
-            lock(shard).insert(entry, self.shard_budget());
+            self.keep(scope, key, &copy, sent_at);
         }
         Ok(done)
     }
@@ -572,6 +594,41 @@ mod tests {
             "a cached replay reached the store"
         );
         assert_eq!(store.hits(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_record_completed_elsewhere_is_cached_at_its_first_replay_until_its_expiry() {
+        let clock = ManualClock::new();
+        let store = counting(&clock);
+        let scope = [4; 32];
+        // Another process claims and completes, straight in the shared store.
+        let shared = &store.inner().inner;
+        let first = req(&scope, "k", 1);
+        assert_eq!(shared.claim(&first).await.unwrap(), Claim::Acquired);
+        let answer = response(b"elsewhere");
+        assert!(
+            shared
+                .complete(&scope, "k", first.token, &answer, first.retention)
+                .await
+                .unwrap()
+        );
+        clock.advance(Duration::from_secs(4));
+        let claims = || store.inner().claims.load(Ordering::Relaxed);
+        let replay = standing(store.claim(&req(&scope, "k", 1)).await.unwrap());
+        assert_eq!(replay.state, StandingState::Completed(Arc::new(answer)));
+        assert_eq!(claims(), 1, "the first replay asks the store");
+        let again = standing(store.claim(&req(&scope, "k", 1)).await.unwrap());
+        assert_eq!(again.token, first.token);
+        assert_eq!(claims(), 1, "the second is answered here");
+        assert_eq!(store.hits(), 1);
+        // 6 s of the 10 s retention were left at the first replay: past them, the store decides.
+        clock.advance(Duration::from_secs(6));
+        assert_eq!(
+            store.claim(&req(&scope, "k", 1)).await.unwrap(),
+            Claim::Acquired,
+            "a copy outlived the store's record"
+        );
+        assert_eq!(claims(), 2);
     }
 
     #[tokio::test]

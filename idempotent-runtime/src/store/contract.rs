@@ -199,6 +199,10 @@ async fn completed_record_is_reported_with_its_response<S: Store + ?Sized>(s: &S
                 "the stored fingerprint is the claimer's"
             );
             assert_eq!(st.state, StandingState::Completed(Arc::new(resp)));
+            // Optional, but never past the record's expiry: a cache keeps a copy that long.
+            if let Some(left) = st.expires_in {
+                assert!(left <= 10 * SECOND, "{left:?} left of a 10 s retention");
+            }
         }
         Claim::Acquired => panic!("a completed key was acquired again"),
     }

@@ -110,10 +110,13 @@ impl Entry {
                 EntryState::Completed(r) => StandingState::Completed(Arc::clone(r)),
             }
         };
+        let expires_in = matches!(state, StandingState::Completed(_))
+            .then(|| Duration::from_millis(self.expires_at - now));
         Standing {
             token: self.token,
             fingerprint: self.fingerprint,
             state,
+            expires_in,
         }
     }
 

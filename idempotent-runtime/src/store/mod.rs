@@ -165,6 +165,11 @@ pub struct Standing {
     pub fingerprint: Fingerprint,
     /// Its state.
     pub state: StandingState,
+    /// How long until it expires, by the store's clock, where the store reports it (the
+    /// crate's stores do for completed records). A [cache](cache::CachedStore) in front of the
+    /// store keeps a copy of a replayed record no longer than this; `None` keeps it from
+    /// caching replays of records another process completed.
+    pub expires_in: Option<Duration>,
 }
 
 /// The state of a standing record.

@@ -327,10 +327,11 @@ const STANDING_COLUMNS: &str = "r.token, r.fingerprint, r.fp_version, \
           WHEN r.lease_until > clock.now THEN 0 \
           ELSE 1 END::smallint, \
      GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.lease_until - clock.now)) * 1000))::bigint, \
-     r.status, r.headers, r.body";
+     r.status, r.headers, r.body, \
+     GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - clock.now)) * 1000))::bigint";
 
 const ACQUIRED_COLUMNS: &str = "true, token, NULL::bytea, NULL::smallint, NULL::smallint, \
-     NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea";
+     NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint";
 
 /// The padded sizes of completion batches: 2, 3, 4, 6, 8, 12, 16, 24, … up to the first at
 /// least `max_rows`. A connection prepares a handful of statements, not one a size, and a batch
@@ -449,7 +450,7 @@ fn round(t: &str, completions: usize) -> String {
             format!(
                 "SELECT NULL::boolean, NULL::bigint, NULL::bytea, NULL::smallint, \
                         NULL::smallint, NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea, \
-                        -n FROM c{k}"
+                        NULL::bigint, -n FROM c{k}"
             )
         })
         .collect();
@@ -717,10 +718,18 @@ fn standing(row: &PgRow) -> Result<Standing, StoreError> {
         }
         _ => StandingState::Expired,
     };
+    let expires_in = match state {
+        StandingState::Completed(_) => {
+            let left: i64 = row.try_get(9).map_err(unavailable)?;
+            Some(Duration::from_millis(left.max(0) as u64))
+        }
+        _ => None,
+    };
     Ok(Standing {
         token: FencingToken::from_i64(token),
         fingerprint,
         state,
+        expires_in,
     })
 }
 
@@ -1259,6 +1268,7 @@ fn busy(fingerprint: Fingerprint, lease: Duration) -> Standing {
         token: FencingToken(0),
         fingerprint,
         state: StandingState::Running { lease_left: lease },
+        expires_in: None,
     }
 }
 

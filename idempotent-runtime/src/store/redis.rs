@@ -74,7 +74,8 @@ macro_rules! script {
 
 /// KEYS[1] the record; ARGV: 1 clock offset, 2 token (8 bytes), 3 fingerprint (2-byte version
 /// and digest), 4 lease ms, 5 retention ms, 6 stale token (reclaim) or empty (claim), 7 route.
-/// Replies `{1}` when the request's token holds the key, else `{0, lease_until - now, record}`.
+/// Replies `{1}` when the request's token holds the key, else `{0, lease_until - now, record,
+/// expires_at - now}`.
 const CLAIM: &str = script!(
     r#"
 local rec = redis.call('GET', KEYS[1])
@@ -90,7 +91,7 @@ if rec then
   local takeable = u64(rec, 19) <= now
     or (ARGV[6] ~= '' and token == ARGV[6] and reserved and lease_until <= now)
   if not takeable then
-    return {0, lease_until - now, rec}
+    return {0, lease_until - now, rec, u64(rec, 19) - now}
   end
 end
 local lease = tonumber(ARGV[4])
@@ -594,19 +595,31 @@ impl RedisStore {
         };
         match items.as_slice() {
             [Value::Int(1)] => Ok(Claim::Acquired),
-            [Value::Int(0), Value::Int(left), Value::BulkString(raw)] => {
+            [
+                Value::Int(0),
+                Value::Int(left),
+                Value::BulkString(raw),
+                Value::Int(expires_left),
+            ] => {
                 let record = Record::decode(raw)?;
-                let state = match record.response {
-                    Some(response) => StandingState::Completed(Arc::new(response)),
-                    None if *left > 0 => StandingState::Running {
-                        lease_left: Duration::from_millis(*left as u64),
-                    },
-                    None => StandingState::Abandoned,
+                let (state, expires_in) = match record.response {
+                    Some(response) => (
+                        StandingState::Completed(Arc::new(response)),
+                        Some(Duration::from_millis((*expires_left).max(0) as u64)),
+                    ),
+                    None if *left > 0 => (
+                        StandingState::Running {
+                            lease_left: Duration::from_millis(*left as u64),
+                        },
+                        None,
+                    ),
+                    None => (StandingState::Abandoned, None),
                 };
                 Ok(Claim::Standing(Standing {
                     token: record.token,
                     fingerprint: record.fingerprint,
                     state,
+                    expires_in,
                 }))
             }
             _ => Err(unexpected(&reply)),

@@ -336,10 +336,13 @@ fn standing(row: &SqliteRow, now: i64) -> Result<Standing, StoreError> {
     } else {
         StandingState::Abandoned
     };
+    let expires_in = matches!(state, StandingState::Completed(_))
+        .then(|| Duration::from_millis((expires_at - now) as u64));
     Ok(Standing {
         token: FencingToken::from_i64(token),
         fingerprint,
         state,
+        expires_in,
     })
 }
 
@@ -479,6 +482,7 @@ fn still_running(req: &ClaimRequest<'_>) -> Claim {
         state: StandingState::Running {
             lease_left: req.lease,
         },
+        expires_in: None,
     })
 }
 
