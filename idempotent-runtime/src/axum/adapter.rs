@@ -25,6 +25,9 @@ use crate::pipeline::{
 use crate::reservation::Reservation;
 use crate::scope::Identity;
 
+const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(crate::key::HEADER_NAME);
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
 /// A request head as the pipeline reads it.
 struct AxumHead<'a> {
     parts: &'a Parts,
@@ -65,11 +68,18 @@ impl Head for AxumHead<'_> {
     }
 
     fn header_values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        self.parts
-            .headers
-            .get_all(name)
-            .iter()
-            .map(HeaderValue::as_bytes)
+        let headers = &self.parts.headers;
+        // The names every keyed request looks up, as `HeaderName`s: a lookup by `&str` parses
+        // and lowercases the name first, which cost more than the lookup itself.
+        let values = match name {
+            crate::key::HEADER_NAME => headers.get_all(IDEMPOTENCY_KEY),
+            "content-type" => headers.get_all(http::header::CONTENT_TYPE),
+            "content-length" => headers.get_all(http::header::CONTENT_LENGTH),
+            "authorization" => headers.get_all(http::header::AUTHORIZATION),
+            "x-forwarded-for" => headers.get_all(X_FORWARDED_FOR),
+            _ => headers.get_all(name),
+        };
+        values.iter().map(HeaderValue::as_bytes)
     }
 
     fn peer(&self) -> Option<IpAddr> {
