@@ -353,12 +353,15 @@ fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope::Scope, Pro
     // The forwarded headers are read only when the scope needs the address: an authenticated
     // caller behind a proxy that forwards nothing is still who it says it is.
     let peer = || match head.peer() {
-        Some(ip) => {
-            if config.trusted_proxies().is_empty()
-                && let Some(value) = first_header(head, "x-forwarded-for")
-            {
+        Some(ip) if config.trusted_proxies().is_empty() => {
+            if let Some(value) = first_header(head, "x-forwarded-for") {
                 handle.watch().forwarded_untrusted(ip, value, route);
             }
+            // With no proxy trusted the peer is the client, as `client_ip` would answer; the
+            // forwarded headers it would not read are not looked up either.
+            Ok(Some(scope::canonical_ip(ip)))
+        }
+        Some(ip) => {
             let utf8 = |v| std::str::from_utf8(v).ok();
             let xff = head.header_values("x-forwarded-for").filter_map(utf8);
             let forwarded = head.header_values("forwarded").filter_map(utf8);
