@@ -220,13 +220,21 @@ pub(crate) async fn prepare<M: ClaimMode>(
 }
 
 /// Runs claimed work to its end in a task of its own when it is not done at its first poll.
-pub(crate) async fn drive<W>(handle: &Idempotency, route: &str, work: W) -> Response
+/// Boxes the work when called, as [`pipeline::drive`] does.
+pub(crate) fn drive<'a, W>(
+    handle: &'a Idempotency,
+    route: &'a str,
+    work: W,
+) -> impl Future<Output = Response> + Send + 'a
 where
     W: Future<Output = Ended<Response, (), Infallible>> + Send + 'static,
 {
-    match pipeline::drive(handle, route, work, tokio::spawn).await {
-        Ended::Answered(response, ()) | Ended::Panicked(response) => response,
-        Ended::Failed(never) => match never {},
+    let driven = pipeline::drive(handle, route, work, tokio::spawn);
+    async move {
+        match driven.await {
+            Ended::Answered(response, ()) | Ended::Panicked(response) => response,
+            Ended::Failed(never) => match never {},
+        }
     }
 }
 
