@@ -32,6 +32,8 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 struct AxumHead<'a> {
     parts: &'a Parts,
     params: Option<RawPathParams>,
+    /// Read once: every step asks for it, and each read is an extension lookup.
+    route: Option<&'a str>,
 }
 
 impl<'a> AxumHead<'a> {
@@ -40,7 +42,16 @@ impl<'a> AxumHead<'a> {
         let params = RawPathParams::from_request_parts(parts, &())
             .now_or_never()
             .and_then(Result::ok);
-        Self { parts, params }
+        let parts: &'a Parts = parts;
+        let route = parts
+            .extensions
+            .get::<MatchedPath>()
+            .map(MatchedPath::as_str);
+        Self {
+            parts,
+            params,
+            route,
+        }
     }
 }
 
@@ -50,10 +61,7 @@ impl Head for AxumHead<'_> {
     }
 
     fn route(&self) -> Option<&str> {
-        self.parts
-            .extensions
-            .get::<MatchedPath>()
-            .map(MatchedPath::as_str)
+        self.route
     }
 
     fn path_params(&self) -> Vec<&str> {
