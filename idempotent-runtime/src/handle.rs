@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::budget::BufferBudget;
 use crate::config::Config;
 use crate::fingerprint::FingerprintContributor;
-use crate::observe::{self, AuditSink, DiscardAudit};
+use crate::observe::{self, AuditSink};
 use crate::pipeline::Watch;
 use crate::problem::{Problem, RefusalRenderer, RenderedRefusal};
 use crate::reservation::{Running, RunningGuard};
@@ -37,7 +37,9 @@ pub struct Idempotency {
 struct Inner {
     store: Arc<dyn Store>,
     config: Config,
-    audit: Arc<dyn AuditSink>,
+    /// `None` for the default sink, which discards every event: the request path then skips
+    /// building them (a key's SHA-256 each).
+    audit: Option<Arc<dyn AuditSink>>,
     contributor: Option<Arc<dyn FingerprintContributor>>,
     resolver: Option<Resolver>,
     renderer: Option<Arc<dyn RefusalRenderer>>,
@@ -73,7 +75,7 @@ impl std::fmt::Debug for Idempotency {
 pub struct Builder {
     store: Arc<dyn Store>,
     config: Config,
-    audit: Arc<dyn AuditSink>,
+    audit: Option<Arc<dyn AuditSink>>,
     contributor: Option<Arc<dyn FingerprintContributor>>,
     resolver: Option<Resolver>,
     renderer: Option<Arc<dyn RefusalRenderer>>,
@@ -91,7 +93,7 @@ impl Builder {
     /// Where every decision on a keyed request is reported, executions included (default:
     /// discarded).
     pub fn audit(mut self, sink: impl AuditSink) -> Self {
-        self.audit = Arc::new(sink);
+        self.audit = Some(Arc::new(sink));
         self
     }
 
@@ -214,7 +216,7 @@ impl Idempotency {
         Builder {
             store,
             config: Config::default(),
-            audit: Arc::new(DiscardAudit),
+            audit: None,
             contributor: None,
             resolver: None,
             renderer: None,
@@ -258,8 +260,9 @@ impl Idempotency {
         &self.inner.enlisted_in_flight
     }
 
-    pub(crate) fn audit(&self) -> &dyn AuditSink {
-        &*self.inner.audit
+    /// The application's audit sink; `None` when it set none (the default discards).
+    pub(crate) fn audit(&self) -> Option<&dyn AuditSink> {
+        self.inner.audit.as_deref()
     }
 
     /// The body of a refusal: the application's [renderer](Builder::refusal_renderer), or

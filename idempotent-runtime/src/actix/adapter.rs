@@ -211,18 +211,19 @@ pub(crate) const STORE_MISSING_FIX: &str = "register it once, outside the HttpSe
     `App::new().app_data(idempotency.clone())`";
 
 /// Runs claimed work to its end on actix's runtime (its futures are `!Send`), in a task of its
-/// own when it is not done at its first poll.
-pub(crate) async fn drive<W, T, E>(
-    handle: &Idempotency,
-    route: &str,
+/// own when it is not done at its first poll. Boxes the work when called, as
+/// [`pipeline::drive`] does.
+pub(crate) fn drive<'a, W, T, E>(
+    handle: &'a Idempotency,
+    route: &'a str,
     work: W,
-) -> Ended<HttpResponse, T, E>
+) -> impl Future<Output = Ended<HttpResponse, T, E>> + 'a
 where
     W: Future<Output = Ended<HttpResponse, T, E>> + 'static,
     T: 'static,
     E: 'static,
 {
-    pipeline::drive(handle, route, work, actix_web::rt::spawn).await
+    pipeline::drive(handle, route, work, actix_web::rt::spawn)
 }
 
 /// A panicked handler's 500 as the error actix's service chain expects from a middleware.

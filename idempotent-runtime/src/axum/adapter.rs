@@ -25,10 +25,15 @@ use crate::pipeline::{
 use crate::reservation::Reservation;
 use crate::scope::Identity;
 
+const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(crate::key::HEADER_NAME);
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
 /// A request head as the pipeline reads it.
 struct AxumHead<'a> {
     parts: &'a Parts,
     params: Option<RawPathParams>,
+    /// Read once: every step asks for it, and each read is an extension lookup.
+    route: Option<&'a str>,
 }
 
 impl<'a> AxumHead<'a> {
@@ -37,7 +42,16 @@ impl<'a> AxumHead<'a> {
         let params = RawPathParams::from_request_parts(parts, &())
             .now_or_never()
             .and_then(Result::ok);
-        Self { parts, params }
+        let parts: &'a Parts = parts;
+        let route = parts
+            .extensions
+            .get::<MatchedPath>()
+            .map(MatchedPath::as_str);
+        Self {
+            parts,
+            params,
+            route,
+        }
     }
 }
 
@@ -47,10 +61,7 @@ impl Head for AxumHead<'_> {
     }
 
     fn route(&self) -> Option<&str> {
-        self.parts
-            .extensions
-            .get::<MatchedPath>()
-            .map(MatchedPath::as_str)
+        self.route
     }
 
     fn path_params(&self) -> Vec<&str> {
@@ -65,11 +76,18 @@ impl Head for AxumHead<'_> {
     }
 
     fn header_values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        self.parts
-            .headers
-            .get_all(name)
-            .iter()
-            .map(HeaderValue::as_bytes)
+        let headers = &self.parts.headers;
+        // The names every keyed request looks up, as `HeaderName`s: a lookup by `&str` parses
+        // and lowercases the name first, which cost more than the lookup itself.
+        let values = match name {
+            crate::key::HEADER_NAME => headers.get_all(IDEMPOTENCY_KEY),
+            "content-type" => headers.get_all(http::header::CONTENT_TYPE),
+            "content-length" => headers.get_all(http::header::CONTENT_LENGTH),
+            "authorization" => headers.get_all(http::header::AUTHORIZATION),
+            "x-forwarded-for" => headers.get_all(X_FORWARDED_FOR),
+            _ => headers.get_all(name),
+        };
+        values.iter().map(HeaderValue::as_bytes)
     }
 
     fn peer(&self) -> Option<IpAddr> {
@@ -210,13 +228,21 @@ pub(crate) async fn prepare<M: ClaimMode>(
 }
 
 /// Runs claimed work to its end in a task of its own when it is not done at its first poll.
-pub(crate) async fn drive<W>(handle: &Idempotency, route: &str, work: W) -> Response
+/// Boxes the work when called, as [`pipeline::drive`] does.
+pub(crate) fn drive<'a, W>(
+    handle: &'a Idempotency,
+    route: &'a str,
+    work: W,
+) -> impl Future<Output = Response> + Send + 'a
 where
     W: Future<Output = Ended<Response, (), Infallible>> + Send + 'static,
 {
-    match pipeline::drive(handle, route, work, tokio::spawn).await {
-        Ended::Answered(response, ()) | Ended::Panicked(response) => response,
-        Ended::Failed(never) => match never {},
+    let driven = pipeline::drive(handle, route, work, tokio::spawn);
+    async move {
+        match driven.await {
+            Ended::Answered(response, ()) | Ended::Panicked(response) => response,
+            Ended::Failed(never) => match never {},
+        }
     }
 }
 

@@ -208,12 +208,14 @@ impl Idempotency {
     ) -> Begin<R> {
         let route = req.input.route.unwrap_or("");
         let audit = |decision| {
-            self.audit().record(&AuditEvent {
-                decision,
-                scope_hash: req.input.scope.hash(),
-                key_hash: observe::key_hash(req.key.as_str()),
-                route,
-            })
+            if let Some(sink) = self.audit() {
+                sink.record(&AuditEvent {
+                    decision,
+                    scope_hash: req.input.scope.hash(),
+                    key_hash: observe::key_hash(req.key.as_str()),
+                    route,
+                });
+            }
         };
         match claimed {
             Claimed::Acquired { reclaimed } => {

@@ -41,7 +41,9 @@ fn memory_routes() -> &'static Mutex<HashMap<Box<str>, usize>> {
 pub(crate) struct Watch {
     /// The memory store's identity, when the handle holds one.
     memory: Option<usize>,
-    routes: Mutex<HashSet<Box<str>>>,
+    /// Asked on every claimed request: hashbrown's default hasher, not std's SipHash, which
+    /// cost more than the lookup.
+    routes: Mutex<hashbrown::HashSet<Box<str>>>,
     forwarded: Mutex<HashMap<IpAddr, HashSet<u64>>>,
     split_said: AtomicBool,
     proxy_said: AtomicBool,

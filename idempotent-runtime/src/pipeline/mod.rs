@@ -353,12 +353,15 @@ fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope::Scope, Pro
     // The forwarded headers are read only when the scope needs the address: an authenticated
     // caller behind a proxy that forwards nothing is still who it says it is.
     let peer = || match head.peer() {
-        Some(ip) => {
-            if config.trusted_proxies().is_empty()
-                && let Some(value) = first_header(head, "x-forwarded-for")
-            {
+        Some(ip) if config.trusted_proxies().is_empty() => {
+            if let Some(value) = first_header(head, "x-forwarded-for") {
                 handle.watch().forwarded_untrusted(ip, value, route);
             }
+            // With no proxy trusted the peer is the client, as `client_ip` would answer; the
+            // forwarded headers it would not read are not looked up either.
+            Ok(Some(scope::canonical_ip(ip)))
+        }
+        Some(ip) => {
             let utf8 = |v| std::str::from_utf8(v).ok();
             let xff = head.header_values("x-forwarded-for").filter_map(utf8);
             let forwarded = head.header_values("forwarded").filter_map(utf8);
@@ -489,32 +492,38 @@ where
 /// first poll has nothing left to cancel, so it is answered without a task (a task costs more
 /// than a typical handler on the memory store); there is no await point between that poll and
 /// the spawn, so started work always finishes, here or in its task.
-pub(crate) async fn drive<W, R, T, E, J, F>(
-    handle: &Idempotency,
-    route: &str,
+///
+/// Not an `async fn`: the work is boxed when this is called, so the futures around it (the
+/// adapter's, the handler's) hold a pointer instead of the work's kilobytes, and do not copy
+/// them each time one is moved into the next.
+pub(crate) fn drive<'a, W, R, T, E, J, F>(
+    handle: &'a Idempotency,
+    route: &'a str,
     work: W,
     spawn: F,
-) -> Ended<R, T, E>
+) -> impl Future<Output = Ended<R, T, E>> + 'a
 where
-    W: Future<Output = Ended<R, T, E>>,
+    W: Future<Output = Ended<R, T, E>> + 'a,
     R: Reply,
-    F: FnOnce(Pin<Box<W>>) -> J,
+    F: FnOnce(Pin<Box<W>>) -> J + 'a,
     J: Future<Output = Result<Ended<R, T, E>, tokio::task::JoinError>>,
 {
     let mut work = Box::pin(work);
-    let first = std::future::poll_fn(|cx| {
-        Poll::Ready(panic::catch_unwind(AssertUnwindSafe(|| {
-            work.as_mut().poll(cx)
-        })))
-    })
-    .await;
-    match first {
-        Ok(Poll::Ready(ended)) => ended,
-        Ok(Poll::Pending) => match spawn(work).await {
-            Ok(ended) => ended,
+    async move {
+        let first = std::future::poll_fn(|cx| {
+            Poll::Ready(panic::catch_unwind(AssertUnwindSafe(|| {
+                work.as_mut().poll(cx)
+            })))
+        })
+        .await;
+        match first {
+            Ok(Poll::Ready(ended)) => ended,
+            Ok(Poll::Pending) => match spawn(work).await {
+                Ok(ended) => ended,
+                Err(_) => Ended::Panicked(refuse(handle, &handle.task_failed(route))),
+            },
             Err(_) => Ended::Panicked(refuse(handle, &handle.task_failed(route))),
-        },
-        Err(_) => Ended::Panicked(refuse(handle, &handle.task_failed(route))),
+        }
     }
 }
 
