@@ -38,13 +38,15 @@ pub mod contract;
 pub struct FencingToken(pub u64);
 
 impl FencingToken {
-    /// A new token, unpredictable and distinct from every other token this process mints.
+    /// A new token, unpredictable, and distinct from the others with overwhelming probability
+    /// (a 64-bit keyed hash of a counter: two of them meet once in about 2^32 tokens, and a
+    /// repeat only matters between two claims of the same key).
     pub fn mint() -> Self {
         use std::hash::{BuildHasher, Hasher};
         use std::sync::OnceLock;
         use std::sync::atomic::{AtomicU64, Ordering};
-        // SipHash keyed with process-random keys over a counter: a permutation-like PRF, so
-        // tokens never repeat within a process and are random across replicas.
+        // SipHash keyed with process-random keys over a counter: unpredictable, and random
+        // across replicas. (A keyed hash, not a permutation: repeats are possible, not likely.)
         static KEYS: OnceLock<std::collections::hash_map::RandomState> = OnceLock::new();
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let mut h = KEYS.get_or_init(Default::default).build_hasher();
