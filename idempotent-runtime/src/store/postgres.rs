@@ -355,9 +355,10 @@ fn complete_many_sizes(max_rows: usize) -> Vec<usize> {
 /// Not one `UPDATE … FROM unnest(…)`: PostgreSQL plans that join once per connection and keeps
 /// the plan, and a plan made while the table is young (a hash join over a sequential scan of
 /// the table) is kept as it grows, until the next `ANALYZE` replaces it: every completion would
-/// read the whole table. A lookup by primary key a row plans as an index scan whatever the
-/// table's size, as the single-row statement does. The CTEs run in order, so rows (sorted by
-/// `(scope, key)`) are locked in order.
+/// read the whole table. A lookup by primary key a row plans as the single-row statement does:
+/// an index scan, unless the table was analyzed while it held a handful of rows (then both scan
+/// it until the next `ANALYZE`). The CTEs run in order, so rows (sorted by `(scope, key)`) are
+/// locked in order.
 fn complete_many(t: &str, rows: usize) -> String {
     let ctes = completion_ctes(t, rows, 0, &now(7 * rows + 1));
     let union: Vec<String> = (0..rows).map(|k| format!("SELECT n FROM c{k}")).collect();
@@ -488,14 +489,8 @@ impl Statements {
              UNION ALL \
              SELECT false, {STANDING_COLUMNS} FROM {t} r, clock WHERE r.scope = $1 AND r.key = $2"
         );
-        // The same claim for many requests: arrays of the parameters above ($9 the clock
-        // offset). Rows are inserted in `(scope, key)` order, so two batches never wait on each
-        // other in a cycle. A key carried twice is inserted once and both rows match its
-        // `RETURNING` row by key, so a request has acquired only when the returned token is its
-        // own; the other reads back nothing (its row is this statement's own insert, invisible
-        // to its read-back) and is re-run, like a row committed after the snapshot. Only a row
-        // that inserted nothing is read back, a lookup by primary key a row (`LATERAL … LIMIT`
-        // is never turned into a join: see [`complete_many`] for why that matters).
+        // The same claim for many requests, over arrays ($9 the clock offset): see
+        // [`claim_many_parts`].
         let claim_many = {
             let (ctes, select) = claim_many_parts(t, 9);
             format!("WITH {ctes} {select} ORDER BY i.n")
@@ -877,20 +872,13 @@ impl batch::Job for Rounds {
 
     async fn many(core: &Core, rows: &[Op]) -> Result<Vec<Result<Done, StoreError>>, sqlx::Error> {
         // Sorted claims first, so the answers below (claims, then completions) are in order.
-        let claims: Vec<&ClaimRow> = rows
-            .iter()
-            .filter_map(|op| match op {
-                Op::Claim(row) => Some(row),
-                Op::Complete(_) => None,
-            })
-            .collect();
-        let completions: Vec<&CompleteRow> = rows
-            .iter()
-            .filter_map(|op| match op {
-                Op::Complete(row) => Some(row),
-                Op::Claim(_) => None,
-            })
-            .collect();
+        let (mut claims, mut completions) = (Vec::new(), Vec::new());
+        for op in rows {
+            match op {
+                Op::Claim(row) => claims.push(row),
+                Op::Complete(row) => completions.push(row),
+            }
+        }
         let sql = &core.sql;
         let (size, statement) = match (claims.is_empty(), completions.is_empty()) {
             (false, true) => (0, &sql.claim_many),
