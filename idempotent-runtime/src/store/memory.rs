@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use hashbrown::{HashMap, HashTable};
 
 use super::{
@@ -24,11 +25,11 @@ use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 
 /// Bytes charged per record beyond its key and response weight: the record, its table slot and
-/// the table's slack, the allocations behind the response. Measured with
+/// the table's slack, the allocator's headers, the expiry queue's pairs. Measured with
 /// `cargo run --release -p idempotent-runtime --example memory_footprint` (1,000,000 completed
-/// records of 200-byte bodies: 682 B resident each, of which 280 B are key and response weight),
-/// so that the byte bound tracks resident memory.
-const ENTRY_OVERHEAD: usize = 400;
+/// records of 200-byte bodies: 596 B resident each, of which 285 B are key, route and response
+/// weight), so that the byte bound tracks resident memory.
+const ENTRY_OVERHEAD: usize = 320;
 
 /// Bounds of a [`MemoryStore`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,8 +73,34 @@ struct Slot {
 
 struct Record {
     scope: ScopeHash,
-    key: Box<str>,
+    /// The key, then the route it was claimed on (for [`Store::inspect`]), in one allocation.
+    key_route: Box<str>,
+    key_len: usize,
     entry: Entry,
+}
+
+impl Record {
+    fn key(&self) -> &str {
+        &self.key_route[..self.key_len]
+    }
+
+    fn route(&self) -> &str {
+        &self.key_route[self.key_len..]
+    }
+
+    /// Names the record after the claim `req`, unless it already is.
+    fn rename(&mut self, req: &ClaimRequest<'_>) {
+        if self.key() != req.key || self.route() != req.route {
+            (self.key_route, self.key_len) = key_route(req);
+        }
+    }
+}
+
+fn key_route(req: &ClaimRequest<'_>) -> (Box<str>, usize) {
+    let mut both = String::with_capacity(req.key.len() + req.route.len());
+    both.push_str(req.key);
+    both.push_str(req.route);
+    (both.into_boxed_str(), req.key.len())
 }
 
 struct Entry {
@@ -84,15 +111,62 @@ struct Entry {
     expires_at: Millis,
     retention: Millis,
     weight: usize,
-    /// For [`Store::inspect`]: the route it was claimed on, when, and when it completed.
-    route: Box<str>,
+    /// For [`Store::inspect`]: when it was claimed, and when it completed.
     created_at: Millis,
     completed_at: Millis,
 }
 
 enum EntryState {
     Reserved { lease_until: Millis },
-    Completed(Arc<RecordedResponse>),
+    Completed(Packed),
+}
+
+/// A recorded answer as the store keeps it: its headers (in
+/// [`RecordedResponse::encode_headers`]' form) and its body in one buffer of exactly their size.
+///
+/// Kept as the runtime hands it over, an answer was up to nine allocations held for the whole
+/// retention: the body's buffer with whatever slack its serializer grew (a 1.1 KiB JSON body
+/// sits in 2 KiB), the buffer's shared count, each header's name and value, their list, the
+/// `Arc`. Packed, it is one, and the key and route another: 596 B resident a record in
+/// `examples/memory_footprint` against 682 B before. A replay unpacks it (the headers are
+/// copied, the body is shared).
+struct Packed {
+    status: u16,
+    head: usize,
+    bytes: Bytes,
+}
+
+impl Packed {
+    fn new(response: &RecordedResponse) -> Self {
+        let head = header_bytes(&response.headers);
+        let mut buf = Vec::with_capacity(head + response.body.len());
+        response.encode_headers_into(&mut buf);
+        debug_assert_eq!(buf.len(), head);
+        buf.extend_from_slice(&response.body);
+        Self {
+            status: response.status,
+            head,
+            bytes: Bytes::from(buf),
+        }
+    }
+
+    fn unpack(&self) -> RecordedResponse {
+        RecordedResponse {
+            status: self.status,
+            headers: RecordedResponse::decode_headers(&self.bytes[..self.head])
+                .expect("headers the store encoded itself"),
+            body: self.bytes.slice(self.head..),
+        }
+    }
+
+    /// Whether `response` is the answer packed here.
+    fn holds(&self, response: &RecordedResponse) -> bool {
+        self.status == response.status
+            && self.bytes[self.head..] == response.body[..]
+            && header_bytes(&response.headers) == self.head
+            && RecordedResponse::decode_headers(&self.bytes[..self.head]).as_ref()
+                == Some(&response.headers)
+    }
 }
 
 impl Entry {
@@ -107,7 +181,7 @@ impl Entry {
                     }
                 }
                 EntryState::Reserved { .. } => StandingState::Abandoned,
-                EntryState::Completed(r) => StandingState::Completed(Arc::clone(r)),
+                EntryState::Completed(p) => StandingState::Completed(Arc::new(p.unpack())),
             }
         };
         let expires_in = matches!(state, StandingState::Completed(_))
@@ -402,7 +476,6 @@ impl MemoryStore {
                 + req.key.len()
                 + req.route.len()
                 + self.limits.response_headroom,
-            route: req.route.into(),
             created_at: now,
             completed_at: 0,
         }
@@ -425,29 +498,32 @@ impl MemoryStore {
             self.charge(entry.weight, entry.quota_bucket)?;
         }
         shard.queue(hash, entry.expires_at);
+        let (key_route, key_len) = key_route(req);
         let record = Box::new(Record {
             scope: *req.scope,
-            key: req.key.into(),
+            key_route,
+            key_len,
             entry,
         });
         shard.insert_unique(hash, Slot { hash, record }, |s| s.hash);
         Ok(Claim::Acquired)
     }
 
-    /// Replaces a takeable entry in place with a fresh reservation; returns its new expiry, for
-    /// the shard's queue.
+    /// Replaces a takeable record's entry in place with a fresh reservation; returns its new
+    /// expiry, for the shard's queue.
     fn take_over(
         &self,
-        entry: &mut Entry,
+        record: &mut Record,
         req: &ClaimRequest<'_>,
         now: Millis,
     ) -> Result<Millis, StoreError> {
         // Same slot, same scope, so the same quota bucket: only the byte charge changes (a
         // reservation with its headroom may outweigh the small record it replaces).
         let fresh = self.reservation(req, now);
-        self.recharge(entry.quota_bucket, entry.weight, fresh.weight)?;
-        *entry = fresh;
-        Ok(entry.expires_at)
+        self.recharge(record.entry.quota_bucket, record.entry.weight, fresh.weight)?;
+        record.entry = fresh;
+        record.rename(req);
+        Ok(record.entry.expires_at)
     }
 
     /// Frees up to `limit` records expired at `now`, in expiry order, visiting only queue pairs
@@ -499,7 +575,7 @@ fn settle_freed_memory() {
 }
 
 fn matches<'a>(hash: u64, scope: &'a ScopeHash, key: &'a str) -> impl Fn(&Slot) -> bool + 'a {
-    move |s| s.hash == hash && s.record.scope == *scope && *s.record.key == *key
+    move |s| s.hash == hash && s.record.scope == *scope && s.record.key() == key
 }
 
 #[async_trait]
@@ -510,7 +586,7 @@ impl Store for MemoryStore {
         let mut shard = lock(shard);
         match shard.find_mut(hash, matches(hash, req.scope, req.key)) {
             Some(Slot { record: r, .. }) if now >= r.entry.expires_at => {
-                let expires_at = self.take_over(&mut r.entry, req, now)?;
+                let expires_at = self.take_over(r, req, now)?;
                 shard.queue(hash, expires_at);
                 Ok(Claim::Acquired)
             }
@@ -532,7 +608,7 @@ impl Store for MemoryStore {
                 if now >= r.entry.expires_at
                     || (r.entry.token == stale && r.entry.takeable(now)) =>
             {
-                let expires_at = self.take_over(&mut r.entry, req, now)?;
+                let expires_at = self.take_over(r, req, now)?;
                 shard.queue(hash, expires_at);
                 Ok(Claim::Acquired)
             }
@@ -555,20 +631,20 @@ impl Store for MemoryStore {
         let Some(Slot { record, .. }) = shard.find_mut(hash, matches(hash, scope, key)) else {
             return Ok(false);
         };
+        let weight = ENTRY_OVERHEAD + record.key_route.len() + response.weight();
         let entry = &mut record.entry;
         if entry.token != token {
             return Ok(false);
         }
-        if let EntryState::Completed(recorded) = &entry.state {
+        if let EntryState::Completed(packed) = &entry.state {
             // A resent completion that finds its own record: it is done.
-            return Ok(**recorded == *response);
+            return Ok(packed.holds(response));
         }
-        let weight = ENTRY_OVERHEAD + key.len() + entry.route.len() + response.weight();
         // Within the headroom set aside at the claim this only shrinks; an answer larger than
         // the headroom may be refused here, and the runtime then releases the key.
         self.recharge(entry.quota_bucket, entry.weight, weight)?;
         entry.weight = weight;
-        entry.state = EntryState::Completed(Arc::new(response.clone()));
+        entry.state = EntryState::Completed(Packed::new(response));
         entry.expires_at = now.saturating_add(millis(retention));
         entry.completed_at = now;
         let expires_at = entry.expires_at;
@@ -674,7 +750,7 @@ impl Store for MemoryStore {
         let e = &record.entry;
         let (lease_until, response) = match &e.state {
             EntryState::Reserved { lease_until } => (Some(*lease_until), None),
-            EntryState::Completed(r) => (None, Some(r)),
+            EntryState::Completed(p) => (None, Some(p)),
         };
         let state = RecordState::judge(
             response.is_some(),
@@ -685,14 +761,16 @@ impl Store for MemoryStore {
         Ok(Some(RecordInfo {
             state,
             status: response.map(|r| r.status),
-            route: Some(e.route.to_string()),
+            route: Some(record.route().to_owned()),
             created_at: Some(wall(e.created_at)),
             completed_at: response.map(|_| wall(e.completed_at)),
             lease_until: lease_until.map(wall),
             expires_at: wall(e.expires_at),
-            body_bytes: response.map_or(0, |r| r.body.len()),
-            header_bytes: response.map_or(0, |r| header_bytes(&r.headers)),
-            response: response.filter(|_| with_response).map(Arc::clone),
+            body_bytes: response.map_or(0, |p| p.bytes.len() - p.head),
+            header_bytes: response.map_or(0, |p| p.head),
+            response: response
+                .filter(|_| with_response)
+                .map(|p| Arc::new(p.unpack())),
         }))
     }
 
@@ -1085,6 +1163,74 @@ mod tests {
                 .await
                 .unwrap()
         );
+    }
+
+    /// The packed answer comes back as it was given (headers in order, empty values, a body
+    /// with every byte value), inspection reports its sizes, and a record taken over after
+    /// expiry is named after the route that took it.
+    #[tokio::test]
+    async fn a_packed_answer_replays_as_recorded_and_a_takeover_renames_the_route() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let scope = [14; 32];
+        let first = ClaimRequest {
+            route: "/orders/{id}",
+            ..claim_req(&scope, "key-1", 14)
+        };
+        assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
+        let recorded = RecordedResponse {
+            status: 207,
+            headers: vec![
+                ("location".into(), Bytes::from_static(b"/orders/9")),
+                ("x-empty".into(), Bytes::new()),
+                ("location".into(), Bytes::from_static(b"/orders/10")),
+            ],
+            body: (0..=255u8).collect::<Vec<u8>>().into(),
+        };
+        let retention = Duration::from_secs(60);
+        assert!(
+            store
+                .complete(&scope, "key-1", first.token, &recorded, retention)
+                .await
+                .unwrap()
+        );
+        let again = claim_req(&scope, "key-1", 14);
+        match store.claim(&again).await.unwrap() {
+            Claim::Standing(Standing {
+                state: StandingState::Completed(replayed),
+                ..
+            }) => assert_eq!(*replayed, recorded),
+            other => panic!("{other:?}"),
+        }
+        let info = store.inspect(&scope, "key-1", true).await.unwrap().unwrap();
+        assert_eq!(info.route.as_deref(), Some("/orders/{id}"));
+        assert_eq!(info.body_bytes, 256);
+        assert_eq!(info.header_bytes, header_bytes(&recorded.headers));
+        assert_eq!(info.response.as_deref(), Some(&recorded));
+        // Another answer is not the one recorded: a resent completion of it is refused.
+        let other = RecordedResponse {
+            headers: recorded.headers[..2].to_vec(),
+            ..recorded.clone()
+        };
+        assert!(
+            !store
+                .complete(&scope, "key-1", first.token, &other, retention)
+                .await
+                .unwrap()
+        );
+        clock.advance(Duration::from_secs(61 + 60));
+        let later = ClaimRequest {
+            route: "/refunds",
+            ..claim_req(&scope, "key-1", 14)
+        };
+        assert_eq!(store.claim(&later).await.unwrap(), Claim::Acquired);
+        let info = store
+            .inspect(&scope, "key-1", false)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(info.route.as_deref(), Some("/refunds"));
+        assert_eq!((info.body_bytes, info.header_bytes), (0, 0));
     }
 }
 

@@ -95,14 +95,19 @@ impl RecordedResponse {
 
     /// Headers in a compact length-prefixed encoding, for SQL `bytea`/`blob` columns.
     pub fn encode_headers(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.headers.len() * 32);
+        let mut out = Vec::with_capacity(header_bytes(&self.headers));
+        self.encode_headers_into(&mut out);
+        out
+    }
+
+    /// [`encode_headers`](Self::encode_headers), appended to `out`.
+    pub(crate) fn encode_headers_into(&self, out: &mut Vec<u8>) {
         for (name, value) in &self.headers {
             out.extend_from_slice(&(name.len() as u32).to_be_bytes());
             out.extend_from_slice(name.as_bytes());
             out.extend_from_slice(&(value.len() as u32).to_be_bytes());
             out.extend_from_slice(value);
         }
-        out
     }
 
     /// Inverse of [`encode_headers`](Self::encode_headers); `None` on corrupt input.
