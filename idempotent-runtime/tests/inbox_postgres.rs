@@ -3,6 +3,8 @@
 //! Reads `DATABASE_URL`; without it each test says so and skips, unless
 //! `IDEMPOTENT_REQUIRE_DB=1`, when it fails. Each test works in its own schema.
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -19,15 +21,8 @@ struct Db {
 }
 
 impl Db {
-    async fn connect(test: &str) -> Option<Self> {
-        let Ok(url) = std::env::var("DATABASE_URL") else {
-            assert!(
-                std::env::var("IDEMPOTENT_REQUIRE_DB").as_deref() != Ok("1"),
-                "{test}: DATABASE_URL is unset but IDEMPOTENT_REQUIRE_DB=1"
-            );
-            eprintln!("{test}: skipped, DATABASE_URL is unset");
-            return None;
-        };
+    async fn connect() -> Option<Self> {
+        let url = support::database_url()?;
         let pool = PgPoolOptions::new()
             .max_connections(24)
             .connect(&url)
@@ -141,7 +136,7 @@ fn insert_order(
 
 #[tokio::test]
 async fn a_redelivered_message_is_a_duplicate_and_the_handler_does_not_run_again() {
-    let Some(db) = Db::connect("duplicate").await else {
+    let Some(db) = Db::connect().await else {
         return;
     };
     let inbox = db.inbox("reserve-stock").await;
@@ -173,7 +168,7 @@ async fn a_redelivered_message_is_a_duplicate_and_the_handler_does_not_run_again
 
 #[tokio::test]
 async fn sixteen_concurrent_copies_apply_the_effect_once() {
-    let Some(db) = Db::connect("concurrent").await else {
+    let Some(db) = Db::connect().await else {
         return;
     };
     let inbox = db.inbox("reserve-stock").await;
@@ -236,7 +231,7 @@ async fn sixteen_concurrent_copies_apply_the_effect_once() {
 
 #[tokio::test]
 async fn a_copy_meeting_an_uncommitted_marker_past_the_lock_timeout_is_busy() {
-    let Some(db) = Db::connect("busy").await else {
+    let Some(db) = Db::connect().await else {
         return;
     };
     let inbox = PgInbox::builder(db.pool.clone(), "reserve-stock")
@@ -290,7 +285,7 @@ async fn a_copy_meeting_an_uncommitted_marker_past_the_lock_timeout_is_busy() {
 
 #[tokio::test]
 async fn a_handlers_own_unique_violation_propagates_and_is_not_a_duplicate() {
-    let Some(db) = Db::connect("own_unique").await else {
+    let Some(db) = Db::connect().await else {
         return;
     };
     let inbox = db.inbox("record-order").await;
@@ -350,7 +345,7 @@ async fn a_handlers_own_unique_violation_propagates_and_is_not_a_duplicate() {
 
 #[tokio::test]
 async fn a_unique_violation_at_commit_is_a_duplicate_only_on_the_inboxs_constraint() {
-    let Some(db) = Db::connect("commit_unique").await else {
+    let Some(db) = Db::connect().await else {
         return;
     };
     // A deferred primary key moves the duplicate check to COMMIT: the copy runs its handler,
@@ -425,7 +420,7 @@ async fn a_unique_violation_at_commit_is_a_duplicate_only_on_the_inboxs_constrai
 
 #[tokio::test]
 async fn a_handler_error_rolls_back_and_leaves_no_marker_so_the_redelivery_runs() {
-    let Some(db) = Db::connect("rollback").await else {
+    let Some(db) = Db::connect().await else {
         return;
     };
     let inbox = db.inbox("reserve-stock").await;
@@ -471,7 +466,7 @@ async fn a_handler_error_rolls_back_and_leaves_no_marker_so_the_redelivery_runs(
 
 #[tokio::test]
 async fn a_handler_that_swallows_a_failed_statement_is_not_acked() {
-    let Some(db) = Db::connect("swallowed").await else {
+    let Some(db) = Db::connect().await else {
         return;
     };
     let inbox = db.inbox("reserve-stock").await;
@@ -495,7 +490,7 @@ async fn a_handler_that_swallows_a_failed_statement_is_not_acked() {
 
 #[tokio::test]
 async fn sweep_deletes_only_markers_older_than_retention() {
-    let Some(db) = Db::connect("sweep").await else {
+    let Some(db) = Db::connect().await else {
         return;
     };
     let inbox = db.inbox("reserve-stock").await;
@@ -548,7 +543,7 @@ async fn sweep_deletes_only_markers_older_than_retention() {
 
 #[tokio::test]
 async fn the_background_sweeper_deletes_old_markers() {
-    let Some(db) = Db::connect("sweeper").await else {
+    let Some(db) = Db::connect().await else {
         return;
     };
     let inbox = PgInbox::builder(db.pool.clone(), "reserve-stock")
@@ -585,7 +580,7 @@ async fn the_background_sweeper_deletes_old_markers() {
 
 #[tokio::test]
 async fn migrate_is_idempotent_from_several_processes_and_honours_a_renamed_table() {
-    let Some(db) = Db::connect("migrate").await else {
+    let Some(db) = Db::connect().await else {
         return;
     };
     let inbox = PgInbox::builder(db.pool.clone(), "reserve-stock")

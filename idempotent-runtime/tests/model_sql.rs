@@ -12,6 +12,8 @@
 //! `tests/model_sql.proptest-regressions` (commit it: every later run replays it first). PostgreSQL tests read
 //! `DATABASE_URL` and skip with a message when it is unset, unless `IDEMPOTENT_REQUIRE_DB=1`.
 
+mod support;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -139,15 +141,8 @@ fn sqlite_store_agrees_with_the_model() {
 fn postgres_store_agrees_with_the_model() {
     use idempotent_runtime::store::postgres::PostgresStore;
 
-    let url = match std::env::var("DATABASE_URL") {
-        Ok(url) => url,
-        Err(_) if std::env::var("IDEMPOTENT_REQUIRE_DB").as_deref() == Ok("1") => {
-            panic!("IDEMPOTENT_REQUIRE_DB=1 but DATABASE_URL is unset")
-        }
-        Err(_) => {
-            eprintln!("DATABASE_URL is unset: skipping the PostgreSQL model test");
-            return;
-        }
+    let Some(url) = support::database_url() else {
+        return;
     };
     let schema = format!("idem_model_{:016x}", FencingToken::mint().0);
 
@@ -199,13 +194,7 @@ fn token_conditional_writes_survive_connections_the_database_dropped() {
     use idempotent_runtime::store::postgres::PostgresStore;
     use idempotent_runtime::store::{Claim, ClaimRequest, RecordedResponse, StandingState};
 
-    let Ok(url) = std::env::var("DATABASE_URL") else {
-        assert_ne!(
-            std::env::var("IDEMPOTENT_REQUIRE_DB").as_deref(),
-            Ok("1"),
-            "IDEMPOTENT_REQUIRE_DB=1 but DATABASE_URL is unset"
-        );
-        eprintln!("DATABASE_URL is unset: skipping this PostgreSQL test");
+    let Some(url) = support::database_url() else {
         return;
     };
     let schema = format!("idem_drop_{:016x}", FencingToken::mint().0);

@@ -14,18 +14,8 @@
 
 use idempotent_runtime::store::postgres::PostgresStore;
 
-fn database_url() -> Option<String> {
-    match std::env::var("DATABASE_URL") {
-        Ok(url) => Some(url),
-        Err(_) if std::env::var("IDEMPOTENT_REQUIRE_DB").as_deref() == Ok("1") => {
-            panic!("IDEMPOTENT_REQUIRE_DB=1 but DATABASE_URL is unset")
-        }
-        Err(_) => {
-            eprintln!("DATABASE_URL is unset: skipping this PostgreSQL TLS test");
-            None
-        }
-    }
-}
+mod support;
+use support::database_url;
 
 /// `DATABASE_URL` with its `sslmode` replaced by `mode`.
 fn with_sslmode(url: &str, mode: &str) -> String {

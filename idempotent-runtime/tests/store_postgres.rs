@@ -24,18 +24,8 @@ use idempotent_runtime::store::{
 };
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
-fn database_url() -> Option<String> {
-    match std::env::var("DATABASE_URL") {
-        Ok(url) => Some(url),
-        Err(_) if std::env::var("IDEMPOTENT_REQUIRE_DB").as_deref() == Ok("1") => {
-            panic!("IDEMPOTENT_REQUIRE_DB=1 but DATABASE_URL is unset")
-        }
-        Err(_) => {
-            eprintln!("DATABASE_URL is unset: skipping this PostgreSQL test");
-            None
-        }
-    }
-}
+mod support;
+use support::database_url;
 
 /// A schema of its own, dropped when the test ends (also on panic, best effort).
 struct TestDb {

@@ -27,20 +27,8 @@ use idempotent_runtime::store::{
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
-fn required() -> bool {
-    std::env::var("IDEMPOTENT_REQUIRE_REDIS").as_deref() == Ok("1")
-}
-
-fn redis_url() -> Option<String> {
-    match std::env::var("REDIS_URL") {
-        Ok(url) => Some(url),
-        Err(_) if required() => panic!("IDEMPOTENT_REQUIRE_REDIS=1 but REDIS_URL is unset"),
-        Err(_) => {
-            eprintln!("REDIS_URL is unset: skipping this Redis test");
-            None
-        }
-    }
-}
+mod support;
+use support::{redis_required as required, redis_url};
 
 fn prefix(what: &str) -> String {
     format!("idem-test-{what}-{:016x}", FencingToken::mint().0)

@@ -1,0 +1,39 @@
+//! What the runtime's integration tests share: the services they may use.
+//!
+//! Without the service's URL a test says so and skips, unless CI's switch for it is set
+//! (`IDEMPOTENT_REQUIRE_DB=1`, `IDEMPOTENT_REQUIRE_REDIS=1`), when it fails, so service tests
+//! cannot silently skip there.
+
+// Each test file is its own crate and uses part of this.
+#![allow(dead_code)]
+
+/// `DATABASE_URL`, or `None` after saying the test skips (a panic under `IDEMPOTENT_REQUIRE_DB=1`).
+pub fn database_url() -> Option<String> {
+    service_url("DATABASE_URL", "IDEMPOTENT_REQUIRE_DB", "PostgreSQL")
+}
+
+/// `REDIS_URL`, or `None` after saying the test skips (a panic under
+/// `IDEMPOTENT_REQUIRE_REDIS=1`).
+pub fn redis_url() -> Option<String> {
+    service_url("REDIS_URL", "IDEMPOTENT_REQUIRE_REDIS", "Redis")
+}
+
+/// Whether CI requires the Redis tests to run (so a missing tool fails them too).
+pub fn redis_required() -> bool {
+    required("IDEMPOTENT_REQUIRE_REDIS")
+}
+
+fn required(switch: &str) -> bool {
+    std::env::var(switch).as_deref() == Ok("1")
+}
+
+fn service_url(var: &str, switch: &str, service: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) => Some(url),
+        Err(_) if required(switch) => panic!("{switch}=1 but {var} is unset"),
+        Err(_) => {
+            eprintln!("{var} is unset: skipping this {service} test");
+            None
+        }
+    }
+}
