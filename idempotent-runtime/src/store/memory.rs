@@ -88,9 +88,9 @@ impl Record {
         &self.key_route[self.key_len..]
     }
 
-    /// Names the record after the claim `req`, unless it already is.
+    /// Gives a record taken over by the claim `req` (same key) that claim's route.
     fn rename(&mut self, req: &ClaimRequest<'_>) {
-        if self.key() != req.key || self.route() != req.route {
+        if self.route() != req.route {
             (self.key_route, self.key_len) = key_route(req);
         }
     }
@@ -124,12 +124,12 @@ enum EntryState {
 /// A recorded answer as the store keeps it: its headers (in
 /// [`RecordedResponse::encode_headers`]' form) and its body in one buffer of exactly their size.
 ///
-/// Kept as the runtime hands it over, an answer was up to nine allocations held for the whole
-/// retention: the body's buffer with whatever slack its serializer grew (a 1.1 KiB JSON body
-/// sits in 2 KiB), the buffer's shared count, each header's name and value, their list, the
-/// `Arc`. Packed, it is one, and the key and route another: 596 B resident a record in
-/// `examples/memory_footprint`, against 780 B before (one machine, one sitting). A replay
-/// unpacks it (the headers are copied, the body is shared).
+/// The runtime hands an answer over as up to nine allocations: the body's buffer with whatever
+/// slack its serializer grew (a 1.1 KiB JSON body sits in 2 KiB), the buffer's shared count, each
+/// header's name and value, their list. A record holds its answer for the whole retention, so it
+/// keeps one allocation of the exact size, and its key and route one more: 596 B resident a
+/// record in `examples/memory_footprint`, against 780 B kept as handed over (one machine, one
+/// sitting). A replay unpacks it: the headers are copied, the body is shared.
 struct Packed {
     status: u16,
     head: usize,
