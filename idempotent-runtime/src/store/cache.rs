@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use hashbrown::{HashMap, HashTable};
 
 use super::{
@@ -303,6 +304,18 @@ impl<S> CachedStore<S> {
     }
 }
 
+/// A copy of `response` that owns its body in a buffer of exactly its size. The runtime's body is
+/// often a view of the buffer its handler serialized into, slack included (a 1.1 KiB JSON answer
+/// in 2 KiB); a copy kept for minutes must not keep that buffer alive, or the cache would hold
+/// more than the `max_bytes` it counts.
+fn detached(response: &RecordedResponse) -> RecordedResponse {
+    RecordedResponse {
+        status: response.status,
+        headers: response.headers.clone(),
+        body: Bytes::copy_from_slice(&response.body),
+    }
+}
+
 #[async_trait]
 impl<S: Store> Store for CachedStore<S> {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
@@ -363,7 +376,7 @@ impl<S: Store> Store for CachedStore<S> {
             let copy = Standing {
                 token,
                 fingerprint,
-                state: StandingState::Completed(Arc::new(response.clone())),
+                state: StandingState::Completed(Arc::new(detached(response))),
                 expires_in: Some(retention),
             };
             self.keep(scope, key, &copy, sent_at);
@@ -594,6 +607,44 @@ mod tests {
             "a cached replay reached the store"
         );
         assert_eq!(store.hits(), 2);
+    }
+
+    /// The byte bound counts a body's length: a copy that kept the handler's whole buffer alive
+    /// (here 64 KiB behind a 2-byte answer) would hold far more than it counts.
+    #[tokio::test]
+    async fn a_kept_copy_owns_its_body_not_the_buffer_it_was_cut_from() {
+        let clock = ManualClock::new();
+        let store = counting(&clock);
+        let scope = [3; 32];
+        let first = req(&scope, "k", 1);
+        assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
+        let buffer = Bytes::from(vec![b'{'; 64 << 10]);
+        let answer = RecordedResponse {
+            headers: vec![(
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            )],
+            body: buffer.slice(..2),
+            ..response(b"")
+        };
+        assert!(
+            store
+                .complete(&scope, "k", first.token, &answer, first.retention)
+                .await
+                .unwrap()
+        );
+        let StandingState::Completed(kept) =
+            standing(store.claim(&req(&scope, "k", 1)).await.unwrap()).state
+        else {
+            panic!("not a replay");
+        };
+        assert_eq!(*kept, answer);
+        assert_eq!(store.hits(), 1, "the replay came from the cache");
+        let within = buffer.as_ptr_range();
+        assert!(
+            !within.contains(&kept.body.as_ptr()),
+            "the cached copy still points into the handler's 64 KiB buffer"
+        );
     }
 
     #[tokio::test]
