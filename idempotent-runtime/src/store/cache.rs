@@ -565,11 +565,21 @@ mod tests {
         scope: &ScopeHash,
         key: &str,
     ) -> FencingToken {
+        completed_with(store, scope, key, &response(b"{}")).await
+    }
+
+    /// Claims `key` (fingerprint 1) through the cache and completes it with `answer`.
+    async fn completed_with<S: Store>(
+        store: &CachedStore<S>,
+        scope: &ScopeHash,
+        key: &str,
+        answer: &RecordedResponse,
+    ) -> FencingToken {
         let first = req(scope, key, 1);
         assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
         assert!(
             store
-                .complete(scope, key, first.token, &response(b"{}"), first.retention)
+                .complete(scope, key, first.token, answer, first.retention)
                 .await
                 .unwrap()
         );
@@ -616,8 +626,6 @@ mod tests {
         let clock = ManualClock::new();
         let store = counting(&clock);
         let scope = [3; 32];
-        let first = req(&scope, "k", 1);
-        assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
         let buffer = Bytes::from(vec![b'{'; 64 << 10]);
         let answer = RecordedResponse {
             headers: vec![(
@@ -627,12 +635,7 @@ mod tests {
             body: buffer.slice(..2),
             ..response(b"")
         };
-        assert!(
-            store
-                .complete(&scope, "k", first.token, &answer, first.retention)
-                .await
-                .unwrap()
-        );
+        completed_with(&store, &scope, "k", &answer).await;
         let StandingState::Completed(kept) =
             standing(store.claim(&req(&scope, "k", 1)).await.unwrap()).state
         else {
