@@ -28,6 +28,7 @@ async fn seed(store: &dyn Store) {
         lease: Duration::from_secs(60),
         retention: Duration::from_secs(3600),
         route: "/orders",
+        response_room: 0,
     };
     assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
     let response = RecordedResponse {

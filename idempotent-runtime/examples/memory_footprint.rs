@@ -37,6 +37,7 @@ fn request<'a>(scope: &'a [u8; 32], key: &'a str) -> ClaimRequest<'a> {
         lease: Duration::from_secs(60),
         retention: Duration::from_secs(3600),
         route: "/test",
+        response_room: 0,
     }
 }
 

@@ -38,6 +38,7 @@ fn request<'a>(scope: &'a [u8; 32], key: &'a str, retention: Duration) -> ClaimR
         lease: Duration::from_secs(60),
         retention,
         route: "/orders",
+        response_room: 0,
     }
 }
 

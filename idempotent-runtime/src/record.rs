@@ -387,6 +387,7 @@ mod tests {
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(60),
             route: "/test",
+            response_room: 0,
         };
         let claimed = claim(&WrittenBeforeTheConnectionDied, &req, |f| *f == fp(1))
             .await

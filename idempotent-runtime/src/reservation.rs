@@ -478,6 +478,7 @@ pub(crate) mod tests {
             lease,
             retention: Duration::from_secs(60),
             route: "/test",
+            response_room: 0,
         }
     }
 

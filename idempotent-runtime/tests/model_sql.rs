@@ -224,6 +224,7 @@ fn token_conditional_writes_survive_connections_the_database_dropped() {
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(60),
             route: "/test",
+            response_room: 0,
         };
         let (done, renewed, released) = (req("done"), req("renewed"), req("released"));
         for r in [&done, &renewed, &released] {

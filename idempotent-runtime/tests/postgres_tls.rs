@@ -53,6 +53,7 @@ mod with_tls {
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(3600),
             route: "/orders",
+            response_room: 0,
         }
     }
 

@@ -56,6 +56,7 @@ fn req<'a>(scope: &'a ScopeHash, key: &'a str, lease: Duration) -> ClaimRequest<
         lease,
         retention: Duration::from_secs(3600),
         route: "/test",
+        response_room: 0,
     }
 }
 

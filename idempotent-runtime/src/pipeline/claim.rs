@@ -64,6 +64,7 @@ impl<'a> ClaimPlan<'a> {
                 lease: req.endpoint.lease,
                 retention: req.endpoint.retention,
                 route: req.input.route.unwrap_or(""),
+                response_room: req.endpoint.max_response,
             },
             route: req.input.route.unwrap_or(""),
             input: &req.input,

@@ -477,6 +477,7 @@ mod tests {
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(10),
             route: "/test",
+            response_room: 0,
         }
     }
 

@@ -100,6 +100,7 @@ fn req<'a>(
         lease,
         retention: 10 * SECOND,
         route: "/test",
+        response_room: 1 << 10,
     }
 }
 
@@ -724,6 +725,7 @@ pub mod model {
                         lease: Duration::from_secs(lease),
                         retention: Duration::from_secs(RETENTION_S),
                         route: "/test",
+                        response_room: 1 << 10,
                     };
                     let mut got = store.claim(&req).await.expect("claim");
                     // Take over what the engine would: expired, or abandoned by the same request.
@@ -862,6 +864,7 @@ pub mod model {
                             lease: Duration::from_secs(lease),
                             retention: Duration::from_secs(RETENTION_S),
                             route: "/test",
+                            response_room: 1 << 10,
                         })
                         .collect();
                     let store = &store;

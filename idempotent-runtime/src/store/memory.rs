@@ -827,6 +827,7 @@ mod tests {
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(60),
             route: "/test",
+            response_room: 0,
         }
     }
 
@@ -1175,6 +1176,7 @@ mod tests {
         let scope = [14; 32];
         let first = ClaimRequest {
             route: "/orders/{id}",
+            response_room: 0,
             ..claim_req(&scope, "key-1", 14)
         };
         assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
@@ -1221,6 +1223,7 @@ mod tests {
         clock.advance(Duration::from_secs(61 + 60));
         let later = ClaimRequest {
             route: "/refunds",
+            response_room: 0,
             ..claim_req(&scope, "key-1", 14)
         };
         assert_eq!(store.claim(&later).await.unwrap(), Claim::Acquired);
@@ -1252,6 +1255,7 @@ mod sweep_tests {
             lease: Duration::from_secs(secs),
             retention: Duration::from_secs(secs),
             route: "/test",
+            response_room: 0,
         }
     }
 

@@ -152,6 +152,11 @@ pub struct ClaimRequest<'a> {
     /// The matched route pattern, kept with the record for [`Store::inspect`] (never part of
     /// the store key: the fingerprint already tells routes apart).
     pub route: &'a str,
+    /// The most bytes the answer's body may record (the endpoint's `max_response`). A store
+    /// that sets room aside for answers at the claim, so a claimed request's answer is never
+    /// refused for room at completion, sets aside this much plus its own allowance for the
+    /// status and recorded headers; 0 sets nothing aside.
+    pub response_room: usize,
 }
 
 /// Outcome of a claim.
@@ -574,6 +579,7 @@ mod tests {
                 lease: Duration::from_secs(1),
                 retention: Duration::from_secs(1),
                 route: "/test",
+                response_room: 0,
             };
             assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
         }
@@ -589,6 +595,7 @@ mod tests {
             lease: Duration::from_secs(3600),
             retention: Duration::from_secs(1),
             route: "/test",
+            response_room: 0,
         };
         assert_eq!(store.claim(&live).await.unwrap(), Claim::Acquired);
         clock.advance(Duration::from_secs(3));
