@@ -618,3 +618,156 @@ fn passes_the_store_contract_and_agrees_with_the_model_on_a_three_node_cluster()
     drop(rt);
     drop(cluster);
 }
+
+/// One standalone `redis-server` of the test's own on a free local port (so the test may set
+/// its `maxmemory`), in a temporary directory; shut down and removed on drop.
+struct Standalone {
+    node: Child,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl Drop for Standalone {
+    fn drop(&mut self) {
+        let _ = self.node.kill();
+        let _ = self.node.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Standalone {
+    fn start() -> Option<Self> {
+        if !tool("redis-server") || !tool("redis-cli") {
+            assert!(
+                !required(),
+                "IDEMPOTENT_REQUIRE_REDIS=1 but redis-server or redis-cli is not installed"
+            );
+            eprintln!("redis-server or redis-cli is not installed: skipping");
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "idempotent-standalone-{:016x}",
+            FencingToken::mint().0
+        ));
+        std::fs::create_dir_all(&dir).expect("server dir");
+        let port = free_port_pair();
+        let node = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server");
+        let server = Self { node, port, dir };
+        wait_for(|| cli(port, &["PING"]).is_some_and(|o| o.contains("PONG")));
+        Some(server)
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// `used_memory` from `INFO memory`: what `maxmemory` is compared with.
+    fn used_memory(&self) -> u64 {
+        let info = cli(self.port, &["INFO", "memory"]).expect("INFO memory");
+        info.lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("used_memory in INFO memory")
+    }
+
+    /// Refuses writes once `used_memory` passes `bytes` (`noeviction`).
+    fn limit_memory(&self, bytes: u64) {
+        for args in [
+            ["CONFIG", "SET", "maxmemory-policy", "noeviction"],
+            ["CONFIG", "SET", "maxmemory", &bytes.to_string()],
+        ] {
+            let out = cli(self.port, &args).expect("CONFIG SET");
+            assert!(out.contains("OK"), "{args:?}: {out}");
+        }
+    }
+}
+
+/// DESIGN.md §5: a claim Redis accepts is one whose answer it will take. With `maxmemory` and
+/// `noeviction` near the limit, 30 keys of an endpoint whose answers are up to 200 KB: every
+/// claim that acquired completes with its 200 KB answer (none refused with OOM, which would
+/// release the key and let the retry run the handler again), and the claims Redis had no room
+/// for were refused at the claim, before any handler would run.
+#[tokio::test]
+async fn at_maxmemory_a_claimed_answer_is_never_refused_and_refusals_come_at_the_claim() {
+    let Some(server) = Standalone::start() else {
+        return;
+    };
+    const KEYS: usize = 30;
+    const ANSWER: usize = 200_000;
+    let store = RedisStore::builder()
+        .prefix(prefix("maxmemory"))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    // Room for a handful of answers, not thirty.
+    server.limit_memory(server.used_memory() + 2_000_000);
+    let scope = contract::fresh_scope();
+    let keys: Vec<String> = (0..KEYS).map(|k| format!("big-{k}")).collect();
+    let mut acquired = Vec::new();
+    let mut refused = 0;
+    for key in &keys {
+        let mut r = req(&scope, key, Duration::from_secs(30));
+        r.response_room = ANSWER;
+        match store.claim(&r).await {
+            Ok(Claim::Acquired) => acquired.push(r),
+            Err(idempotent_runtime::store::StoreError::Full) => refused += 1,
+            other => panic!("claim of {key}: {other:?}"),
+        }
+    }
+    let answer = RecordedResponse {
+        status: 200,
+        headers: vec![("content-type".into(), "application/octet-stream".into())],
+        body: vec![b'a'; ANSWER].into(),
+    };
+    let mut completed = 0;
+    for r in &acquired {
+        let done = store
+            .complete(&scope, r.key, r.token, &answer, Duration::from_secs(600))
+            .await;
+        assert!(
+            matches!(done, Ok(true)),
+            "the completion of claimed {} was refused after {completed} of {} claimed \
+             completed ({refused} claims refused): {done:?}",
+            r.key,
+            acquired.len()
+        );
+        completed += 1;
+    }
+    eprintln!(
+        "{} of {KEYS} claims acquired and completed, {refused} refused at the claim",
+        acquired.len()
+    );
+    assert_eq!(acquired.len() + refused, KEYS);
+    assert!(
+        !acquired.is_empty() && refused > 0,
+        "the limit admitted {} of {KEYS} claims: the test did not reach maxmemory",
+        acquired.len()
+    );
+    // Every recorded answer replays whole; every refused key is free (nothing stands).
+    for key in &keys {
+        let got = store
+            .claim(&req(&scope, key, Duration::from_secs(30)))
+            .await;
+        let was_claimed = acquired.iter().any(|r| r.key == key.as_str());
+        match got {
+            Ok(Claim::Standing(st)) if was_claimed => assert_eq!(
+                st.state,
+                StandingState::Completed(Arc::new(answer.clone())),
+                "{key}"
+            ),
+            // At the limit a fresh claim of a refused key is refused again, or (once memory
+            // was freed) acquires: never a record left standing by the refusal.
+            Err(idempotent_runtime::store::StoreError::Full) | Ok(Claim::Acquired)
+                if !was_claimed => {}
+            other => panic!("{key} (claimed: {was_claimed}) after the run: {other:?}"),
+        }
+    }
+}

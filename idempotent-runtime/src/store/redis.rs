@@ -66,50 +66,107 @@ const ATTEMPTS: u32 = 3;
 /// doubles and `PX` accepts them.
 const MAX_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
 
+/// Bytes set aside at a claim beyond the body's bound, for the status and the recorded
+/// headers (the allowlisted ones, typically a few hundred bytes). An answer whose headers take
+/// more is still recorded; Redis is then over `maxmemory` by the excess.
+pub const HEADER_ROOM: usize = 4 << 10;
+
+/// The most bytes of room one claim sets aside: Redis's largest string (`proto-max-bulk-len`'s
+/// default, 512 MiB), which no recorded answer can outgrow either.
+const MAX_ROOM: usize = 512 << 20;
+
+/// How long a release keeps its token's tombstone, so a copy of the claim delivered after the
+/// release (sent on a connection that failed, still in the network or in Redis's socket buffer)
+/// finds it and writes nothing instead of standing for a whole lease. 15 minutes outlasts
+/// TCP's retransmission of a connection's unacknowledged data (`tcp_retries2`'s default gives
+/// up after about 924 s).
+const RELEASED_KEEP_MS: u64 = 15 * 60 * 1000;
+
+/// A script: the shared prelude (`redis.lua`) then `$body`, after a `#!lua flags=...` line
+/// when flags are given (a shebang must be the script's first line; Redis 7 or later).
+/// `allow-oom` lets a script run when Redis is over `maxmemory`; a script without a shebang
+/// runs there too but has its first write that may grow memory (a `SET`) refused with `OOM`.
 macro_rules! script {
+    (flags = $flags:literal, $body:literal) => {
+        concat!("#!lua flags=", $flags, "\n", include_str!("redis.lua"), $body)
+    };
     ($body:literal) => {
         concat!(include_str!("redis.lua"), $body)
     };
 }
 
 /// KEYS[1] the record; ARGV: 1 clock offset, 2 token (8 bytes), 3 fingerprint (2-byte version
-/// and digest), 4 lease ms, 5 retention ms, 6 stale token (reclaim) or empty (claim), 7 route.
-/// Replies `{1}` when the request's token holds the key, else `{0, lease_until - now, record,
-/// expires_at - now}`.
+/// and digest), 4 lease ms, 5 retention ms, 6 stale token (reclaim) or empty (claim), 7 route,
+/// 8 bytes of room to set aside for the answer. Replies `{1}` when the request's token holds
+/// the key, `{2}` when this token was released before the claim arrived (nothing written),
+/// else `{0, lease_until - now, record, expires_at - now}`.
+///
+/// No shebang, on purpose: over `maxmemory` a replay (which writes nothing) is still answered,
+/// and a claim that would write has its first `SET` refused with `OOM` before anything is
+/// written, so the request is refused before its handler runs. A claim Redis lets write sets
+/// the answer's room aside at once (a string of that many bytes beside the record, in its
+/// slot), so Redis's own `used_memory` counts every claimed answer before it is written and
+/// the claims after it are refused once the rooms reach `maxmemory`.
 const CLAIM: &str = script!(
     r#"
 local rec = redis.call('GET', KEYS[1])
 local now = now_ms()
 if rec then
   local token = string.sub(rec, 3, 10)
-  local reserved = string.byte(rec, 2) == 0
-  -- A claim resent after its first send landed finds its own (unique) token.
-  if token == ARGV[2] and reserved then
-    return {1}
-  end
-  local lease_until = u64(rec, 11)
-  local takeable = u64(rec, 19) <= now
-    or (ARGV[6] ~= '' and token == ARGV[6] and reserved and lease_until <= now)
-  if not takeable then
-    return {0, lease_until - now, rec, u64(rec, 19) - now}
+  local state = string.byte(rec, 2)
+  if state == 2 then
+    -- A release's tombstone. Its own token: a copy of a claim that was released before it
+    -- arrived (its connection failed), which must not stand; any other claim takes the key.
+    if token == ARGV[2] then
+      return {2}
+    end
+  else
+    local reserved = state == 0
+    -- A claim resent after its first send landed finds its own (unique) token.
+    if token == ARGV[2] and reserved then
+      return {1}
+    end
+    local lease_until = u64(rec, 11)
+    local takeable = u64(rec, 19) <= now
+      or (ARGV[6] ~= '' and token == ARGV[6] and reserved and lease_until <= now)
+    if not takeable then
+      return {0, lease_until - now, rec, u64(rec, 19) - now}
+    end
   end
 end
 local lease = tonumber(ARGV[4])
 local retention = tonumber(ARGV[5])
+-- The first write, so the one Redis refuses over maxmemory (see above): nothing before it.
 redis.call('SET', KEYS[1],
   '\1\0' .. ARGV[2] .. be64(now + lease) .. be64(now + lease + retention) .. ARGV[3]
     .. '\0\0\0\0\0\0',
   'PX', lease + retention)
 -- What an operator reads beside the record (creation time, route), in its slot, never on the
--- replay path. A space cannot occur in a key, so no record is another's meta.
+-- replay path. A space cannot occur in a key, so no record is another's meta or room.
 redis.call('SET', KEYS[1] .. ' meta', be64(now) .. ARGV[7], 'PX', lease + retention)
+local room = KEYS[1] .. ' room'
+if rec then
+  -- A takeover: the previous holder's room goes, this claim's replaces it.
+  redis.call('DEL', room)
+end
+local bytes = tonumber(ARGV[8])
+if bytes > 0 then
+  -- SETRANGE past the end zero-fills: the room is allocated in Redis, not built in Lua.
+  redis.call('SETRANGE', room, bytes - 1, '\0')
+  redis.call('PEXPIRE', room, lease + retention)
+end
 return {1}
 "#
 );
 
 /// ARGV: 1 clock offset, 2 token, 3 retention ms, 4 status, header length, headers and body,
 /// 5 `1` when resent. Replies 1 when completed (or, resent, already completed by this token).
+///
+/// `allow-oom`: the answer takes the place of the room its claim set aside (deleted first), so
+/// a completion never grows Redis past what the claim already holds and is never refused
+/// over `maxmemory`.
 const COMPLETE: &str = script!(
+    flags = "allow-oom",
     r#"
 local rec = redis.call('GETRANGE', KEYS[1], 0, 59)
 if #rec < 60 or string.sub(rec, 3, 10) ~= ARGV[2] then
@@ -123,6 +180,7 @@ if string.byte(rec, 2) ~= 0 then
 end
 local now = now_ms()
 local retention = tonumber(ARGV[3])
+redis.call('DEL', KEYS[1] .. ' room')
 redis.call('SET', KEYS[1],
   '\1\1' .. ARGV[2] .. be64(now) .. be64(now + retention) .. string.sub(rec, 27, 60) .. ARGV[4],
   'PX', retention)
@@ -131,26 +189,48 @@ return 1
 "#
 );
 
-/// ARGV: 1 clock offset, 2 token, 3 `1` when resent. Replies 1 when the reservation was deleted
-/// (or, resent, is gone).
+/// ARGV: 1 clock offset, 2 token, 3 `1` when resent, 4 how long the tombstone stays (ms).
+/// Replies 1 when the reservation was deleted (or, resent, is gone).
+///
+/// The reservation, its meta and its room go, and a tombstone holding the token takes the
+/// record's place (also where there was no record: the best-effort release after a failed
+/// claim), so a copy of this token's claim that reaches Redis after the release, from a
+/// connection that failed while it was queued, writes nothing. Any other claim takes the key
+/// as if it were free. `allow-oom`: a release frees memory and must run over `maxmemory`.
 const RELEASE: &str = script!(
+    flags = "allow-oom",
     r#"
 local rec = redis.call('GETRANGE', KEYS[1], 0, 9)
+local tombstone = '\1\2' .. ARGV[2]
 if #rec < 10 then
+  redis.call('SET', KEYS[1], tombstone, 'PX', tonumber(ARGV[4]))
   if ARGV[3] == '1' then return 1 end
   return 0
 end
-if string.sub(rec, 3, 10) ~= ARGV[2] or string.byte(rec, 2) ~= 0 then
+if string.sub(rec, 3, 10) ~= ARGV[2] then
   return 0
 end
-redis.call('DEL', KEYS[1], KEYS[1] .. ' meta')
+local state = string.byte(rec, 2)
+if state == 2 then
+  -- Its own tombstone: a resend whose first send landed, or a release after a failed claim.
+  if ARGV[3] == '1' then return 1 end
+  return 0
+end
+if state ~= 0 then
+  return 0
+end
+redis.call('DEL', KEYS[1] .. ' meta', KEYS[1] .. ' room')
+redis.call('SET', KEYS[1], tombstone, 'PX', tonumber(ARGV[4]))
 return 1
 "#
 );
 
 /// ARGV: 1 clock offset, 2 token, 3 lease ms. A reservation expires its retention after its
-/// lease: the renewal keeps that distance. Replies 1 when renewed.
+/// lease: the renewal keeps that distance, for its meta and room too. Replies 1 when renewed.
+/// `allow-oom`: it rewrites 16 bytes in place, and a lease that could not be renewed over
+/// `maxmemory` would let another request take the key while the handler runs.
 const RENEW: &str = script!(
+    flags = "allow-oom",
     r#"
 local rec = redis.call('GETRANGE', KEYS[1], 0, 25)
 if #rec < 26 or string.sub(rec, 3, 10) ~= ARGV[2] or string.byte(rec, 2) ~= 0 then
@@ -162,29 +242,36 @@ local keep = u64(rec, 19) - u64(rec, 11)
 redis.call('SETRANGE', KEYS[1], 10, be64(now + lease) .. be64(now + lease + keep))
 redis.call('PEXPIRE', KEYS[1], lease + keep)
 redis.call('PEXPIRE', KEYS[1] .. ' meta', lease + keep)
+redis.call('PEXPIRE', KEYS[1] .. ' room', lease + keep)
 return 1
 "#
 );
 
 /// KEYS[1] the record; ARGV: 1 clock offset. Replies `{now, record, meta}` (meta: created at,
-/// 8 bytes, then the route; empty when missing), or nil when there is no record.
+/// 8 bytes, then the route; empty when missing), or nil when there is no record (a release's
+/// tombstone is none). `no-writes`: it runs over `maxmemory` and on a replica.
 const INSPECT: &str = script!(
+    flags = "no-writes",
     r#"
 local rec = redis.call('GET', KEYS[1])
-if not rec then
+if not rec or string.byte(rec, 2) == 2 then
   return false
 end
 return {now_ms(), rec, redis.call('GET', KEYS[1] .. ' meta') or ''}
 "#
 );
 
-/// KEYS[1] the record, deleted whatever its state and token (an operator's forget). Replies 1
-/// when there was one.
+/// KEYS[1] the record, deleted whatever its state and token (an operator's forget), with its
+/// meta, room and any tombstone. Replies 1 when there was a record. `allow-oom`: it only frees.
 const FORGET: &str = script!(
+    flags = "allow-oom",
     r#"
-local n = redis.call('DEL', KEYS[1])
-redis.call('DEL', KEYS[1] .. ' meta')
-return n
+local state = redis.call('GETRANGE', KEYS[1], 1, 1)
+redis.call('DEL', KEYS[1], KEYS[1] .. ' meta', KEYS[1] .. ' room')
+if state == '' or state == '\2' then
+  return 0
+end
+return 1
 "#
 );
 
@@ -351,7 +438,8 @@ impl RedisStoreBuilder {
     }
 }
 
-/// The Redis / Valkey store (Redis 5 or later, Valkey 7.2 or later). Cheap to share behind an
+/// The Redis / Valkey store (Redis 7.0 or later, Valkey 7.2 or later: the scripts declare
+/// their flags in a `#!lua` line). Cheap to share behind an
 /// `Arc`; build it with [`RedisStore::connect`] or [`RedisStore::builder`].
 pub struct RedisStore {
     conn: Connection,
@@ -551,6 +639,17 @@ impl RedisStore {
         key: &str,
         args: impl Fn(&mut ScriptInvocation<'_>, bool),
     ) -> Result<Value, StoreError> {
+        self.run_counted(script, scope, key, args).await.0
+    }
+
+    /// [`run`](Self::run), and whether a send's outcome was left unknown (it was resent).
+    async fn run_counted(
+        &self,
+        script: &Script,
+        scope: &ScopeHash,
+        key: &str,
+        args: impl Fn(&mut ScriptInvocation<'_>, bool),
+    ) -> (Result<Value, StoreError>, bool) {
         let redis_key = self.redis_key(scope, key);
         let mut attempt = 0;
         loop {
@@ -561,13 +660,13 @@ impl RedisStore {
             args(&mut invocation, attempt > 0);
             self.round_trips.fetch_add(1, Ordering::Relaxed);
             match self.conn.invoke(&invocation).await {
-                Ok(v) => return Ok(v),
+                Ok(v) => return (Ok(v), attempt > 0),
                 Err(e) if attempt + 1 < ATTEMPTS && resendable(&e) => {
                     attempt += 1;
                     tracing::debug!(error = %e, attempt, "idempotency store: resending a script");
                     tokio::time::sleep(Duration::from_millis(25 * u64::from(attempt))).await;
                 }
-                Err(e) => return Err(store_error(e)),
+                Err(e) => return (Err(store_error(e)), attempt > 0),
             }
         }
     }
@@ -580,21 +679,43 @@ impl RedisStore {
         let token = req.token.0.to_be_bytes();
         let fp = fingerprint_bytes(&req.fingerprint);
         let stale = stale.map(|t| t.0.to_be_bytes());
-        let reply = self
-            .run(&self.scripts.claim, req.scope, req.key, |inv, _| {
+        let room = if req.response_room == 0 {
+            0
+        } else {
+            req.response_room
+                .saturating_add(RECORD_HEADER_LEN + HEADER_ROOM)
+                .min(MAX_ROOM)
+        };
+        let (reply, resent) = self
+            .run_counted(&self.scripts.claim, req.scope, req.key, |inv, _| {
                 inv.arg(&token[..])
                     .arg(&fp[..])
                     .arg(millis(req.lease).max(1))
                     .arg(millis(req.retention))
                     .arg(stale.as_ref().map_or(&[][..], |s| &s[..]))
-                    .arg(req.route);
+                    .arg(req.route)
+                    .arg(room);
             })
-            .await?;
+            .await;
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(StoreError::Full) if resent => {
+                // Refused for room, but an earlier send's outcome is unknown: it may still
+                // reach Redis. The pipeline releases only after an unknown outcome, so the
+                // tombstone that keeps that copy from standing is left here.
+                let _ = self.release(req.scope, req.key, req.token).await;
+                return Err(StoreError::Full);
+            }
+            Err(e) => return Err(e),
+        };
         let Value::Array(items) = &reply else {
             return Err(unexpected(&reply));
         };
         match items.as_slice() {
             [Value::Int(1)] => Ok(Claim::Acquired),
+            [Value::Int(2)] => Err(StoreError::unavailable(
+                "the claim reached Redis after its own release",
+            )),
             [
                 Value::Int(0),
                 Value::Int(left),
@@ -679,7 +800,9 @@ impl Store for RedisStore {
         let token = token.0.to_be_bytes();
         let reply = self
             .run(&self.scripts.release, scope, key, |inv, resent| {
-                inv.arg(&token[..]).arg(if resent { "1" } else { "" });
+                inv.arg(&token[..])
+                    .arg(if resent { "1" } else { "" })
+                    .arg(RELEASED_KEEP_MS);
             })
             .await?;
         flag(&reply)
