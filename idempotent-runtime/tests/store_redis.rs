@@ -771,3 +771,196 @@ async fn at_maxmemory_a_claimed_answer_is_never_refused_and_refusals_come_at_the
         }
     }
 }
+
+/// Marks the claims [`HoldingProxy`] holds: the route, an argument of the claim script only.
+const HELD_ROUTE: &str = "/held-claim";
+
+/// A TCP proxy in front of a Redis that, while holding, keeps back every chunk a client sends
+/// that carries [`HELD_ROUTE`] and closes that client's connection, as a network or a busy
+/// server leaves a command queued on a connection the client has given up on. [`deliver`]
+/// later sends the held chunks to Redis on their own (still open) upstream connections.
+///
+/// [`deliver`]: HoldingProxy::deliver
+struct HoldingProxy {
+    port: u16,
+    held: Arc<tokio::sync::Mutex<Vec<(tokio::net::TcpStream, Vec<u8>)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for HoldingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl HoldingProxy {
+    /// A proxy to the Redis on `upstream` that holds the first `hold_at_most` marked chunks
+    /// and forwards the ones after them like any other.
+    async fn start(upstream: u16, hold_at_most: usize) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let held: Arc<tokio::sync::Mutex<Vec<_>>> = Arc::default();
+        let keep = Arc::clone(&held);
+        let task = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let held = Arc::clone(&keep);
+                tokio::spawn(async move {
+                    let Ok(mut server) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                    else {
+                        return;
+                    };
+                    let (mut up, mut down) = (vec![0u8; 1 << 16], vec![0u8; 1 << 16]);
+                    loop {
+                        tokio::select! {
+                            n = client.read(&mut up) => {
+                                let Ok(n @ 1..) = n else { return };
+                                let chunk = &up[..n];
+                                let marked = chunk.windows(HELD_ROUTE.len()).any(|w| w == HELD_ROUTE.as_bytes());
+                                let mut held = held.lock().await;
+                                if marked && held.len() < hold_at_most {
+                                    // The client's connection closes here; Redis's stays open.
+                                    held.push((server, chunk.to_vec()));
+                                    return;
+                                }
+                                drop(held);
+                                if server.write_all(chunk).await.is_err() { return }
+                            }
+                            n = server.read(&mut down) => {
+                                let Ok(n @ 1..) = n else { return };
+                                if client.write_all(&down[..n]).await.is_err() { return }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Self { port, held, task }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Sends every held chunk to Redis on its own connection and waits for Redis's reply to
+    /// each; returns how many there were.
+    async fn deliver(&self) -> usize {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut held = self.held.lock().await;
+        for (server, chunk) in held.iter_mut() {
+            server.write_all(chunk).await.unwrap();
+            let mut reply = [0u8; 256];
+            let n = tokio::time::timeout(Duration::from_secs(10), server.read(&mut reply))
+                .await
+                .expect("Redis answers a delivered claim")
+                .unwrap();
+            assert!(n > 0, "Redis closed a held connection");
+        }
+        held.len()
+    }
+}
+
+/// DESIGN.md §3 "Renewal outlives outages": a claim whose outcome is unknown is released before
+/// its 503, and the release must hold even when the claim reaches Redis after it. The claim's
+/// connection fails while the claim is still on its way (held by a proxy, as a network or a
+/// busy server holds it), the connection manager reconnects and the release runs first on the
+/// new connection; then the held claim lands. The key must not stand for a whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_reaches_redis_after_its_release_does_not_stand() {
+    let Some(server) = Standalone::start() else {
+        return;
+    };
+    let proxy = HoldingProxy::start(server.port, usize::MAX).await;
+    let prefix = prefix("late-claim");
+    let store = RedisStore::builder()
+        .prefix(&prefix)
+        .connect(&proxy.url())
+        .await
+        .unwrap();
+    let scope = contract::fresh_scope();
+    let mut first = req(&scope, "late", Duration::from_secs(30));
+    first.route = HELD_ROUTE;
+    let claimed = store.claim(&first).await;
+    assert!(
+        matches!(
+            claimed,
+            Err(idempotent_runtime::store::StoreError::Unavailable(_))
+        ),
+        "a claim whose connections all failed: {claimed:?}"
+    );
+    // What the pipeline does before answering 503 (pipeline::claim::claim_failed).
+    let released = store.release(&scope, "late", first.token).await;
+    assert!(
+        matches!(released, Ok(false)),
+        "the release found the claim: {released:?}"
+    );
+    let held = proxy.deliver().await;
+    assert!(held >= 1, "the proxy held no claim");
+
+    // The client's retry, with a fresh token, on a connection of its own.
+    let direct = RedisStore::builder()
+        .prefix(&prefix)
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let retry = req(&scope, "late", Duration::from_secs(30));
+    match direct.claim(&retry).await.unwrap() {
+        Claim::Acquired => {}
+        Claim::Standing(st) => panic!(
+            "after its release, the claim that arrived late ({held} copies) stands: {:?} \
+             (token {}, the released claim's {})",
+            st.state, st.token.0, first.token.0
+        ),
+    }
+    assert!(
+        direct
+            .complete(
+                &scope,
+                "late",
+                retry.token,
+                &response("{}"),
+                Duration::from_secs(60)
+            )
+            .await
+            .unwrap(),
+        "the retry holds the key"
+    );
+}
+
+/// The same when the resent claim is refused for room: its first copy, still on its way, must
+/// not stand either (the pipeline releases only after an unknown outcome, not after 503
+/// `IDEMPOTENCY_STORE_FULL`, so the store leaves the tombstone itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_refused_for_room_on_its_resend_leaves_no_late_copy_standing() {
+    let Some(server) = Standalone::start() else {
+        return;
+    };
+    let proxy = HoldingProxy::start(server.port, 1).await;
+    let prefix = prefix("late-full");
+    let store = RedisStore::builder()
+        .prefix(&prefix)
+        .connect(&proxy.url())
+        .await
+        .unwrap();
+    server.limit_memory(server.used_memory() / 2);
+    let scope = contract::fresh_scope();
+    let mut first = req(&scope, "late", Duration::from_secs(30));
+    first.route = HELD_ROUTE;
+    let claimed = store.claim(&first).await;
+    assert!(
+        matches!(claimed, Err(idempotent_runtime::store::StoreError::Full)),
+        "a resent claim over maxmemory: {claimed:?}"
+    );
+    server.limit_memory(0);
+    assert_eq!(proxy.deliver().await, 1, "the proxy held the first send");
+    let retry = req(&scope, "late", Duration::from_secs(30));
+    match store.claim(&retry).await.unwrap() {
+        Claim::Acquired => {}
+        Claim::Standing(st) => panic!(
+            "the first send of a claim refused for room stands: {:?} (its token: {})",
+            st.state,
+            st.token == first.token
+        ),
+    }
+}

@@ -88,7 +88,13 @@ const RELEASED_KEEP_MS: u64 = 15 * 60 * 1000;
 /// runs there too but has its first write that may grow memory (a `SET`) refused with `OOM`.
 macro_rules! script {
     (flags = $flags:literal, $body:literal) => {
-        concat!("#!lua flags=", $flags, "\n", include_str!("redis.lua"), $body)
+        concat!(
+            "#!lua flags=",
+            $flags,
+            "\n",
+            include_str!("redis.lua"),
+            $body
+        )
     };
     ($body:literal) => {
         concat!(include_str!("redis.lua"), $body)
