@@ -727,8 +727,7 @@ async fn at_maxmemory_a_claimed_answer_is_never_refused_and_refusals_come_at_the
         headers: vec![("content-type".into(), "application/octet-stream".into())],
         body: vec![b'a'; ANSWER].into(),
     };
-    let mut completed = 0;
-    for r in &acquired {
+    for (completed, r) in acquired.iter().enumerate() {
         let done = store
             .complete(&scope, r.key, r.token, &answer, Duration::from_secs(600))
             .await;
@@ -739,7 +738,6 @@ async fn at_maxmemory_a_claimed_answer_is_never_refused_and_refusals_come_at_the
             r.key,
             acquired.len()
         );
-        completed += 1;
     }
     eprintln!(
         "{} of {KEYS} claims acquired and completed, {refused} refused at the claim",
@@ -775,6 +773,9 @@ async fn at_maxmemory_a_claimed_answer_is_never_refused_and_refusals_come_at_the
 /// Marks the claims [`HoldingProxy`] holds: the route, an argument of the claim script only.
 const HELD_ROUTE: &str = "/held-claim";
 
+/// A chunk held back, with the upstream connection to Redis it was sent on.
+type Held = (tokio::net::TcpStream, Vec<u8>);
+
 /// A TCP proxy in front of a Redis that, while holding, keeps back every chunk a client sends
 /// that carries [`HELD_ROUTE`] and closes that client's connection, as a network or a busy
 /// server leaves a command queued on a connection the client has given up on. [`deliver`]
@@ -783,7 +784,7 @@ const HELD_ROUTE: &str = "/held-claim";
 /// [`deliver`]: HoldingProxy::deliver
 struct HoldingProxy {
     port: u16,
-    held: Arc<tokio::sync::Mutex<Vec<(tokio::net::TcpStream, Vec<u8>)>>>,
+    held: Arc<tokio::sync::Mutex<Vec<Held>>>,
     task: tokio::task::JoinHandle<()>,
 }
 

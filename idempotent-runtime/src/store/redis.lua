@@ -4,7 +4,7 @@
 -- positions as Lua's string.sub counts them; integers big-endian):
 --
 --   1       format (1)
---   2       state: 0 reserved, 1 completed
+--   2       state: 0 reserved, 1 completed, 2 released (a tombstone: bytes 1..10 alone)
 --   3..10   fencing token
 --   11..18  lease_until, ms since the epoch by the server's clock
 --   19..26  expires_at, ms (the key's TTL is set to the same instant)
@@ -15,6 +15,9 @@
 --   67..    the headers (RecordedResponse::encode_headers), then the body
 --
 -- ARGV[1] of every script is the test clock offset in ms (0 outside tests), added to TIME.
+--
+-- Beside the record, in its slot (a space cannot occur in a key): `<record> meta` (creation
+-- time, route) and `<record> room` (the answer's room, set aside by the claim).
 
 local function now_ms()
   local t = redis.call('TIME')

@@ -14,7 +14,12 @@
 //! (a few times, on a reconnected connection) because every script is safe to resend: a claim
 //! that finds its own token reports it acquired, a completion or release resent after it landed
 //! reports success, and a renewal simply renews again. A claim that still fails is answered 503
-//! after the pipeline's best-effort token-conditional release.
+//! after the pipeline's best-effort token-conditional release, which leaves a tombstone of the
+//! token so that a copy of the claim reaching Redis later writes nothing.
+//!
+//! A claim sets its answer's room aside in Redis (the request's
+//! [`response_room`](super::ClaimRequest::response_room) plus [`HEADER_ROOM`]), so over
+//! `maxmemory` a claim is refused before its handler runs, never its completion.
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), redis::RedisError> {
