@@ -43,7 +43,12 @@ pub(crate) fn routed_for_safe_methods(routes: &[Route<'_>]) -> syn::Result<()> {
         .flat_map(|r| r.methods.iter().map(String::as_str))
         .collect::<Vec<_>>()
         .join("/");
-    let name = route.attr.path().to_token_stream().to_string().replace(" :: ", "::");
+    let name = route
+        .attr
+        .path()
+        .to_token_stream()
+        .to_string()
+        .replace(" :: ", "::");
     Err(Error::new_spanned(
         route.attr,
         format!(
@@ -64,9 +69,10 @@ pub(crate) fn body_not_last(ty: &Type) -> syn::Result<()> {
         .iter()
         .find_map(|outer| crate::types::single_generic(ty, outer))
         .unwrap_or(ty);
-    let Some(name) = TAKE_BODY.iter().find(|name| {
-        is_named(inner, name) || crate::types::single_generic(inner, name).is_some()
-    }) else {
+    let Some(name) = TAKE_BODY
+        .iter()
+        .find(|name| is_named(inner, name) || crate::types::single_generic(inner, name).is_some())
+    else {
         return Ok(());
     };
     Err(Error::new_spanned(

@@ -190,7 +190,8 @@ fn route_methods(attr: &Attribute) -> Vec<String> {
     args.iter()
         .filter_map(|arg| match arg {
             syn::Expr::Assign(assign) => {
-                let is_method = matches!(&*assign.left, syn::Expr::Path(p) if p.path.is_ident("method"));
+                let is_method =
+                    matches!(&*assign.left, syn::Expr::Path(p) if p.path.is_ident("method"));
                 match &*assign.right {
                     syn::Expr::Lit(syn::ExprLit {
                         lit: syn::Lit::Str(s),
@@ -381,13 +382,25 @@ mod tests {
             ("async fn f(r: HttpRequest) {}", "actix"),
             ("async fn f(b: String) -> impl Responder {}", "actix"),
             ("async fn f(b: actix_web::web::Bytes) {}", "actix"),
-            ("#[post(\"/x\")] async fn f(b: String) -> String {}", "actix"),
-            ("#[actix_web::route(\"/x\", method = \"PUT\")] async fn f() {}", "actix"),
+            (
+                "#[post(\"/x\")] async fn f(b: String) -> String {}",
+                "actix",
+            ),
+            (
+                "#[actix_web::route(\"/x\", method = \"PUT\")] async fn f() {}",
+                "actix",
+            ),
             ("#[axum::debug_handler] async fn f() {}", "axum"),
             ("async fn f(s: State<S>) -> HttpResponse {}", "both"),
             ("async fn f(b: Json<T>) -> Json<T> {}", "unknown"),
-            ("async fn f(b: String, p: Path<u32>, q: Query<Q>) -> String {}", "unknown"),
-            ("async fn f(c: IdempotencyContext) -> (StatusCode, Bytes) {}", "unknown"),
+            (
+                "async fn f(b: String, p: Path<u32>, q: Query<Q>) -> String {}",
+                "unknown",
+            ),
+            (
+                "async fn f(c: IdempotencyContext) -> (StatusCode, Bytes) {}",
+                "unknown",
+            ),
         ] {
             assert_eq!(verdict(item), expected, "{item}");
         }
@@ -415,12 +428,18 @@ mod tests {
             only_safe_methods(&routes).map(|r| r.attr.path().to_token_stream().to_string())
         };
         assert_eq!(check("#[get(\"/x\")]").as_deref(), Some("get"));
-        assert_eq!(check("#[actix_web::head(\"/x\")]").as_deref(), Some("actix_web :: head"));
+        assert_eq!(
+            check("#[actix_web::head(\"/x\")]").as_deref(),
+            Some("actix_web :: head")
+        );
         assert_eq!(
             check("#[route(\"/x\", method = \"GET\", method = \"HEAD\")]").as_deref(),
             Some("route")
         );
-        assert_eq!(check("#[route(\"/x\", method = \"GET\", method = \"POST\")]"), None);
+        assert_eq!(
+            check("#[route(\"/x\", method = \"GET\", method = \"POST\")]"),
+            None
+        );
         assert_eq!(check("#[routes] #[get(\"/x\")] #[post(\"/y\")]"), None);
         assert_eq!(check("#[post(\"/x\")]"), None);
         assert_eq!(check("#[tracing::instrument]"), None);

@@ -42,6 +42,24 @@ mod types;
 /// handler writes through, and the response is recorded in it and committed before it is sent:
 /// see `idempotent_runtime::enlisted`.
 ///
+/// A handler that takes no `State` finds the handle in whatever state the router has, through
+/// `Idempotency: FromRef<S>`; the compiler then knows only the handle itself as such a state, so
+/// `.with_state(app_state)` fails with "expected `Idempotency`, found `AppState`". Give the
+/// handler a `State<AppState>` parameter with `impl FromRef<AppState> for Idempotency` (the
+/// error then names the missing impl at that type), or serve the router `.with_state(idempotency)`.
+///
+/// In axum only the last extractor may take the body: `Bytes`, `String`, `Json`, `Form`,
+/// `RawForm` or `Request` before the last parameter is a compile error at that type.
+///
+/// Attributes the macro does not own (`#[tracing::instrument]`, lints, `#[must_use]`, …) stay on
+/// the handler as written, which the wrapper keeps under its own name, in either order: a
+/// `#[tracing::instrument(fields(shop = %shop))]` below `#[idempotent]` names the parameters
+/// and its span is named after the handler. On the generated wrapper: doc comments, `#[cfg]`,
+/// `#[deprecated]` (they describe the item callers name), `#[axum::debug_handler]` (it checks
+/// the handler axum sees), `#[utoipa::path]` (it registers the operation under the item's name,
+/// at module level; above `#[idempotent]` it sees the signature as written) and actix-web's
+/// route attributes; lint levels go on both. `#[cfg_attr(…)]` follows what it wraps.
+///
 /// Put it above `#[axum::debug_handler]`, never below.
 #[proc_macro_attribute]
 pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
@@ -75,6 +93,13 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// application data (`web::Data<Idempotency>`). Works above or below `#[post("/…")]` and
 /// with `.route("/…", web::post().to(handler))`. `web::Payload` and `Multipart` parameters are
 /// compile errors: a streamed body cannot be fingerprinted.
+///
+/// GET, HEAD, OPTIONS and TRACE requests pass through untouched (on axum too): they are
+/// idempotent by HTTP semantics. A handler routed for those only by a route attribute beside
+/// the attribute (`#[get]`, `#[head]`, `#[route(…, method = "GET")]`, above or below it) is a
+/// compile error; an attribute above is read back from the source file, so it is seen
+/// wherever the compiler can give that file's text (not inside other macros' output).
+/// Attributes the macro does not own stay on the handler, as for axum.
 #[proc_macro_attribute]
 pub fn idempotent_actix(attr: TokenStream, item: TokenStream) -> TokenStream {
     match args::parse(attr.into(), item.into()) {
