@@ -76,10 +76,12 @@ impl Parse for Args {
             };
             if lookahead.peek(kw::require_key) {
                 input.parse::<kw::require_key>()?;
+                no_value(input, "require_key")?;
                 once("require_key")?;
                 args.require_key = true;
             } else if lookahead.peek(kw::enlisted) {
                 input.parse::<kw::enlisted>()?;
+                no_value(input, "enlisted")?;
                 once("enlisted")?;
                 args.enlisted = Some(name_span);
             } else if lookahead.peek(kw::lease) {
@@ -158,6 +160,23 @@ impl Parse for Args {
         }
         Ok(args)
     }
+}
+
+/// A flag (`require_key`, `enlisted`) is on by being written: `= true` is refused, naming the
+/// bare form, instead of syn's "expected `,`".
+fn no_value(input: ParseStream<'_>, name: &str) -> syn::Result<()> {
+    if !input.peek(Token![=]) {
+        return Ok(());
+    }
+    let eq = input.parse::<Token![=]>()?;
+    let value: proc_macro2::TokenTree = input.parse()?;
+    Err(Error::new_spanned(
+        quote::quote!(#eq #value),
+        format!(
+            "`{name}` takes no value: write `#[idempotent({name})]`, or leave `{name}` out \
+             for the default"
+        ),
+    ))
 }
 
 fn string_value(input: ParseStream<'_>, name: &str, example: &str) -> syn::Result<LitStr> {
@@ -333,6 +352,8 @@ mod tests {
         assert!(syn::parse_str::<Args>("require_key, require_key").is_err());
         assert!(syn::parse_str::<Args>("bogus").is_err());
         assert!(syn::parse_str::<Args>("lease = 30").is_err());
+        let flag = syn::parse_str::<Args>("require_key = true").err().unwrap();
+        assert!(flag.to_string().contains("takes no value"), "{flag}");
     }
 
     #[test]

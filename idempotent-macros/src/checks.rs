@@ -8,6 +8,7 @@ use syn::spanned::Spanned;
 use syn::{Error, FnArg, ReturnType, Signature, Type};
 
 use crate::args::{Args, Framework};
+use crate::detect::{self, Route};
 use crate::types::is_named;
 
 /// `framework = …` names the framework of the path the attribute was called by.
@@ -28,6 +29,61 @@ pub(crate) fn framework(args: &Args, framework: Framework) -> syn::Result<()> {
         )),
         _ => Ok(()),
     }
+}
+
+/// A handler routed only for GET, HEAD, OPTIONS or TRACE (an actix-web `#[get]`/`#[head]`
+/// beside the attribute, above or below it): those methods are idempotent by HTTP semantics,
+/// so the runtime passes them through and the attribute would never apply.
+pub(crate) fn routed_for_safe_methods(routes: &[Route<'_>]) -> syn::Result<()> {
+    let Some(route) = detect::only_safe_methods(routes) else {
+        return Ok(());
+    };
+    let methods = routes
+        .iter()
+        .flat_map(|r| r.methods.iter().map(String::as_str))
+        .collect::<Vec<_>>()
+        .join("/");
+    let name = route
+        .attr
+        .path()
+        .to_token_stream()
+        .to_string()
+        .replace(" :: ", "::");
+    Err(Error::new_spanned(
+        route.attr,
+        format!(
+            "#[idempotent] does not apply to a handler routed for {methods} (`#[{name}]`): GET, \
+             HEAD, OPTIONS and TRACE are idempotent by HTTP semantics, so a repeat is already \
+             safe and the runtime passes them through untouched; remove #[idempotent] here, or \
+             route the handler for POST or PATCH"
+        ),
+    ))
+}
+
+/// In axum only the last extractor may take the request body: one that takes it before the
+/// last is refused at its type, naming the fix, instead of axum's `Handler` error at
+/// `.route()`. actix-web's extractors all run on the buffered body, so only axum needs it.
+pub(crate) fn body_not_last(ty: &Type) -> syn::Result<()> {
+    const TAKE_BODY: [&str; 6] = ["Bytes", "String", "Json", "Form", "RawForm", "Request"];
+    let inner = ["Option", "Result"]
+        .iter()
+        .find_map(|outer| crate::types::single_generic(ty, outer))
+        .unwrap_or(ty);
+    let Some(name) = TAKE_BODY
+        .iter()
+        .find(|name| is_named(inner, name) || crate::types::single_generic(inner, name).is_some())
+    else {
+        return Ok(());
+    };
+    Err(Error::new_spanned(
+        ty,
+        format!(
+            "`{name}` takes the request body; only the last parameter may: axum gives the body \
+             to the last extractor, and the ones before it read only the request head (`State`, \
+             `Path`, `Query`, `HeaderMap`, `Extension`, …); move `{name}` last, or keep one \
+             body extractor"
+        ),
+    ))
 }
 
 /// A handler is a concrete, non-variadic `async fn`.

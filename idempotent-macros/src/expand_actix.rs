@@ -9,13 +9,13 @@
 //! ```text
 //! #[post("/orders")]
 //! async fn create(__idempotent_req: HttpRequest, __idempotent_payload: web::Payload) -> HttpResponse {
-//!     async fn __idempotent_inner(db: web::Data<Db>, web::Json(req): web::Json<New>) -> R { body }
+//!     async fn create(db: web::Data<Db>, web::Json(req): web::Json<New>) -> R { body }
 //!     const __IDEMPOTENT_ENDPOINT: EndpointConfig = EndpointConfig { require_key: true, … };
 //!     rt::__private::actix::handle(__idempotent_req, __idempotent_payload, &__IDEMPOTENT_ENDPOINT,
 //!         |req, mut payload| async move {
 //!             let __idempotent_arg0 = match <web::Data<Db> as FromRequest>::from_request(&req, &mut payload).await { … };
 //!             let __idempotent_arg1 = …;
-//!             respond(__idempotent_inner(__idempotent_arg0, __idempotent_arg1).await, &req)
+//!             respond(create(__idempotent_arg0, __idempotent_arg1).await, &req)
 //!         }).await
 //! }
 //! ```
@@ -28,11 +28,12 @@ use syn::spanned::Spanned;
 
 use crate::args::{Args, Framework};
 use crate::checks;
+use crate::detect::Beside;
 use crate::signature::{self, Handler, Names};
 
 /// Expands `#[idempotent]` for actix-web; on error, the error and the untouched function.
-pub(crate) fn expand(args: &Args, item: &syn::ItemFn) -> TokenStream {
-    signature::expand(args, item, Framework::Actix, emit)
+pub(crate) fn expand(args: &Args, item: &syn::ItemFn, beside: &Beside) -> TokenStream {
+    signature::expand(args, item, beside, Framework::Actix, emit)
 }
 
 fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
@@ -64,7 +65,8 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
         extracted_types.push(ty);
     }
     let call_args = handler.call_args(None);
-    let Names { tx, context, inner } = Names::new();
+    let Names { tx, context } = Names::new();
+    let inner = handler.inner_name();
     let unwrap_context = handler.unwrap_context(&private);
     let respond = handler.at_output(&private, "respond");
     let returned = Ident::new("__idempotent_returned", handler.output_span());
@@ -83,17 +85,8 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
     };
 
     let item = handler.item;
-    let attrs = &item.attrs;
-    // The route attributes stay on the outer function; lint levels go on both.
-    let lints: Vec<_> = attrs
-        .iter()
-        .filter(|a| {
-            ["allow", "warn", "deny", "expect"]
-                .iter()
-                .any(|lint| a.path().is_ident(lint))
-        })
-        .collect();
-    let inner_fn = handler.inner_fn(&lints);
+    let attrs = &handler.outer_attrs;
+    let inner_fn = handler.inner_fn();
     let vis = &item.vis;
     let name = &item.sig.ident;
     let endpoint = endpoint(args, &private);

@@ -10,8 +10,8 @@
 //!     __idempotent_arg0: State<Db>,
 //!     __idempotent_last: rt::__private::axum::Idempotent<Json<New>, FromState, true, 0, 0, 0, 0>,
 //! ) -> rt::__private::axum::Response {
-//!     async fn __idempotent_inner(State(db): State<Db>, Json(req): Json<New>) -> R { body }
-//!     __idempotent_last.run(move |v, ctx| async move { into_response(__idempotent_inner(__idempotent_arg0, v).await) }).await
+//!     async fn create(State(db): State<Db>, Json(req): Json<New>) -> R { body }
+//!     __idempotent_last.run(move |v, ctx| async move { into_response(create(__idempotent_arg0, v).await) }).await
 //! }
 //! ```
 //! The last extractor is wrapped in the runtime's, which does the whole pipeline before the body
@@ -22,11 +22,12 @@ use quote::{format_ident, quote};
 
 use crate::args::{Args, Framework};
 use crate::checks;
+use crate::detect::Beside;
 use crate::signature::{self, Handler, Names, Role};
 
 /// Expands `#[idempotent]` for axum; on error, the error and the untouched function.
-pub(crate) fn expand(args: &Args, item: &syn::ItemFn) -> TokenStream {
-    signature::expand(args, item, Framework::Axum, emit)
+pub(crate) fn expand(args: &Args, item: &syn::ItemFn, beside: &Beside) -> TokenStream {
+    signature::expand(args, item, beside, Framework::Axum, emit)
 }
 
 fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
@@ -85,7 +86,8 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
         outer_inputs.push(quote!(#last: #wrapper<(), #source, #endpoint>));
     }
     let call_args = handler.call_args(Some(&value));
-    let Names { tx, context, inner } = Names::new();
+    let Names { tx, context } = Names::new();
+    let inner = handler.inner_name();
     let unwrap_context = handler.unwrap_context(&private);
     let into_response = handler.at_output(&private, "into_response");
     let run = if handler.enlisted {
@@ -108,10 +110,10 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
     };
 
     let item = handler.item;
-    let attrs = &item.attrs;
+    let attrs = &handler.outer_attrs;
     let vis = &item.vis;
     let name = &item.sig.ident;
-    let inner_fn = handler.inner_fn(&[]);
+    let inner_fn = handler.inner_fn();
     quote! {
         #(#attrs)*
         #vis async fn #name(#(#outer_inputs),*) -> #private::Response {

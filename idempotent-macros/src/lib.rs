@@ -6,8 +6,11 @@
 
 use proc_macro::TokenStream;
 
+use crate::detect::Beside;
+
 mod args;
 mod checks;
+mod detect;
 mod expand_actix;
 mod expand_axum;
 mod signature;
@@ -39,11 +42,29 @@ mod types;
 /// handler writes through, and the response is recorded in it and committed before it is sent:
 /// see `idempotent_runtime::enlisted`.
 ///
+/// A handler that takes no `State` finds the handle in whatever state the router has, through
+/// `Idempotency: FromRef<S>`; the compiler then knows only the handle itself as such a state, so
+/// `.with_state(app_state)` fails with "expected `Idempotency`, found `AppState`". Give the
+/// handler a `State<AppState>` parameter with `impl FromRef<AppState> for Idempotency` (the
+/// error then names the missing impl at that type), or serve the router `.with_state(idempotency)`.
+///
+/// In axum only the last extractor may take the body: `Bytes`, `String`, `Json`, `Form`,
+/// `RawForm` or `Request` before the last parameter is a compile error at that type.
+///
+/// Attributes the macro does not own (`#[tracing::instrument]`, lints, `#[must_use]`, …) stay on
+/// the handler as written, which the wrapper keeps under its own name, in either order: a
+/// `#[tracing::instrument(fields(shop = %shop))]` below `#[idempotent]` names the parameters
+/// and its span is named after the handler. On the generated wrapper: doc comments, `#[cfg]`,
+/// `#[deprecated]` (they describe the item callers name), `#[axum::debug_handler]` (it checks
+/// the handler axum sees), `#[utoipa::path]` (it registers the operation under the item's name,
+/// at module level; above `#[idempotent]` it sees the signature as written) and actix-web's
+/// route attributes; lint levels go on both. `#[cfg_attr(…)]` follows what it wraps.
+///
 /// Put it above `#[axum::debug_handler]`, never below.
 #[proc_macro_attribute]
 pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
     match args::parse(attr.into(), item.into()) {
-        Ok((args, function)) => expand_axum::expand(&args, &function).into(),
+        Ok((args, function)) => expand_axum::expand(&args, &function, &Beside::none()).into(),
         Err(tokens) => tokens.into(),
     }
 }
@@ -72,34 +93,90 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// application data (`web::Data<Idempotency>`). Works above or below `#[post("/…")]` and
 /// with `.route("/…", web::post().to(handler))`. `web::Payload` and `Multipart` parameters are
 /// compile errors: a streamed body cannot be fingerprinted.
+///
+/// GET, HEAD, OPTIONS and TRACE requests pass through untouched (on axum too): they are
+/// idempotent by HTTP semantics. A handler routed for those only by a route attribute beside
+/// the attribute (`#[get]`, `#[head]`, `#[route(…, method = "GET")]`, above or below it) is a
+/// compile error; an attribute above is read back from the source file, so it is seen
+/// wherever the compiler can give that file's text (not inside other macros' output).
+/// Attributes the macro does not own stay on the handler, as for axum.
 #[proc_macro_attribute]
 pub fn idempotent_actix(attr: TokenStream, item: TokenStream) -> TokenStream {
     match args::parse(attr.into(), item.into()) {
-        Ok((args, function)) => expand_actix::expand(&args, &function).into(),
+        Ok((args, function)) => {
+            expand_actix::expand(&args, &function, &Beside::at_call_site()).into()
+        }
         Err(tokens) => tokens.into(),
     }
 }
 
-/// `#[idempotent]` for whichever framework `framework = axum|actix` names: the short
-/// `idempotent_runtime::idempotent` when both the `axum` and the `actix` features are on, where
-/// guessing would let cargo feature unification change what a handler means.
+/// `#[idempotent]` for either framework: the short `idempotent_runtime::idempotent` when both
+/// the `axum` and the `actix` features are on (cargo unifies features across a workspace, so
+/// an axum service and an actix-web service in one workspace both see this one).
+///
+/// `framework = axum` or `framework = actix` decides. Without it, the handler's own tokens do,
+/// where only one framework has them:
+///
+/// - actix-web: a route attribute beside `#[idempotent]`, above or below it (`#[post("/x")]`,
+///   `#[route(…)]`, …, bare or as `actix_web::…`); a path through `actix_web` or its `web`
+///   module anywhere in the signature (`web::Json<T>`, `web::Data<T>`, `web::Path<T>`,
+///   `web::Bytes`, …); `HttpRequest`, `HttpResponse`, `HttpResponseBuilder` or `Responder`
+///   (`impl Responder`) anywhere in it.
+/// - axum: `#[axum::debug_handler]` below it; a path through `axum` or `axum_extra` anywhere in
+///   the signature (`axum::Json<T>`); `State`, `Extension`, `ConnectInfo`, `MatchedPath`,
+///   `OriginalUri`, `RawPathParams`, `IntoResponse` (`impl IntoResponse`),
+///   `IntoResponseParts` or `Response` anywhere in it.
+///
+/// Names both frameworks have say nothing: `Json<T>` unqualified (but `web::Json<T>` is
+/// actix-web's), `Path`, `Query`, `Form`, `Bytes`, `String`, `Html`, `Redirect`, `StatusCode`,
+/// `HeaderMap`, tuples. The names are read, not resolved: a type of the application's called
+/// `State` counts as axum's. A handler with tokens of only one framework is that framework's;
+/// one with tokens of both, or of neither, is a compile error naming its tokens and asking for
+/// `framework = …`. The choice depends on the handler alone, so turning on the other feature
+/// never changes what an expansion means. Libraries name `idempotent_runtime::axum::idempotent`
+/// or `idempotent_runtime::actix::idempotent`, which read no tokens.
 #[proc_macro_attribute]
 pub fn idempotent_select(attr: TokenStream, item: TokenStream) -> TokenStream {
     let (args, function) = match args::parse(attr.into(), item.into()) {
         Ok(parsed) => parsed,
         Err(tokens) => return tokens.into(),
     };
-    match args.framework {
-        Some((args::Framework::Axum, _)) => expand_axum::expand(&args, &function).into(),
-        Some((args::Framework::Actix, _)) => expand_actix::expand(&args, &function).into(),
-        None => args::error_with_item(
-            proc_macro2::Span::call_site(),
-            "both the `axum` and `actix` features of idempotent-runtime are on, so \
-             `idempotent_runtime::idempotent` cannot tell which framework this handler is for: \
-             write `#[idempotent(framework = axum)]` or `#[idempotent(framework = actix)]`, or use \
-             `idempotent_runtime::axum::idempotent` / `idempotent_runtime::actix::idempotent`",
-            &function,
-        )
-        .into(),
+    let beside = Beside::at_call_site();
+    let framework = match args.framework {
+        Some((framework, _)) => framework,
+        None => match detect::framework(&beside, &function) {
+            detect::Verdict::Is(framework) => framework,
+            detect::Verdict::Both(axum, actix) => {
+                let message = format!(
+                    "`{}` has tokens of both frameworks: `{}` is axum's and `{}` is \
+                     actix-web's, and both the `axum` and `actix` features of idempotent-runtime \
+                     are on; write `#[idempotent(framework = axum)]` or \
+                     `#[idempotent(framework = actix)]`",
+                    function.sig.ident,
+                    detect::shown(&axum),
+                    detect::shown(&actix),
+                );
+                return args::error_with_item(function.sig.ident.span(), &message, &function)
+                    .into();
+            }
+            detect::Verdict::Unknown => {
+                let message = format!(
+                    "cannot tell whether `{}` is an axum or an actix-web handler: both the `axum` \
+                     and `actix` features of idempotent-runtime are on, and nothing in `{}` \
+                     belongs to only one of them (`Json`, `Path`, `Bytes`, `String` are in \
+                     both); write `#[idempotent(framework = axum)]` or \
+                     `#[idempotent(framework = actix)]`, or use \
+                     `idempotent_runtime::axum::idempotent` / `idempotent_runtime::actix::idempotent`",
+                    function.sig.ident,
+                    detect::shown_signature(&function.sig),
+                );
+                return args::error_with_item(function.sig.ident.span(), &message, &function)
+                    .into();
+            }
+        },
+    };
+    match framework {
+        args::Framework::Axum => expand_axum::expand(&args, &function, &beside).into(),
+        args::Framework::Actix => expand_actix::expand(&args, &function, &beside).into(),
     }
 }

@@ -9,6 +9,7 @@ use syn::{Ident, ItemFn, ReturnType, Type};
 
 use crate::args::{Args, Framework};
 use crate::checks;
+use crate::detect::{self, Beside};
 use crate::types::{is_named, single_generic};
 
 /// What a handler parameter is to the expansion.
@@ -57,6 +58,10 @@ pub(crate) struct Handler<'a> {
     pub body: Option<usize>,
     /// `enlisted`: the handler runs in the transaction that holds its reservation.
     pub enlisted: bool,
+    /// The attributes that stay on the generated wrapper.
+    pub outer_attrs: Vec<&'a syn::Attribute>,
+    /// The attributes that stay on the user's function, kept inside the wrapper.
+    pub inner_attrs: Vec<&'a syn::Attribute>,
 }
 
 /// The generated names both expansions use.
@@ -65,8 +70,6 @@ pub(crate) struct Names {
     pub tx: Ident,
     /// The runtime's `Option<IdempotencyContext>`.
     pub context: Ident,
-    /// The original function, renamed.
-    pub inner: Ident,
 }
 
 impl Names {
@@ -74,7 +77,6 @@ impl Names {
         Self {
             tx: format_ident!("__idempotent_tx"),
             context: format_ident!("__idempotent_context"),
-            inner: format_ident!("__idempotent_inner"),
         }
     }
 
@@ -88,10 +90,11 @@ impl Names {
 pub(crate) fn expand(
     args: &Args,
     item: &ItemFn,
+    beside: &Beside,
     framework: Framework,
     emit: fn(&Args, &Handler<'_>) -> TokenStream,
 ) -> TokenStream {
-    match Handler::new(args, item, framework) {
+    match Handler::new(args, item, beside, framework) {
         Ok(handler) => emit(args, &handler),
         Err(e) => {
             let e = e.to_compile_error();
@@ -102,9 +105,17 @@ pub(crate) fn expand(
 
 impl<'a> Handler<'a> {
     /// Models `item` and runs every syntactic check on it.
-    pub fn new(args: &Args, item: &'a ItemFn, framework: Framework) -> syn::Result<Self> {
+    pub fn new(
+        args: &Args,
+        item: &'a ItemFn,
+        beside: &Beside,
+        framework: Framework,
+    ) -> syn::Result<Self> {
         let sig = &item.sig;
         checks::framework(args, framework)?;
+        if framework == Framework::Actix {
+            checks::routed_for_safe_methods(&detect::actix_routes(beside, item))?;
+        }
         checks::shape(sig)?;
         checks::streaming_response(&sig.output)?;
         let enlisted = args.enlisted.is_some();
@@ -137,11 +148,31 @@ impl<'a> Handler<'a> {
         let transactions = params.iter().filter(|p| matches!(p.role, Role::Tx)).count();
         checks::enlisted_params(args.enlisted, transactions, sig)?;
         let body = params.iter().rposition(Param::is_extractor);
+        if framework == Framework::Axum {
+            for (i, p) in params.iter().enumerate() {
+                if matches!(p.role, Role::Extractor) && Some(i) != body {
+                    checks::body_not_last(p.ty)?;
+                }
+            }
+        }
+        let (mut outer_attrs, mut inner_attrs) = (Vec::new(), Vec::new());
+        for attr in &item.attrs {
+            match place(attr) {
+                Place::Outer => outer_attrs.push(attr),
+                Place::Both => {
+                    outer_attrs.push(attr);
+                    inner_attrs.push(attr);
+                }
+                Place::Inner => inner_attrs.push(attr),
+            }
+        }
         Ok(Self {
             item,
             params,
             body,
             enlisted,
+            outer_attrs,
+            inner_attrs,
         })
     }
 
@@ -205,16 +236,23 @@ impl<'a> Handler<'a> {
         })
     }
 
-    /// The original function, renamed, to be defined inside the expansion.
-    pub fn inner_fn(&self, attrs: &[&syn::Attribute]) -> TokenStream {
-        let mut sig = self.item.sig.clone();
-        sig.ident = Names::new().inner;
+    /// The user's function, verbatim with its own attributes, to be defined inside the
+    /// wrapper. It keeps its name (inside the wrapper's body it shadows the wrapper), so a
+    /// `#[tracing::instrument]` span is named after the handler.
+    pub fn inner_fn(&self) -> TokenStream {
+        let attrs = &self.inner_attrs;
+        let sig = &self.item.sig;
         let block = &self.item.block;
         quote! {
             #(#attrs)*
             #[allow(clippy::too_many_arguments, clippy::unused_async)]
             #sig #block
         }
+    }
+
+    /// The name the wrapper calls the user's function by: its own.
+    pub fn inner_name(&self) -> &Ident {
+        &self.item.sig.ident
     }
 
     /// Where errors about the returned value point: the return type, or the call site.
@@ -233,6 +271,60 @@ impl<'a> Handler<'a> {
     }
 }
 
+/// Where an attribute of the handler goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// On the wrapper the framework routes to: what describes the item from outside.
+    Outer,
+    /// On both: lint levels, so the wrapper's own lints answer to them too.
+    Both,
+    /// On the user's function, which the wrapper keeps verbatim: everything the macro does not
+    /// know, `#[tracing::instrument]` among them (its fields name the parameters).
+    Inner,
+}
+
+/// Which attributes stay outside: doc comments, `#[cfg]`, `#[deprecated]` (they describe the
+/// item users name), actix-web's route attributes (they register the wrapper),
+/// `#[debug_handler]` (it checks the handler axum sees) and `#[utoipa::path]` (it registers
+/// the path under the item's name, at module level). `#[cfg_attr(…)]` follows what it wraps.
+pub(crate) fn place(attr: &syn::Attribute) -> Place {
+    let path = attr.path();
+    if path.is_ident("cfg_attr") {
+        return cfg_attr_place(attr);
+    }
+    place_of_path(path)
+}
+
+fn place_of_path(path: &syn::Path) -> Place {
+    let names: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    match names.as_slice() {
+        ["doc" | "cfg" | "deprecated"] => Place::Outer,
+        ["allow" | "warn" | "deny" | "forbid"] => Place::Both,
+        [.., "debug_handler"] | ["utoipa", "path"] => Place::Outer,
+        [route] | ["actix_web", route] if detect::is_actix_route(route) => Place::Outer,
+        _ => Place::Inner,
+    }
+}
+
+/// `#[cfg_attr(predicate, a, b)]` goes where `a` and `b` go; split between places, on the
+/// user's function.
+fn cfg_attr_place(attr: &syn::Attribute) -> Place {
+    let parser = syn::punctuated::Punctuated::<syn::Meta, syn::Token![,]>::parse_terminated;
+    let Ok(metas) = attr.parse_args_with(parser) else {
+        return Place::Inner;
+    };
+    let places: Vec<Place> = metas
+        .iter()
+        .skip(1)
+        .map(|meta| place_of_path(meta.path()))
+        .collect();
+    match places.first() {
+        Some(&first) if places.iter().all(|&p| p == first) => first,
+        _ => Place::Inner,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,7 +332,7 @@ mod tests {
     fn model(args: &str, item: &str, framework: Framework) -> syn::Result<Vec<&'static str>> {
         let args: Args = syn::parse_str(args).unwrap();
         let item: &'static ItemFn = Box::leak(Box::new(syn::parse_str(item).unwrap()));
-        let handler = Handler::new(&args, item, framework)?;
+        let handler = Handler::new(&args, item, &Beside::none(), framework)?;
         Ok(handler
             .params
             .iter()

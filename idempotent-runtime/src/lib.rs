@@ -112,8 +112,11 @@ mod testlog;
 #[doc(inline)]
 pub use idempotent_macros::idempotent_axum as idempotent;
 
-/// `#[idempotent]` when both the `axum` and `actix` features are on: it needs
-/// `framework = axum|actix` and says so in a compile error otherwise.
+/// `#[idempotent]` when both the `axum` and `actix` features are on (cargo unifies features
+/// across a workspace): each handler's framework is told from its own tokens (`State`,
+/// `impl IntoResponse` are axum's; `web::Json`, `HttpResponse`, an actix route attribute are
+/// actix-web's; the full rules are on [`idempotent_macros::idempotent_select`]), and
+/// `framework = axum|actix` decides where they cannot (a compile error says so).
 #[cfg(all(feature = "axum", feature = "actix"))]
 #[doc(inline)]
 pub use idempotent_macros::idempotent_select as idempotent;

@@ -107,6 +107,12 @@ where
             Err(rejection) => rejection,
         };
     }
+    if !crate::config::attribute_applies_to(req.method().as_str()) {
+        return match extract(req.clone(), payload).await {
+            Ok(args) => handler(args, None, req).await,
+            Err(rejection) => rejection,
+        };
+    }
     let span = request_span(&req);
     let prepared = prepare::<Detached, _, _, _>(&req, payload, endpoint, extract);
     match prepared.instrument(span.clone()).await {

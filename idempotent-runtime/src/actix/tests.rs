@@ -506,3 +506,61 @@ async fn a_required_key_under_an_optional_middleware_is_still_required() {
         "{errors:?}"
     );
 }
+
+#[idempotent(crate = crate, require_key)]
+async fn read(runs: web::Data<Runs>, body: String) -> HttpResponse {
+    let n = runs.next();
+    HttpResponse::Ok().body(format!("run {n} {body}"))
+}
+
+/// GET, HEAD and OPTIONS are idempotent by HTTP semantics (DESIGN.md §8): a handler under
+/// `#[idempotent(require_key)]` routed for them runs every time, keyed or not, and is never
+/// replayed; POST to the same handler is still claimed.
+#[actix_web::test]
+async fn the_attribute_passes_get_head_and_options_through() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(Idempotency::memory()))
+            .app_data(runs.clone())
+            .route("/read", web::route().to(read)),
+    )
+    .await;
+    let keyed = |method: Method, body: &'static str| {
+        post("/read", Some("k"))
+            .method(method)
+            .set_payload(body)
+            .to_request()
+    };
+    for (n, body) in [(1, "a"), (2, "a"), (3, "b")] {
+        let res = test::call_service(&app, keyed(Method::GET, body)).await;
+        let (status, replayed, text) = parts(res).await;
+        assert_eq!((status, replayed), (200, false), "{text:?}");
+        assert_eq!(text, format!("run {n} {body}"));
+    }
+    let (status, replayed, text) =
+        parts(test::call_service(&app, keyed(Method::HEAD, "c")).await).await;
+    assert_eq!((status, replayed), (200, false), "{text:?}");
+    assert_eq!(text, "run 4 c");
+    let (status, replayed, text) =
+        parts(test::call_service(&app, keyed(Method::OPTIONS, "d")).await).await;
+    assert_eq!((status, replayed), (200, false), "{text:?}");
+    assert_eq!(text, "run 5 d");
+    let keyless = test::TestRequest::get().uri("/read").peer_addr(peer());
+    let (status, replayed, text) =
+        parts(test::call_service(&app, keyless.to_request()).await).await;
+    assert_eq!((status, replayed, &text[..]), (200, false, &b"run 6 "[..]));
+    assert_eq!(runs.get(), 6);
+
+    let (s1, r1, first) = parts(test::call_service(&app, keyed(Method::POST, "p")).await).await;
+    let (s2, r2, again) = parts(test::call_service(&app, keyed(Method::POST, "p")).await).await;
+    assert_eq!((s1, r1, s2, r2), (200, false, 200, true));
+    assert_eq!((&first[..], &again[..]), (&b"run 7 p"[..], &b"run 7 p"[..]));
+    let (status, _, body) =
+        parts(test::call_service(&app, post("/read", None).to_request()).await).await;
+    assert_eq!(
+        (status, code(&body).as_str()),
+        (400, "IDEMPOTENCY_KEY_REQUIRED")
+    );
+    assert_eq!(runs.get(), 7);
+}

@@ -165,6 +165,12 @@ where
                 .map(|value| plain(value, context))
                 .map_err(IntoResponse::into_response);
         }
+        if !crate::config::attribute_applies_to(request.method().as_str()) {
+            return T::from_request(request, state)
+                .await
+                .map(|value| plain(value, None))
+                .map_err(IntoResponse::into_response);
+        }
         let Some(handle) = Src::store(request.extensions(), state) else {
             let route = request.extensions().get::<MatchedPath>();
             let route = route.map_or("", MatchedPath::as_str);

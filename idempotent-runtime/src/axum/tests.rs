@@ -635,3 +635,62 @@ async fn two_memory_stores_on_one_route_are_said_and_one_shared_store_replays() 
     assert_eq!(headers["idempotency-replayed"], "true");
     assert!(logs.errors().is_empty(), "{:?}", logs.errors());
 }
+
+#[idempotent(crate = crate, require_key)]
+async fn read(State(app): State<App>, body: String) -> String {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    format!("run {n} {body}")
+}
+
+/// GET, HEAD and OPTIONS are idempotent by HTTP semantics (DESIGN.md §8): a handler under
+/// `#[idempotent(require_key)]` routed for them runs every time, keyed or not, and is never
+/// replayed; POST to the same handler is still claimed.
+#[tokio::test]
+async fn the_attribute_passes_get_head_and_options_through() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = Router::new()
+        .route("/read", get(read).post(read).options(read))
+        .with_state(App {
+            store: Idempotency::memory(),
+            runs: Arc::clone(&runs),
+        })
+        .layer(peer());
+    let keyed = |method: &str, body: &str| {
+        Request::builder()
+            .method(method)
+            .uri("/read")
+            .header("idempotency-key", "k")
+            .body(Body::from(body.to_owned()))
+            .unwrap()
+    };
+    for (n, body) in [(1, "a"), (2, "a"), (3, "b")] {
+        let (status, headers, text) = call(&router, keyed("GET", body)).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert!(!headers.contains_key("idempotency-replayed"));
+        assert_eq!(text, format!("run {n} {body}"));
+    }
+    let (status, headers, text) = call(&router, keyed("HEAD", "c")).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert!(!headers.contains_key("idempotency-replayed"));
+    assert_eq!(text, "", "HEAD has no body");
+    let (status, headers, text) = call(&router, keyed("OPTIONS", "d")).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert!(!headers.contains_key("idempotency-replayed"));
+    assert_eq!(text, "run 5 d");
+    let keyless = Request::get("/read").body(Body::empty()).unwrap();
+    let (status, _, text) = call(&router, keyless).await;
+    assert_eq!((status, text.as_str()), (StatusCode::OK, "run 6 "));
+    assert_eq!(runs.load(Ordering::SeqCst), 6);
+
+    let (s1, h1, first) = call(&router, keyed("POST", "p")).await;
+    let (s2, h2, again) = call(&router, keyed("POST", "p")).await;
+    assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK));
+    assert!(!h1.contains_key("idempotency-replayed"));
+    assert_eq!(h2["idempotency-replayed"], "true");
+    assert_eq!((first.as_str(), again.as_str()), ("run 7 p", "run 7 p"));
+    let keyless = Request::post("/read").body(Body::empty()).unwrap();
+    let (status, _, body) = call(&router, keyless).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(code(&body), "IDEMPOTENCY_KEY_REQUIRED");
+    assert_eq!(runs.load(Ordering::SeqCst), 7);
+}
