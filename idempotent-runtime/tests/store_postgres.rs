@@ -1558,7 +1558,7 @@ async fn claims_dropped_while_their_statement_waits_leave_their_keys_free() {
                 .batch_rows(rows)
                 // Room for every statement and every release at once, so that no release waits
                 // for a connection that only comes back once the claims' statements ended.
-                .max_connections(24)
+                .max_connections(16)
                 .connect(&db.url)
                 .await
                 .unwrap(),
@@ -1572,7 +1572,7 @@ async fn claims_dropped_while_their_statement_waits_leave_their_keys_free() {
         assert_eq!(store.claim(&stale).await.unwrap(), Claim::Acquired);
         let stale = stale.token;
         store.advance_clock_for_tests(Duration::from_secs(2));
-        let keys: Vec<String> = (0..8).map(|i| format!("k{i}")).collect();
+        let keys: Vec<String> = (0..6).map(|i| format!("k{i}")).collect();
 
         let mut holder = db.admin.begin().await.unwrap();
         match hold {

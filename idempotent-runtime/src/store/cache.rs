@@ -769,4 +769,209 @@ mod tests {
         assert!(store.cached_bytes() <= SHARDS * 4 * (ENTRY_OVERHEAD + 1_100));
         assert!(store.cached_bytes() > 0);
     }
+
+    /// A store that can hold a claim's read, or a completion, between the store's answer and
+    /// the cache's use of it (until the test says go), and can yield inside claims and
+    /// forgets, so that a forget lands in the middle of a replay.
+    #[derive(Default)]
+    struct Interleaved {
+        inner: MemoryStore,
+        hold_claim: std::sync::atomic::AtomicBool,
+        hold_complete: std::sync::atomic::AtomicBool,
+        yields: bool,
+        held: tokio::sync::Notify,
+        go: tokio::sync::Notify,
+    }
+
+    impl Interleaved {
+        async fn hold_if(&self, armed: &std::sync::atomic::AtomicBool) {
+            if armed.swap(false, Ordering::SeqCst) {
+                self.held.notify_one();
+                self.go.notified().await;
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Store for Interleaved {
+        async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            let read = self.inner.claim(req).await;
+            if self.yields {
+                tokio::task::yield_now().await;
+            }
+            self.hold_if(&self.hold_claim).await;
+            read
+        }
+        async fn reclaim(
+            &self,
+            req: &ClaimRequest<'_>,
+            stale: FencingToken,
+        ) -> Result<Claim, StoreError> {
+            self.inner.reclaim(req, stale).await
+        }
+        async fn complete(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            response: &RecordedResponse,
+            retention: Duration,
+        ) -> Result<bool, StoreError> {
+            let done = self
+                .inner
+                .complete(scope, key, token, response, retention)
+                .await;
+            self.hold_if(&self.hold_complete).await;
+            done
+        }
+        async fn release(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+        ) -> Result<bool, StoreError> {
+            self.inner.release(scope, key, token).await
+        }
+        async fn renew(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            lease: Duration,
+        ) -> Result<bool, StoreError> {
+            self.inner.renew(scope, key, token, lease).await
+        }
+        async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
+            self.inner.sweep(batch).await
+        }
+        async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+            if self.yields {
+                tokio::task::yield_now().await;
+            }
+            self.inner.forget(scope, key).await
+        }
+    }
+
+    /// A replay that missed the cache read the record just before a forget deleted it: its
+    /// copy never goes into the cache after the forget (DESIGN.md §5: a forget drops the record
+    /// from this process for good).
+    #[tokio::test]
+    async fn a_replay_reading_the_record_before_a_forget_never_puts_it_back() {
+        let store = Arc::new(CachedStore::new(Interleaved::default()));
+        let scope = [5; 32];
+        // Completed elsewhere: the first replay here misses and reads the store.
+        let shared = &store.inner().inner;
+        let first = req(&scope, "k", 1);
+        shared.claim(&first).await.unwrap();
+        shared
+            .complete(&scope, "k", first.token, &response(b"1"), first.retention)
+            .await
+            .unwrap();
+        store.inner().hold_claim.store(true, Ordering::SeqCst);
+        let replay = {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move { store.claim(&req(&scope, "k", 1)).await })
+        };
+        store.inner().held.notified().await;
+        // The replay has read the record; the forget runs before it goes on.
+        assert!(store.forget(&scope, "k").await.unwrap());
+        store.inner().go.notify_one();
+        assert!(matches!(
+            replay.await.unwrap().unwrap(),
+            Claim::Standing(Standing {
+                state: StandingState::Completed(_),
+                ..
+            })
+        ));
+        assert_eq!(
+            store.claim(&req(&scope, "k", 1)).await.unwrap(),
+            Claim::Acquired,
+            "the forgotten record was replayed from the cache"
+        );
+        assert_eq!(store.hits(), 0);
+    }
+
+    /// The same for a completion the store took just before a forget deleted it.
+    #[tokio::test]
+    async fn a_completion_racing_a_forget_never_puts_its_copy_back() {
+        let store = Arc::new(CachedStore::new(Interleaved::default()));
+        let scope = [6; 32];
+        let first = req(&scope, "k", 1);
+        assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
+        store.inner().hold_complete.store(true, Ordering::SeqCst);
+        let token = first.token;
+        let completion = {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                store
+                    .complete(&scope, "k", token, &response(b"1"), Duration::from_secs(10))
+                    .await
+            })
+        };
+        store.inner().held.notified().await;
+        assert!(store.forget(&scope, "k").await.unwrap());
+        store.inner().go.notify_one();
+        assert!(completion.await.unwrap().unwrap());
+        assert_eq!(
+            store.claim(&req(&scope, "k", 1)).await.unwrap(),
+            Claim::Acquired,
+            "the forgotten record was replayed from the cache"
+        );
+        assert_eq!(store.hits(), 0);
+    }
+
+    /// Eight tasks replay a key while it is forgotten, 25 times: once the forget has returned,
+    /// no replay is answered with the record (the store has none, so such an answer could only
+    /// come from the cache).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replays_racing_a_forget_never_answer_it_once_it_returned() {
+        let store = Arc::new(CachedStore::new(Interleaved {
+            yields: true,
+            ..Default::default()
+        }));
+        let scope = [7; 32];
+        let mut answered_after_forget = 0;
+        for trial in 0..25 {
+            let key: Arc<str> = format!("k{trial}").into();
+            completed(&store, &scope, &key).await;
+            let forgotten = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let replayers: Vec<_> = (0..8)
+                .map(|_| {
+                    let (store, key, forgotten) =
+                        (Arc::clone(&store), Arc::clone(&key), Arc::clone(&forgotten));
+                    tokio::spawn(async move {
+                        let mut after = 0;
+                        let mut bad = 0;
+                        while after < 20 {
+                            let gone = forgotten.load(Ordering::SeqCst);
+                            let r = req(&scope, &key, 1);
+                            match store.claim(&r).await.unwrap() {
+                                Claim::Standing(Standing {
+                                    state: StandingState::Completed(_),
+                                    ..
+                                }) if gone => bad += 1,
+                                Claim::Acquired => {
+                                    store.release(&scope, &key, r.token).await.unwrap();
+                                }
+                                _ => {}
+                            }
+                            after += usize::from(gone);
+                            tokio::task::yield_now().await;
+                        }
+                        bad
+                    })
+                })
+                .collect();
+            tokio::task::yield_now().await;
+            assert!(store.forget(&scope, &key).await.unwrap());
+            forgotten.store(true, Ordering::SeqCst);
+            for r in replayers {
+                answered_after_forget += r.await.unwrap();
+            }
+        }
+        assert_eq!(
+            answered_after_forget, 0,
+            "replays answered a forgotten record after its forget returned"
+        );
+    }
 }
