@@ -64,7 +64,12 @@ async fn clients_gone_while_their_claim_waits_leave_their_keys_free() {
         for key in &keys {
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
-                let retry = server.post("/orders").key(key).json(&order(key)).send().await;
+                let retry = server
+                    .post("/orders")
+                    .key(key)
+                    .json(&order(key))
+                    .send()
+                    .await;
                 if retry.status != 409 {
                     assert_eq!(retry.status, 201, "{name}: {key}: {:?}", retry.body);
                     break;
@@ -76,9 +81,17 @@ async fn clients_gone_while_their_claim_waits_leave_their_keys_free() {
                 );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            let again = server.post("/orders").key(key).json(&order(key)).send().await;
+            let again = server
+                .post("/orders")
+                .key(key)
+                .json(&order(key))
+                .send()
+                .await;
             assert_eq!(again.status, 201, "{name}: {key}");
-            assert!(again.replayed(), "{name}: {key}: the second retry ran again");
+            assert!(
+                again.replayed(),
+                "{name}: {key}: the second retry ran again"
+            );
         }
         assert_eq!(
             server.runs("/orders").await,

@@ -251,14 +251,7 @@ impl<S> CachedStore<S> {
     /// `since` (this process's clock, read before the store was asked, so the copy never
     /// outlives the store's record) for `expires_in`; and unless a forget ran in the shard since
     /// `forgets` was read, before the store was asked.
-    fn keep(
-        &self,
-        scope: &ScopeHash,
-        key: &str,
-        standing: &Standing,
-        since: Millis,
-        forgets: u64,
-    ) {
+    fn keep(&self, scope: &ScopeHash, key: &str, standing: &Standing, since: Millis, forgets: u64) {
         let (StandingState::Completed(response), Some(expires_in)) =
             (&standing.state, standing.expires_in)
         else {
@@ -1042,7 +1035,8 @@ mod tests {
             trials_answered += usize::from(answered > 0);
         }
         assert_eq!(
-            (answered_after_forget, trials_answered), (0, 0),
+            (answered_after_forget, trials_answered),
+            (0, 0),
             "replays answered a forgotten record after its forget returned (answers, trials of 25)"
         );
     }
