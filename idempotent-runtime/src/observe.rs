@@ -6,7 +6,7 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | `idempotent_<decision>_total` (see [`Event`]) | counter | `route` |
-//! | `idempotent_store_operation_seconds` | histogram | `op` (claim, reclaim, complete, release, renew, sweep, inspect, forget), `store` |
+//! | `idempotent_store_operation_seconds` | histogram | `op` (claim, reclaim, complete, release, renew, sweep, inspect, forget), `store` (`cache` for claims the process cache answered) |
 //! | `idempotent_running_reservations` | gauge | |
 //! | `idempotent_buffered_bytes` | gauge | |
 //! | `idempotent_memory_store_records`, `idempotent_memory_store_bytes` | gauge | |
@@ -137,6 +137,30 @@ pub async fn timed<T>(
     {
         let _ = (op, store);
         operation.await
+    }
+}
+
+/// Records one store operation that started at `started` and just ended, as [`timed`] does.
+#[inline]
+pub(crate) fn took(op: &'static str, store: &'static str, started: Started) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!(STORE_LATENCY, "op" => op, "store" => store)
+        .record(started.0.elapsed().as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = (op, store, started);
+}
+
+/// When a store operation timed by [`took`] started (nothing without the `metrics` feature).
+#[derive(Clone, Copy)]
+pub(crate) struct Started(#[cfg(feature = "metrics")] std::time::Instant);
+
+impl Started {
+    #[inline]
+    pub(crate) fn now() -> Self {
+        Self(
+            #[cfg(feature = "metrics")]
+            std::time::Instant::now(),
+        )
     }
 }
 

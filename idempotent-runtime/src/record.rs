@@ -111,11 +111,7 @@ impl<S: Store + ?Sized> ClaimOps for &S {
         req: &'a ClaimRequest<'_>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         #[cfg(feature = "metrics")]
-        return Box::pin(crate::observe::timed(
-            "claim",
-            self.kind(),
-            Store::claim(*self, req),
-        ));
+        return Store::claim_timed(*self, req);
         #[cfg(not(feature = "metrics"))]
         Store::claim(*self, req)
     }

@@ -1521,3 +1521,138 @@ async fn a_statement_waiting_on_a_lock_never_holds_the_queue() {
     tx.rollback().await.unwrap();
     assert_eq!(waiting.await.unwrap().unwrap(), Claim::Acquired);
 }
+
+/// What holds a claim's statement in flight in the test below.
+#[derive(Debug, Clone, Copy)]
+enum Hold {
+    /// `LOCK TABLE … IN SHARE MODE` in another session: every write to the table waits (the
+    /// issue's reproduction). The pipeline's release waits beside the statement, and whether it
+    /// sees the claim's row once both run is a race.
+    TableLock,
+    /// Another transaction's uncommitted row under each key (and a row lock on the abandoned
+    /// record): the claim waits for that transaction; the release finds nothing at once. No race:
+    /// without the store's own release the key always stands.
+    Rows,
+}
+
+/// A claim whose request's future is dropped while its statement is in flight never leaves its
+/// key standing (DESIGN.md §3, "Renewal outlives outages"). The pipeline releases a dropped
+/// claim under its token at once, as this test does; that release runs beside the statement and
+/// cannot see its row, so what frees the key is the store, which hears the statement's outcome.
+/// Batched claims (a batch of one and larger ones), unbatched ones (`batch_rows(1)`), and a
+/// reclaim of an abandoned record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_dropped_while_their_statement_waits_leave_their_keys_free() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    for (rows, hold) in [
+        (32, Hold::TableLock),
+        (32, Hold::Rows),
+        (1, Hold::TableLock),
+        (1, Hold::Rows),
+    ] {
+        let table = format!("dropped_{rows}_{hold:?}").to_lowercase();
+        let store = Arc::new(
+            db.builder()
+                .table(&table)
+                .batch_rows(rows)
+                // Room for every statement and every release at once, so that no release waits
+                // for a connection that only comes back once the claims' statements ended.
+                .max_connections(16)
+                .connect(&db.url)
+                .await
+                .unwrap(),
+        );
+        store.migrate().await.unwrap();
+        let qualified = format!("\"{}\".\"{table}\"", db.schema);
+        let scope = contract::fresh_scope();
+        let lease = Duration::from_secs(60);
+        // An abandoned reservation, for the reclaim.
+        let stale = req(&scope, "abandoned", Duration::from_secs(1));
+        assert_eq!(store.claim(&stale).await.unwrap(), Claim::Acquired);
+        let stale = stale.token;
+        store.advance_clock_for_tests(Duration::from_secs(2));
+        let keys: Vec<String> = (0..6).map(|i| format!("k{i}")).collect();
+
+        let mut holder = db.admin.begin().await.unwrap();
+        match hold {
+            Hold::TableLock => {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "LOCK TABLE {qualified} IN SHARE MODE"
+                )))
+                .execute(&mut *holder)
+                .await
+                .unwrap();
+            }
+            Hold::Rows => {
+                for key in &keys {
+                    sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "INSERT INTO {qualified} (scope, key, token, fingerprint, fp_version, \
+                         state, lease_until, expires_at) VALUES ($1, $2, 7, $3, 1, 0, \
+                         now() + interval '1 minute', now() + interval '1 hour')"
+                    )))
+                    .bind(&scope[..])
+                    .bind(key)
+                    .bind(&fp(9).digest[..])
+                    .execute(&mut *holder)
+                    .await
+                    .unwrap();
+                }
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SELECT 1 FROM {qualified} WHERE scope = $1 AND key = 'abandoned' FOR UPDATE"
+                )))
+                .bind(&scope[..])
+                .execute(&mut *holder)
+                .await
+                .unwrap();
+            }
+        }
+
+        let dropped = keys
+            .iter()
+            .cloned()
+            .chain(["abandoned".to_owned()])
+            .map(|key| {
+                let store = Arc::clone(&store);
+                tokio::spawn(async move {
+                    let r = req(&scope, &key, lease);
+                    let attempt = async {
+                        if key == "abandoned" {
+                            store.reclaim(&r, stale).await
+                        } else {
+                            store.claim(&r).await
+                        }
+                    };
+                    let gave_up = tokio::time::timeout(Duration::from_millis(300), attempt).await;
+                    assert!(gave_up.is_err(), "{key}: answered while held: {gave_up:?}");
+                    // What the pipeline's guard does for a dropped claim.
+                    let (store, token) = (Arc::clone(&store), r.token);
+                    tokio::spawn(async move { store.release(&scope, &key, token).await });
+                })
+            })
+            .collect::<Vec<_>>();
+        for d in dropped {
+            d.await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        holder.rollback().await.unwrap();
+
+        for key in keys.iter().map(String::as_str).chain(["abandoned"]) {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                // The claim loop a retry runs: the abandoned record is taken over again.
+                let retry = req(&scope, key, lease);
+                match record::claim(&*store, &retry, |_| true).await.unwrap() {
+                    Claimed::Acquired { .. } => break,
+                    other => assert!(
+                        Instant::now() < deadline,
+                        "batch_rows({rows}), {hold:?}: {key} still stands after its claim was \
+                         dropped: {other:?}"
+                    ),
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}

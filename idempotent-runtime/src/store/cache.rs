@@ -67,6 +67,10 @@ struct Shard {
     pending: HashMap<u64, Fingerprint>,
     bytes: usize,
     next_seq: u64,
+    /// Moves at each forget of a key of this shard, before and after the store's delete. A copy
+    /// read from the store (a replay that missed, a completion) is kept only if no forget moved
+    /// it since before the store was asked: the copy may be of a record the forget deleted.
+    forgets: u64,
 }
 
 impl Shard {
@@ -195,9 +199,13 @@ impl<S> CachedStore<S> {
     }
 
     /// Drops the copy of `(scope, key)`, e.g. after the record was deleted through this process.
+    /// A copy read from the store before this call is not put back by the replay or completion
+    /// that read it.
     pub fn evict(&self, scope: &ScopeHash, key: &str) {
         let (hash, shard) = self.locate(scope, key);
-        lock(shard).remove(hash, |c| c.scope == *scope && *c.key == *key);
+        let mut shard = lock(shard);
+        shard.forgets = shard.forgets.wrapping_add(1);
+        shard.remove(hash, |c| c.scope == *scope && *c.key == *key);
     }
 
     fn locate(&self, scope: &ScopeHash, key: &str) -> (u64, &Mutex<Shard>) {
@@ -209,25 +217,27 @@ impl<S> CachedStore<S> {
         self.max_bytes / SHARDS
     }
 
-    /// The cached copy, if it may be answered from at `now`; `Err(token)` when a copy is held
-    /// but due for a re-check with the store.
+    /// The cached copy, if it may be answered from at `now`; otherwise the shard's forget count
+    /// (for [`keep`](Self::keep)) and the token of a copy held but due for a re-check with the
+    /// store.
     fn lookup(
         &self,
         req: &ClaimRequest<'_>,
         now: Millis,
-    ) -> Result<Standing, Option<FencingToken>> {
+    ) -> Result<Standing, (u64, Option<FencingToken>)> {
         let (hash, shard) = self.locate(req.scope, req.key);
         let mut shard = lock(shard);
+        let forgets = shard.forgets;
         let same = |c: &Cached| c.hash == hash && c.scope == *req.scope && *c.key == *req.key;
         let Some(c) = shard.records.find(hash, same) else {
-            return Err(None);
+            return Err((forgets, None));
         };
         if now >= c.expires_at {
             shard.remove(hash, same);
-            return Err(None);
+            return Err((forgets, None));
         }
         if now >= c.fresh_until {
-            return Err(Some(c.token));
+            return Err((forgets, Some(c.token)));
         }
         Ok(Standing {
             token: c.token,
@@ -239,8 +249,9 @@ impl<S> CachedStore<S> {
 
     /// Keeps a copy of `standing` when it is a completed record whose expiry is known: from
     /// `since` (this process's clock, read before the store was asked, so the copy never
-    /// outlives the store's record) for `expires_in`.
-    fn keep(&self, scope: &ScopeHash, key: &str, standing: &Standing, since: Millis) {
+    /// outlives the store's record) for `expires_in`; and unless a forget ran in the shard since
+    /// `forgets` was read, before the store was asked.
+    fn keep(&self, scope: &ScopeHash, key: &str, standing: &Standing, since: Millis, forgets: u64) {
         let (StandingState::Completed(response), Some(expires_in)) =
             (&standing.state, standing.expires_in)
         else {
@@ -264,7 +275,10 @@ impl<S> CachedStore<S> {
             weight,
             seq: 0,
         };
-        lock(shard).insert(entry, self.shard_budget());
+        let mut shard = lock(shard);
+        if shard.forgets == forgets {
+            shard.insert(entry, self.shard_budget());
+        }
     }
 
     fn note_pending(&self, req: &ClaimRequest<'_>) {
@@ -275,14 +289,16 @@ impl<S> CachedStore<S> {
         }
     }
 
+    /// The fingerprint noted at the claim `token` made, and the shard's forget count.
     fn take_pending(
         &self,
         scope: &ScopeHash,
         key: &str,
         token: FencingToken,
-    ) -> Option<Fingerprint> {
+    ) -> (Option<Fingerprint>, u64) {
         let (_, shard) = self.locate(scope, key);
-        lock(shard).pending.remove(&token.0)
+        let mut shard = lock(shard);
+        (shard.pending.remove(&token.0), shard.forgets)
     }
 
     /// After the store answered a claim that found a copy due for a re-check: keep the copy
@@ -316,18 +332,34 @@ fn detached(response: &RecordedResponse) -> RecordedResponse {
     }
 }
 
-#[async_trait]
-impl<S: Store> Store for CachedStore<S> {
-    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+/// The `store` label of the claims the cache answers itself.
+const KIND: &str = "cache";
+
+impl<S: Store> CachedStore<S> {
+    /// [`Store::claim`], and with `timed` [`Store::claim_timed`]: a claim answered here is timed
+    /// as the cache's, one that goes on to the store as the store's (by its `claim_timed`).
+    async fn claim_through(
+        &self,
+        req: &ClaimRequest<'_>,
+        timed: bool,
+    ) -> Result<Claim, StoreError> {
+        let started = crate::observe::Started::now();
         let now = self.clock.now_millis();
-        let held = match self.lookup(req, now) {
+        let (forgets, held) = match self.lookup(req, now) {
             Ok(standing) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
+                if timed {
+                    crate::observe::took("claim", KIND, started);
+                }
                 return Ok(Claim::Standing(standing));
             }
-            Err(held) => held,
+            Err(missed) => missed,
         };
-        let claim = self.inner.claim(req).await?;
+        let claim = if timed {
+            self.inner.claim_timed(req).await?
+        } else {
+            self.inner.claim(req).await?
+        };
         match (&claim, held) {
             (Claim::Acquired, _) => {
                 if let Some(held) = held {
@@ -338,9 +370,24 @@ impl<S: Store> Store for CachedStore<S> {
             (Claim::Standing(_), Some(held)) => self.recheck(req, held, &claim, now),
             // A record completed elsewhere (another process, or before this one started):
             // replayed from here on, until its expiry as the store reported it.
-            (Claim::Standing(standing), None) => self.keep(req.scope, req.key, standing, now),
+            (Claim::Standing(standing), None) => {
+                self.keep(req.scope, req.key, standing, now, forgets);
+            }
         }
         Ok(claim)
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for CachedStore<S> {
+    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        self.claim_through(req, false).await
+    }
+
+    /// A replay answered here is timed as `store="cache"`; a claim that goes on to the store
+    /// is timed by the store's own `claim_timed`, as the store's, and only that call.
+    async fn claim_timed(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        self.claim_through(req, true).await
     }
 
     async fn reclaim(
@@ -365,7 +412,7 @@ impl<S: Store> Store for CachedStore<S> {
         response: &RecordedResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let fingerprint = self.take_pending(scope, key, token);
+        let (fingerprint, forgets) = self.take_pending(scope, key, token);
         // Taken before the store stamps its own `expires_at`, so the copy never outlives it.
         let sent_at = self.clock.now_millis();
         let done = self
@@ -379,7 +426,7 @@ impl<S: Store> Store for CachedStore<S> {
                 state: StandingState::Completed(Arc::new(detached(response))),
                 expires_in: Some(retention),
             };
-            self.keep(scope, key, &copy, sent_at);
+            self.keep(scope, key, &copy, sent_at, forgets);
         }
         Ok(done)
     }
@@ -418,11 +465,16 @@ impl<S: Store> Store for CachedStore<S> {
         self.inner.inspect(scope, key, with_response).await
     }
 
-    /// Drops this process's copy, then the record. Other processes may replay theirs until it
-    /// is older than `max_age` (the README says so).
+    /// Drops this process's copy, then the record, then any copy a replay or completion put
+    /// back meanwhile; a replay or completion that read the store before the delete keeps no
+    /// copy after it ([`evict`](Self::evict)). So once this returns, this process never answers
+    /// the record again. Other processes may replay theirs until it is older than `max_age`
+    /// (the README says so).
     async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
         self.evict(scope, key);
-        self.inner.forget(scope, key).await
+        let forgotten = self.inner.forget(scope, key).await;
+        self.evict(scope, key);
+        forgotten
     }
 
     fn kind(&self) -> &'static str {
@@ -769,5 +821,224 @@ mod tests {
         }
         assert!(store.cached_bytes() <= SHARDS * 4 * (ENTRY_OVERHEAD + 1_100));
         assert!(store.cached_bytes() > 0);
+    }
+
+    /// A store that can hold a claim's read, or a completion, between the store's answer and
+    /// the cache's use of it (until the test says go), and can take a round trip's time inside
+    /// claims and forgets, so that a forget lands in the middle of a replay.
+    #[derive(Default)]
+    struct Interleaved {
+        inner: MemoryStore,
+        hold_claim: std::sync::atomic::AtomicBool,
+        hold_complete: std::sync::atomic::AtomicBool,
+        /// How long a claim takes after reading the record, and a forget before deleting it:
+        /// a round trip to a shared store.
+        round_trip: Duration,
+        held: tokio::sync::Notify,
+        go: tokio::sync::Notify,
+    }
+
+    impl Interleaved {
+        async fn hold_if(&self, armed: &std::sync::atomic::AtomicBool) {
+            if armed.swap(false, Ordering::SeqCst) {
+                self.held.notify_one();
+                self.go.notified().await;
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Store for Interleaved {
+        async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            let read = self.inner.claim(req).await;
+            if !self.round_trip.is_zero() {
+                tokio::time::sleep(self.round_trip).await;
+            }
+            self.hold_if(&self.hold_claim).await;
+            read
+        }
+        async fn reclaim(
+            &self,
+            req: &ClaimRequest<'_>,
+            stale: FencingToken,
+        ) -> Result<Claim, StoreError> {
+            self.inner.reclaim(req, stale).await
+        }
+        async fn complete(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            response: &RecordedResponse,
+            retention: Duration,
+        ) -> Result<bool, StoreError> {
+            let done = self
+                .inner
+                .complete(scope, key, token, response, retention)
+                .await;
+            self.hold_if(&self.hold_complete).await;
+            done
+        }
+        async fn release(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+        ) -> Result<bool, StoreError> {
+            self.inner.release(scope, key, token).await
+        }
+        async fn renew(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            lease: Duration,
+        ) -> Result<bool, StoreError> {
+            self.inner.renew(scope, key, token, lease).await
+        }
+        async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
+            self.inner.sweep(batch).await
+        }
+        async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+            if !self.round_trip.is_zero() {
+                tokio::time::sleep(self.round_trip).await;
+            }
+            self.inner.forget(scope, key).await
+        }
+    }
+
+    /// A replay that missed the cache read the record just before a forget deleted it: its
+    /// copy never goes into the cache after the forget (DESIGN.md §5: a forget drops the record
+    /// from this process for good).
+    #[tokio::test]
+    async fn a_replay_reading_the_record_before_a_forget_never_puts_it_back() {
+        let store = Arc::new(CachedStore::new(Interleaved::default()));
+        let scope = [5; 32];
+        // Completed elsewhere: the first replay here misses and reads the store.
+        let shared = &store.inner().inner;
+        let first = req(&scope, "k", 1);
+        shared.claim(&first).await.unwrap();
+        shared
+            .complete(&scope, "k", first.token, &response(b"1"), first.retention)
+            .await
+            .unwrap();
+        store.inner().hold_claim.store(true, Ordering::SeqCst);
+        let replay = {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move { store.claim(&req(&scope, "k", 1)).await })
+        };
+        store.inner().held.notified().await;
+        // The replay has read the record; the forget runs before it goes on.
+        assert!(store.forget(&scope, "k").await.unwrap());
+        store.inner().go.notify_one();
+        assert!(matches!(
+            replay.await.unwrap().unwrap(),
+            Claim::Standing(Standing {
+                state: StandingState::Completed(_),
+                ..
+            })
+        ));
+        assert_eq!(
+            store.claim(&req(&scope, "k", 1)).await.unwrap(),
+            Claim::Acquired,
+            "the forgotten record was replayed from the cache"
+        );
+        assert_eq!(store.hits(), 0);
+    }
+
+    /// The same for a completion the store took just before a forget deleted it.
+    #[tokio::test]
+    async fn a_completion_racing_a_forget_never_puts_its_copy_back() {
+        let store = Arc::new(CachedStore::new(Interleaved::default()));
+        let scope = [6; 32];
+        let first = req(&scope, "k", 1);
+        assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
+        store.inner().hold_complete.store(true, Ordering::SeqCst);
+        let token = first.token;
+        let completion = {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                store
+                    .complete(&scope, "k", token, &response(b"1"), Duration::from_secs(10))
+                    .await
+            })
+        };
+        store.inner().held.notified().await;
+        assert!(store.forget(&scope, "k").await.unwrap());
+        store.inner().go.notify_one();
+        assert!(completion.await.unwrap().unwrap());
+        assert_eq!(
+            store.claim(&req(&scope, "k", 1)).await.unwrap(),
+            Claim::Acquired,
+            "the forgotten record was replayed from the cache"
+        );
+        assert_eq!(store.hits(), 0);
+    }
+
+    /// Eight tasks replay a key while it is forgotten, 25 times: once the forget has returned,
+    /// no replay is answered with the record (the store has none, so such an answer could only
+    /// come from the cache).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replays_racing_a_forget_never_answer_it_once_it_returned() {
+        let store = Arc::new(CachedStore::new(Interleaved {
+            round_trip: Duration::from_millis(1),
+            ..Default::default()
+        }));
+        let scope = [7; 32];
+        let (mut answered_after_forget, mut trials_answered) = (0, 0);
+        for trial in 0..25 {
+            let key: Arc<str> = format!("k{trial}").into();
+            completed(&store, &scope, &key).await;
+            let forgotten = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let started = Arc::new(AtomicUsize::new(0));
+            let replayers: Vec<_> = (0..8)
+                .map(|_| {
+                    let (store, key, forgotten, started) = (
+                        Arc::clone(&store),
+                        Arc::clone(&key),
+                        Arc::clone(&forgotten),
+                        Arc::clone(&started),
+                    );
+                    tokio::spawn(async move {
+                        started.fetch_add(1, Ordering::SeqCst);
+                        let mut after = 0;
+                        let mut bad = 0;
+                        while after < 20 {
+                            let gone = forgotten.load(Ordering::SeqCst);
+                            let r = req(&scope, &key, 1);
+                            match store.claim(&r).await.unwrap() {
+                                Claim::Standing(Standing {
+                                    state: StandingState::Completed(_),
+                                    ..
+                                }) if gone => bad += 1,
+                                Claim::Acquired => {
+                                    store.release(&scope, &key, r.token).await.unwrap();
+                                }
+                                _ => {}
+                            }
+                            after += usize::from(gone);
+                            tokio::task::yield_now().await;
+                        }
+                        bad
+                    })
+                })
+                .collect();
+            while started.load(Ordering::SeqCst) < 8 {
+                tokio::task::yield_now().await;
+            }
+            assert!(store.forget(&scope, &key).await.unwrap());
+            forgotten.store(true, Ordering::SeqCst);
+            let mut answered = 0;
+            for r in replayers {
+                answered += r.await.unwrap();
+            }
+            answered_after_forget += answered;
+            trials_answered += usize::from(answered > 0);
+        }
+        assert_eq!(
+            (answered_after_forget, trials_answered),
+            (0, 0),
+            "replays answered a forgotten record after its forget returned (answers, trials of 25)"
+        );
     }
 }

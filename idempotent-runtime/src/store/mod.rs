@@ -470,6 +470,17 @@ pub trait Store: std::any::Any + Send + Sync {
         })
     }
 
+    /// [`claim`](Self::claim), timed into the store latency histogram
+    /// ([`STORE_LATENCY`](crate::observe::STORE_LATENCY), feature `metrics`) as `op="claim"`,
+    /// `store=`[`kind`](Self::kind): what the runtime calls to claim. A wrapper that answers some
+    /// claims itself, without the store behind it (the [`cache`](cache::CachedStore)),
+    /// overrides it: what it answers is timed under its own label, and the rest goes to its
+    /// store's `claim_timed`, so that a shared store's histogram counts only the claims that
+    /// reached it. Any other wrapper may forward it or leave the default.
+    async fn claim_timed(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        crate::observe::timed("claim", self.kind(), self.claim(req)).await
+    }
+
     /// A short name for metrics labels (`memory`, `postgres`, `sqlite`, …); default `custom`.
     fn kind(&self) -> &'static str {
         "custom"

@@ -26,6 +26,7 @@
 //! # Ok(()) }
 //! ```
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
@@ -930,6 +931,51 @@ impl batch::Job for Rounds {
             Op::Complete(row) => complete_one(core, row).await.map(Done::Completed),
         }
     }
+
+    /// A claim nobody heard is released if it may hold the key; a completion nobody heard
+    /// stands as it is (the record is complete, and a retry replays it).
+    fn unheard(
+        core: Arc<Core>,
+        row: Op,
+        out: Result<Done, StoreError>,
+    ) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let Op::Claim(row) = row else {
+            return None;
+        };
+        let out = out.map(|done| match done {
+            Done::Claimed(outcome) => outcome,
+            Done::Completed(_) => unreachable!("a claim is answered as a claim"),
+        });
+        unheard_claim(core, row, out)
+    }
+}
+
+/// Releases, under its own token, a claim or reclaim whose outcome nobody is left to hear, when
+/// it may hold the key: it acquired, read back its own token (a resent statement whose first
+/// attempt was written), or failed (it may have been written before the failure). `None` when
+/// it certainly holds nothing.
+fn unheard_claim(
+    core: Arc<Core>,
+    row: ClaimRow,
+    out: Result<Outcome, StoreError>,
+) -> Option<impl Future<Output = ()> + Send + 'static> {
+    let holds = match &out {
+        Ok(Outcome::Acquired) | Err(_) => true,
+        Ok(Outcome::Standing(standing)) => standing.token.as_i64() == row.token,
+        Ok(Outcome::Nothing) => false,
+    };
+    if !holds {
+        return None;
+    }
+    Some(async move {
+        let token = FencingToken::from_i64(row.token);
+        if let Err(error) = core.release(&row.scope, &row.key, token).await {
+            tracing::warn!(
+                %error,
+                "could not release a claim whose request was gone; its key stands until its lease lapses"
+            );
+        }
+    })
 }
 
 /// A completion's parameters, owned, as a batch carries them.
@@ -1124,6 +1170,31 @@ impl PostgresStore {
         Ok(still_running(req))
     }
 
+    /// A reclaim on the pool, sent from a task of its own like every batched row (see
+    /// [`batch`]): if the request stops waiting, the takeover it may commit is released there.
+    /// (An enlisted reclaim needs none of this: a dropped transaction rolls back.)
+    async fn reclaim_alone(
+        &self,
+        row: ClaimRow,
+        stale: FencingToken,
+    ) -> Result<Outcome, StoreError> {
+        let (answer, answer_rx) = tokio::sync::oneshot::channel();
+        let core = Arc::clone(&self.core);
+        tokio::spawn(async move {
+            let out = core.claim_statement(&mut On::Pool, &row, Some(stale)).await;
+            if let Err(out) = answer.send(out)
+                && let Some(undo) = unheard_claim(core, row, out)
+            {
+                undo.await;
+            }
+        });
+        answer_rx.await.unwrap_or_else(|_| {
+            Err(StoreError::unavailable(
+                "the task sending the reclaim ended",
+            ))
+        })
+    }
+
     /// [`Store::reclaim`] on `on`, re-run while its snapshot misses a concurrent commit.
     async fn reclaim_on(
         &self,
@@ -1133,7 +1204,11 @@ impl PostgresStore {
     ) -> Result<Claim, StoreError> {
         for _ in 0..MAX_RERUNS {
             let row = ClaimRow::new(req);
-            match self.core.claim_statement(on, &row, Some(stale)).await? {
+            let outcome = match on {
+                On::Pool => self.reclaim_alone(row, stale).await?,
+                On::Transaction(_) => self.core.claim_statement(on, &row, Some(stale)).await?,
+            };
+            match outcome {
                 Outcome::Acquired => return Ok(Claim::Acquired),
                 // The row vanished (released or swept): claim it afresh.
                 Outcome::Nothing => return self.claim_on(on, req).await,
@@ -1183,6 +1258,24 @@ impl Core {
                 Err(e) => return Err(unavailable(e)),
             }
         }
+    }
+
+    /// [`Store::release`]: deletes the reservation `token` holds.
+    async fn release(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+    ) -> Result<bool, StoreError> {
+        let rows = self
+            .conditional_write(|| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
+                    .bind(&scope[..])
+                    .bind(key)
+                    .bind(token.as_i64())
+            })
+            .await?;
+        Ok(rows == 1)
     }
 
     /// One claim or reclaim statement on `on`. A lock timeout means another transaction holds
@@ -1309,16 +1402,7 @@ impl Store for PostgresStore {
         key: &str,
         token: FencingToken,
     ) -> Result<bool, StoreError> {
-        let rows = self
-            .core
-            .conditional_write(|| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.release)))
-                    .bind(&scope[..])
-                    .bind(key)
-                    .bind(token.as_i64())
-            })
-            .await?;
-        Ok(rows == 1)
+        self.core.release(scope, key, token).await
     }
 
     async fn renew(

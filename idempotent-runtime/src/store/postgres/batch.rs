@@ -11,6 +11,14 @@
 //! constraint) is retried row by row, so one bad row never fails its neighbours; a failure of the
 //! connection itself, or a statement cancelled by `statement_timeout`, is answered to every row,
 //! since each alone would meet it too.
+//!
+//! Every statement runs in a task of its own, never in the future of the request waiting for it:
+//! a request whose future is dropped (its client gone, the server shutting down) stops waiting,
+//! but its statement runs on and commits, and only this side hears what it did. An answer that
+//! finds nobody waiting goes to [`Job::unheard`], which undoes what no request is left to own (a
+//! claim that acquired is released under its own token). A release from the request's side
+//! could not do that: sent while the statement is in flight, it runs beside it and cannot see the
+//! row it is about to commit.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -50,6 +58,50 @@ pub(super) trait Job: Send + Sync + 'static {
         core: &Core,
         row: &Self::Row,
     ) -> impl Future<Output = Result<Self::Out, StoreError>> + Send;
+
+    /// What undoes `row`'s effect when its answer `out` found nobody waiting (the request's
+    /// future was dropped while the row was in flight), or `None` when nothing needs undoing.
+    fn unheard(
+        core: Arc<Core>,
+        row: Self::Row,
+        out: Result<Self::Out, StoreError>,
+    ) -> Option<impl Future<Output = ()> + Send + 'static>;
+}
+
+/// Answers one row, or hands its outcome to [`Job::unheard`] when its request is gone.
+fn deliver<J: Job>(
+    core: &Arc<Core>,
+    row: J::Row,
+    answer: oneshot::Sender<Result<J::Out, StoreError>>,
+    out: Result<J::Out, StoreError>,
+) {
+    if let Err(out) = answer.send(out)
+        && let Some(undo) = J::unheard(Arc::clone(core), row, out)
+    {
+        tokio::spawn(undo);
+    }
+}
+
+/// A row's answer from the task sending it, which may have ended without one (a panic).
+fn answered<O>(
+    answer: Result<Result<O, StoreError>, oneshot::error::RecvError>,
+) -> Result<O, StoreError> {
+    answer.unwrap_or_else(|_| {
+        Err(StoreError::unavailable(
+            "the task sending the statement ended",
+        ))
+    })
+}
+
+/// Sends one row alone from a task of its own (see the module docs) and waits for its answer.
+async fn alone<J: Job>(core: &Arc<Core>, row: J::Row) -> Result<J::Out, StoreError> {
+    let (answer, answer_rx) = oneshot::channel();
+    let core = Arc::clone(core);
+    tokio::spawn(async move {
+        let out = J::one(&core, &row).await;
+        deliver::<J>(&core, row, answer, out);
+    });
+    answered(answer_rx.await)
 }
 
 /// How large and how many batches may be out at once.
@@ -111,21 +163,17 @@ impl<J: Job> Batcher<J> {
     /// Sends `row`, alone or with others, and answers it.
     pub(super) async fn submit(self: &Arc<Self>, row: J::Row) -> Result<J::Out, StoreError> {
         if self.limits.rows == 1 {
-            return J::one(&self.core, &row).await;
+            return alone::<J>(&self.core, row).await;
         }
-        let (answer, mut answered) = oneshot::channel();
+        let (answer, mut answer_rx) = oneshot::channel();
         {
             let mut queue = lock(&self.queue);
             queue.waiting.push(Waiter { row, answer });
             self.start_if_due(&mut queue);
         }
         loop {
-            match tokio::time::timeout(STALL, &mut answered).await {
-                Ok(answer) => {
-                    return answer.unwrap_or_else(|_| {
-                        Err(StoreError::unavailable("the batch statement's task ended"))
-                    });
-                }
+            match tokio::time::timeout(STALL, &mut answer_rx).await {
+                Ok(answer) => return answered(answer),
                 // Still queued: the statements out may be stalled.
                 Err(_) => self.start_if_due(&mut lock(&self.queue)),
             }
@@ -183,9 +231,11 @@ impl<J: Job> Batcher<J> {
     }
 
     async fn send(&self, mut batch: Vec<Waiter<J>>) {
+        let core = &self.core;
         if batch.len() == 1 {
             let Waiter { row, answer } = batch.pop().expect("one row");
-            let _ = answer.send(J::one(&self.core, &row).await);
+            let out = J::one(core, &row).await;
+            deliver::<J>(core, row, answer, out);
             return;
         }
         batch.sort_by(|a, b| J::order(&a.row, &b.row));
@@ -193,8 +243,8 @@ impl<J: Job> Batcher<J> {
             batch.into_iter().map(|w| (w.row, w.answer)).unzip();
         match self.many(&rows).await {
             Ok(outs) if outs.len() == rows.len() => {
-                for (answer, out) in answers.into_iter().zip(outs) {
-                    let _ = answer.send(out);
+                for ((row, answer), out) in rows.into_iter().zip(answers).zip(outs) {
+                    deliver::<J>(core, row, answer, out);
                 }
             }
             Ok(outs) => {
@@ -215,11 +265,11 @@ impl<J: Job> Batcher<J> {
             Err(e) => {
                 let message = e.to_string();
                 let mut error = Some(unavailable(e));
-                for answer in answers {
+                for (row, answer) in rows.into_iter().zip(answers) {
                     let e = error
                         .take()
                         .unwrap_or_else(|| StoreError::unavailable(message.clone()));
-                    let _ = answer.send(Err(e));
+                    deliver::<J>(core, row, answer, Err(e));
                 }
             }
         }
@@ -251,8 +301,10 @@ impl<J: Job> Batcher<J> {
         for (row, answer) in rows.into_iter().zip(answers) {
             let core = Arc::clone(&self.core);
             tokio::spawn(async move {
+                // A request already gone when its row's turn came sends nothing.
                 if !answer.is_closed() {
-                    let _ = answer.send(J::one(&core, &row).await);
+                    let out = J::one(&core, &row).await;
+                    deliver::<J>(&core, row, answer, out);
                 }
             });
         }
