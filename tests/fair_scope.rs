@@ -236,7 +236,12 @@ mod cases {
             "the attacker was handed the victim's answer: {:?}",
             String::from_utf8_lossy(&attacker.body)
         );
-        assert_eq!(attacker.status, 201, "{:?}", String::from_utf8_lossy(&attacker.body));
+        assert_eq!(
+            attacker.status,
+            201,
+            "{:?}",
+            String::from_utf8_lossy(&attacker.body)
+        );
         assert_eq!(execution(&attacker), 2, "the handler ran for the attacker");
         // The attacker is scoped by the hop the proxy appended, whatever it wrote before it.
         let attacker_again = note(&s, proxy, "k-victim", &[b"X-Forwarded-For: 198.51.100.9"]).await;
@@ -249,15 +254,29 @@ mod cases {
 
         // An X-Forwarded-For line that yields no hop never makes the client's own Forwarded
         // count: refused, and nothing runs.
-        for unreadable in [&b"X-Forwarded-For: \xff"[..], b"X-Forwarded-For: ,", b"X-Forwarded-For:"] {
-            note(&s, proxy, "k-victim", &[unreadable, b"Forwarded: for=192.0.2.7"])
-                .await
-                .assert_problem(500, "IDEMPOTENCY_SCOPE_UNRESOLVED");
-        }
-        // A proxy's hop that is not an address is refused, whatever the client wrote before it.
-        note(&s, proxy, "k-victim", &[b"X-Forwarded-For: 192.0.2.7, unknown"])
+        for unreadable in [
+            &b"X-Forwarded-For: \xff"[..],
+            b"X-Forwarded-For: ,",
+            b"X-Forwarded-For:",
+        ] {
+            note(
+                &s,
+                proxy,
+                "k-victim",
+                &[unreadable, b"Forwarded: for=192.0.2.7"],
+            )
             .await
             .assert_problem(500, "IDEMPOTENCY_SCOPE_UNRESOLVED");
+        }
+        // A proxy's hop that is not an address is refused, whatever the client wrote before it.
+        note(
+            &s,
+            proxy,
+            "k-victim",
+            &[b"X-Forwarded-For: 192.0.2.7, unknown"],
+        )
+        .await
+        .assert_problem(500, "IDEMPOTENCY_SCOPE_UNRESOLVED");
         assert_eq!(s.runs("/notes").await, 2);
         s.assert_alive_without_panic();
     }

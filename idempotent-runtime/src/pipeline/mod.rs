@@ -362,9 +362,10 @@ fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope::Scope, Pro
             Ok(Some(scope::canonical_ip(ip)))
         }
         Some(ip) => {
-            let utf8 = |v| std::str::from_utf8(v).ok();
-            let xff = head.header_values("x-forwarded-for").filter_map(utf8);
-            let forwarded = head.header_values("forwarded").filter_map(utf8);
+            // As bytes, every line: a line dropped for a byte the client wrote would drop the
+            // hop the proxy appended to it (#27).
+            let xff = head.header_values("x-forwarded-for");
+            let forwarded = head.header_values("forwarded");
             scope::client_ip(ip, xff, forwarded, config.trusted_proxies()).map(Some)
         }
         None => Ok(None),
