@@ -23,7 +23,7 @@ use crate::pipeline::{
     self, ClaimMode, Claimed, Ended, Front, Head, REPLAYED_HEADER, Reply, Served,
 };
 use crate::reservation::Reservation;
-use crate::scope::Identity;
+use crate::scope::{Identity, Scope};
 
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(crate::key::HEADER_NAME);
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -186,6 +186,13 @@ impl Reply for Response {
         }
         response
     }
+}
+
+/// The caller's scope exactly as the pipeline resolves it for this request (the one function
+/// both call), or the pipeline's answer when it cannot be resolved.
+pub(crate) fn caller_scope(handle: &Idempotency, parts: &mut Parts) -> Result<Scope, Response> {
+    let head = AxumHead::new(parts);
+    pipeline::scope_of(handle, &head).map_err(|problem| pipeline::refuse(handle, &problem))
 }
 
 /// A request after the steps before the handler.

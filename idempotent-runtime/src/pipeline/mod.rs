@@ -342,8 +342,10 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
 
 /// The caller's scope ([the contract](crate::design) §4): the identity the application
 /// published, else the resolver's, else the peer (past trusted proxies) for a request that
-/// carries no credential header.
-fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope::Scope, Problem> {
+/// carries no credential header. The one resolution there is: the claim and the operators'
+/// `CallerScope` extractors both call it, so an admin route reaches exactly the records the
+/// same caller's requests made.
+pub(crate) fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope::Scope, Problem> {
     let config = handle.config();
     let route = route_of(head);
     let credential = config
