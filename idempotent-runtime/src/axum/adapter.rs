@@ -22,6 +22,7 @@ use crate::handle::Idempotency;
 use crate::pipeline::{
     self, ClaimMode, Claimed, Ended, Front, Head, REPLAYED_HEADER, Reply, Served,
 };
+use crate::problem::Problem;
 use crate::reservation::Reservation;
 use crate::scope::{Identity, Scope};
 
@@ -189,10 +190,9 @@ impl Reply for Response {
 }
 
 /// The caller's scope exactly as the pipeline resolves it for this request (the one function
-/// both call), or the pipeline's answer when it cannot be resolved.
-pub(crate) fn caller_scope(handle: &Idempotency, parts: &mut Parts) -> Result<Scope, Response> {
-    let head = AxumHead::new(parts);
-    pipeline::scope_of(handle, &head).map_err(|problem| pipeline::refuse(handle, &problem))
+/// both call), or the pipeline's refusal when it cannot be resolved.
+pub(crate) fn caller_scope(handle: &Idempotency, parts: &mut Parts) -> Result<Scope, Problem> {
+    pipeline::scope_of(handle, &AxumHead::new(parts))
 }
 
 /// A request after the steps before the handler.

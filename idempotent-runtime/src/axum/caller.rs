@@ -92,7 +92,8 @@ where
             let route = route.map_or("", MatchedPath::as_str);
             return Err(pipeline::store_missing(route, STORE_MISSING_FIX));
         };
-        let scope = adapter::caller_scope(&handle, parts)?;
+        let scope = adapter::caller_scope(&handle, parts)
+            .map_err(|problem| pipeline::refuse(&handle, &problem))?;
         Ok(Self {
             scope,
             _source: PhantomData,
