@@ -26,8 +26,7 @@ use actix_web::{
 };
 use idempotent_examples::admin;
 use idempotent_examples::conformance::{Executions, Options, RunLog, identity, init_logging};
-use idempotent_runtime::actix::{IdempotencyMiddleware, idempotent};
-use idempotent_runtime::scope::Identity;
+use idempotent_runtime::actix::{CallerScope, IdempotencyMiddleware, idempotent};
 use idempotent_runtime::{Idempotency, IdempotencyContext};
 use metrics_exporter_prometheus::PrometheusHandle;
 
@@ -224,26 +223,26 @@ struct RecordQuery {
     route: Option<String>,
 }
 
-/// `GET` and `DELETE /admin/records?key=K`: the record of `K` in the caller's own scope.
+/// `GET` and `DELETE /admin/records?key=K`: the record of `K` in the caller's own scope, the
+/// caller resolved by the runtime exactly as for its idempotent requests (`CallerScope`).
 async fn admin_record(
     req: HttpRequest,
+    caller: CallerScope,
     idempotency: web::Data<Idempotency>,
     query: web::Query<RecordQuery>,
 ) -> HttpResponse {
-    let peer = req.peer_addr().map(|addr| addr.ip());
-    let scope = admin::scope_of(req.extensions().get::<Identity>(), peer);
-    let Ok(scope) = scope else {
-        return HttpResponse::InternalServerError().finish();
-    };
     let route = query.route.as_deref();
     if req.method() == actix_web::http::Method::DELETE {
-        return match idempotency.forget(&scope, route, &query.key).await {
+        return match idempotency.forget(caller.hash(), route, &query.key).await {
             Ok(true) => HttpResponse::NoContent().finish(),
             Ok(false) => HttpResponse::NotFound().finish(),
             Err(_) => HttpResponse::ServiceUnavailable().finish(),
         };
     }
-    match idempotency.inspect(&scope, route, &query.key, false).await {
+    match idempotency
+        .inspect(caller.hash(), route, &query.key, false)
+        .await
+    {
         Ok(Some(info)) => HttpResponse::Ok().json(admin::record_json(&info)),
         Ok(None) => HttpResponse::NotFound().finish(),
         Err(_) => HttpResponse::ServiceUnavailable().finish(),

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{FromRef, Path, Query, RawQuery, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -28,8 +28,7 @@ use idempotent_examples::admin;
 use idempotent_examples::conformance::{
     Executions, Options, RunLog, identity, init_logging, shutdown_signal,
 };
-use idempotent_runtime::axum::{IdempotencyLayer, idempotent};
-use idempotent_runtime::scope::Identity;
+use idempotent_runtime::axum::{CallerScope, IdempotencyLayer, idempotent};
 use idempotent_runtime::{Idempotency, IdempotencyContext};
 use metrics_exporter_prometheus::PrometheusHandle;
 
@@ -257,28 +256,26 @@ struct RecordQuery {
     route: Option<String>,
 }
 
-/// `GET` and `DELETE /admin/records?key=K`: the record of `K` in the caller's own scope.
+/// `GET` and `DELETE /admin/records?key=K`: the record of `K` in the caller's own scope, the
+/// caller resolved by the runtime exactly as for its idempotent requests (`CallerScope`).
 async fn admin_record(
     State(state): State<AppState>,
+    caller: CallerScope,
+    method: Method,
     Query(query): Query<RecordQuery>,
-    request: Request,
 ) -> Response {
-    let peer = request
-        .extensions()
-        .get::<axum::extract::ConnectInfo<SocketAddr>>()
-        .map(|info| info.0.ip());
-    let Ok(scope) = admin::scope_of(request.extensions().get::<Identity>(), peer) else {
-        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
-    };
     let (idempotency, route) = (&state.idempotency, query.route.as_deref());
-    if request.method() == axum::http::Method::DELETE {
-        return match idempotency.forget(&scope, route, &query.key).await {
+    if method == Method::DELETE {
+        return match idempotency.forget(caller.hash(), route, &query.key).await {
             Ok(true) => StatusCode::NO_CONTENT.into_response(),
             Ok(false) => StatusCode::NOT_FOUND.into_response(),
             Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
         };
     }
-    match idempotency.inspect(&scope, route, &query.key, false).await {
+    match idempotency
+        .inspect(caller.hash(), route, &query.key, false)
+        .await
+    {
         Ok(Some(info)) => Json(admin::record_json(&info)).into_response(),
         Ok(None) => StatusCode::NOT_FOUND.into_response(),
         Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),

@@ -20,7 +20,7 @@ use std::process::ExitCode;
 
 use idempotent_examples::admin;
 use idempotent_runtime::Idempotency;
-use idempotent_runtime::scope::{ClientId, Identity, ScopeHash};
+use idempotent_runtime::scope::{ClientId, Identity, Scope, ScopeHash};
 use idempotent_runtime::store::postgres::PostgresStore;
 use idempotent_runtime::store::sqlite::SqliteStore;
 
@@ -118,8 +118,9 @@ async fn main() -> ExitCode {
     };
     let scope = match args.scope_hash {
         Some(hash) => hash,
-        None => match admin::scope_of(Some(&args.identity), args.peer) {
-            Ok(hash) => hash,
+        // The library's own derivation, as the pipeline scopes a caller with this identity.
+        None => match Scope::from_identity(&args.identity, args.peer) {
+            Ok(scope) => *scope.hash(),
             Err(_) => {
                 eprintln!(
                     "no caller: give --subject, --api-key, --client, --peer or --scope-hash\n{USAGE}"

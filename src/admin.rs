@@ -1,22 +1,13 @@
 //! What the conformance servers' admin routes and the operator tool (examples/idempotent_admin.rs)
-//! share: the scope an identity stands for, and a record as JSON (DESIGN.md §5 "Admin").
+//! share: a record as JSON (DESIGN.md §5 "Admin"). Who the caller of an admin route is, the
+//! runtime resolves itself (`idempotent_runtime::axum::CallerScope`,
+//! `idempotent_runtime::actix::CallerScope`), as for its idempotent requests.
 
-use std::net::IpAddr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use idempotent_runtime::scope::{Identity, Scope, ScopeError, ScopeHash};
+use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::RecordInfo;
 use serde_json::{Value, json};
-
-/// The scope hash of `identity` (anonymous callers by their peer address), as the pipeline
-/// derives it for the same caller.
-pub fn scope_of(
-    identity: Option<&Identity>,
-    peer: Option<IpAddr>,
-) -> Result<ScopeHash, ScopeError> {
-    let anonymous = Identity::default();
-    Scope::from_identity(identity.unwrap_or(&anonymous), peer).map(|scope| *scope.hash())
-}
 
 /// A 64-hex-digit scope hash, as `--scope-hash` takes it.
 pub fn parse_scope_hash(hex: &str) -> Option<ScopeHash> {
@@ -98,7 +89,12 @@ mod tests {
 
     #[test]
     fn scope_hashes_parse_from_hex() {
-        let hash = scope_of(Some(&Identity::subject("acme", "alice")), None).unwrap();
+        let hash = *idempotent_runtime::scope::Scope::from_identity(
+            &idempotent_runtime::Identity::subject("acme", "alice"),
+            None,
+        )
+        .unwrap()
+        .hash();
         let hex: String = hash.iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(parse_scope_hash(&hex), Some(hash));
         assert_eq!(parse_scope_hash("abc"), None);

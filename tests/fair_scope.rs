@@ -33,6 +33,7 @@ macro_rules! both_servers {
 both_servers! {
     a_flooding_scope_is_refused_alone_before_its_handler_runs,
     clients_behind_a_trusted_proxy_are_scoped_by_the_forwarded_address,
+    a_client_behind_a_trusted_proxy_cannot_pick_its_own_scope,
     the_resolver_and_credential_headers_decide_who_the_caller_is,
     the_key_header_is_a_setting,
 }
@@ -205,6 +206,78 @@ mod cases {
         assert_eq!(spoofed.status, 201);
         assert!(!spoofed.replayed(), "an untrusted peer chose its scope");
         assert_eq!(s.runs("/notes").await, 3);
+        s.assert_alive_without_panic();
+    }
+
+    /// The attack of #27: nginx's `$proxy_add_x_forwarded_for` appends the real address to
+    /// whatever the client wrote, so a client that puts a non-UTF-8 byte in its own
+    /// `X-Forwarded-For` and a victim's address in its own `Forwarded` must still be scoped by
+    /// the hop the proxy appended, never handed the victim's answer.
+    pub async fn a_client_behind_a_trusted_proxy_cannot_pick_its_own_scope(name: &'static str) {
+        let mut s = Server::start_on(name, "0.0.0.0:0", &["--trusted-proxy", "127.0.0.2/32"]);
+        let proxy = peer(2);
+        let victim = note(&s, proxy, "k-victim", &[b"X-Forwarded-For: 192.0.2.7"]).await;
+        assert_eq!(victim.status, 201);
+        assert!(!victim.replayed());
+        assert_eq!(execution(&victim), 1);
+
+        let attacker = note(
+            &s,
+            proxy,
+            "k-victim",
+            &[
+                b"X-Forwarded-For: 6.6.6.6\xff, 198.51.100.9",
+                b"Forwarded: for=192.0.2.7",
+            ],
+        )
+        .await;
+        assert!(
+            !attacker.replayed(),
+            "the attacker was handed the victim's answer: {:?}",
+            String::from_utf8_lossy(&attacker.body)
+        );
+        assert_eq!(
+            attacker.status,
+            201,
+            "{:?}",
+            String::from_utf8_lossy(&attacker.body)
+        );
+        assert_eq!(execution(&attacker), 2, "the handler ran for the attacker");
+        // The attacker is scoped by the hop the proxy appended, whatever it wrote before it.
+        let attacker_again = note(&s, proxy, "k-victim", &[b"X-Forwarded-For: 198.51.100.9"]).await;
+        assert!(attacker_again.replayed());
+        assert_eq!(attacker_again.body, attacker.body);
+        // The victim still gets its own answer.
+        let victim_again = note(&s, proxy, "k-victim", &[b"X-Forwarded-For: 192.0.2.7"]).await;
+        assert!(victim_again.replayed());
+        assert_eq!(victim_again.body, victim.body);
+
+        // An X-Forwarded-For line that yields no hop never makes the client's own Forwarded
+        // count: refused, and nothing runs.
+        for unreadable in [
+            &b"X-Forwarded-For: \xff"[..],
+            b"X-Forwarded-For: ,",
+            b"X-Forwarded-For:",
+        ] {
+            note(
+                &s,
+                proxy,
+                "k-victim",
+                &[unreadable, b"Forwarded: for=192.0.2.7"],
+            )
+            .await
+            .assert_problem(500, "IDEMPOTENCY_SCOPE_UNRESOLVED");
+        }
+        // A proxy's hop that is not an address is refused, whatever the client wrote before it.
+        note(
+            &s,
+            proxy,
+            "k-victim",
+            &[b"X-Forwarded-For: 192.0.2.7, unknown"],
+        )
+        .await
+        .assert_problem(500, "IDEMPOTENCY_SCOPE_UNRESOLVED");
+        assert_eq!(s.runs("/notes").await, 2);
         s.assert_alive_without_panic();
     }
 

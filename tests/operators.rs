@@ -146,6 +146,151 @@ async fn admin_records_inspects_and_forgets_in_the_callers_own_scope_only() {
     }
 }
 
+/// The admin routes resolve the caller exactly as the request pipeline does (#27 item 5): an
+/// `X-Api-Key` caller (identified by the runtime's resolver) is not the anonymous caller of
+/// the same address, and each finds and forgets only its own record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_records_resolve_the_caller_as_the_pipeline_does() {
+    for name in harness::SERVERS {
+        eprintln!("against {name}");
+        let s = Server::start(name, &[]);
+        let anonymous = s
+            .post("/notes")
+            .key("k-shared")
+            .json(&json!({}))
+            .send()
+            .await;
+        assert_eq!(anonymous.status, 201);
+        let keyed = s
+            .post("/notes")
+            .key("k-shared")
+            .header("x-api-key", "svc")
+            .json(&json!({}))
+            .send()
+            .await;
+        assert_eq!(keyed.status, 201);
+        assert!(
+            !keyed.replayed(),
+            "{name}: an API key shared the anonymous scope"
+        );
+        let only_keyed = s
+            .post("/notes")
+            .key("k-api-only")
+            .header("x-api-key", "svc")
+            .json(&json!({}))
+            .send()
+            .await;
+        assert_eq!(only_keyed.status, 201);
+        assert_eq!(s.runs("/notes").await, 3);
+
+        // The API-key caller's DELETE forgets its own record, not the anonymous caller's.
+        let forgot = s
+            .delete("/admin/records?key=k-shared")
+            .header("x-api-key", "svc")
+            .send()
+            .await;
+        assert_eq!(forgot.status, 204, "{name}");
+        let kept = s
+            .post("/notes")
+            .key("k-shared")
+            .json(&json!({}))
+            .send()
+            .await;
+        assert!(
+            kept.replayed(),
+            "{name}: the API-key caller forgot the anonymous caller's record"
+        );
+        assert_eq!(kept.body, anonymous.body);
+        assert_eq!(s.runs("/notes").await, 3);
+        assert_eq!(s.get("/admin/records?key=k-shared").await.status, 200);
+        let rerun = s
+            .post("/notes")
+            .key("k-shared")
+            .header("x-api-key", "svc")
+            .json(&json!({}))
+            .send()
+            .await;
+        assert!(
+            !rerun.replayed(),
+            "{name}: the API-key caller's record survived its forget"
+        );
+        assert_eq!(s.runs("/notes").await, 4);
+
+        // The API-key caller inspects its own record, one the anonymous caller does not have.
+        let seen = s
+            .get_call("/admin/records?key=k-api-only")
+            .header("x-api-key", "svc")
+            .send()
+            .await;
+        assert_eq!(seen.status, 200, "{name}: the API-key caller's own record");
+        assert_eq!(seen.json()["route"], "/notes");
+        assert_eq!(s.get("/admin/records?key=k-api-only").await.status, 404);
+        // The resolver's refusal is the admin route's answer too, before anything is read.
+        let empty = s
+            .get_call("/admin/records?key=k-api-only")
+            .header("x-api-key", "")
+            .send()
+            .await;
+        assert_eq!(empty.status, 401, "{name}");
+    }
+}
+
+/// An anonymous client behind a trusted proxy is scoped by the address the proxy forwards, in
+/// the admin routes as in the pipeline; a proxy that forwards none is refused the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_records_follow_trusted_proxies() {
+    for name in harness::SERVERS {
+        eprintln!("against {name}");
+        let s = Server::start(name, &["--trusted-proxy", "127.0.0.1/32"]);
+        let first = s
+            .post("/notes")
+            .key("k-proxied")
+            .header("x-forwarded-for", "203.0.113.5")
+            .json(&json!({}))
+            .send()
+            .await;
+        assert_eq!(first.status, 201);
+        let own = s
+            .get_call("/admin/records?key=k-proxied")
+            .header("x-forwarded-for", "203.0.113.5")
+            .send()
+            .await;
+        assert_eq!(own.status, 200, "{name}: a proxied client's own record");
+        assert_eq!(own.json()["state"], "completed");
+        let other = s
+            .get_call("/admin/records?key=k-proxied")
+            .header("x-forwarded-for", "203.0.113.6")
+            .send()
+            .await;
+        assert_eq!(other.status, 404, "{name}: another client behind the proxy");
+        s.get_call("/admin/records?key=k-proxied")
+            .send()
+            .await
+            .assert_problem(500, "IDEMPOTENCY_SCOPE_UNRESOLVED");
+        let foreign = s
+            .delete("/admin/records?key=k-proxied")
+            .header("x-forwarded-for", "203.0.113.6")
+            .send()
+            .await;
+        assert_eq!(foreign.status, 404, "{name}");
+        let forgot = s
+            .delete("/admin/records?key=k-proxied")
+            .header("x-forwarded-for", "203.0.113.5")
+            .send()
+            .await;
+        assert_eq!(forgot.status, 204, "{name}");
+        let rerun = s
+            .post("/notes")
+            .key("k-proxied")
+            .header("x-forwarded-for", "203.0.113.5")
+            .json(&json!({}))
+            .send()
+            .await;
+        assert!(!rerun.replayed(), "{name}: a forgotten key runs again");
+        assert_eq!(s.runs("/notes").await, 2);
+    }
+}
+
 /// The value of the sample of `name` whose labels contain every one of `labels`.
 fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
     text.lines()

@@ -282,23 +282,41 @@ pub fn resolve(
 
 /// The client's address: the peer, or — when the peer is a trusted proxy — the rightmost
 /// forwarded hop that is not itself a trusted proxy, read right to left from `X-Forwarded-For`
-/// (or, when the proxy sent none, from the `for=` parameters of RFC 7239 `Forwarded`).
-/// Forwarded headers from anyone else are ignored, since a client can write whatever it likes
-/// there. Addresses are canonical (an IPv4-mapped IPv6 address is its IPv4 address) and a hop's
-/// port and brackets are dropped.
+/// (or, when the request has no `X-Forwarded-For` line at all, from the `for=` parameters of
+/// RFC 7239 `Forwarded`). Forwarded headers from anyone else are ignored, since a client can
+/// write whatever it likes there. Addresses are canonical (an IPv4-mapped IPv6 address is its
+/// IPv4 address) and a hop's port and brackets are dropped.
 ///
-/// A trusted proxy that gives no usable client address (no header, or a hop such as `unknown`
-/// before any untrusted address) is [`ScopeError::ProxyWithoutClientAddress`]: its own address
-/// would otherwise scope every anonymous client behind it together.
+/// The header values are bytes, as received: a proxy appends its hop to whatever the client
+/// sent (nginx's `$proxy_add_x_forwarded_for`), so the client's part may hold anything, a
+/// non-UTF-8 byte, garbage, empty elements. Only the hops from the right up to the first
+/// address that is not a trusted proxy are read; the bytes before it never matter. Hops are
+/// split on every `,` (and `Forwarded` pairs on every `;`) without regard to quotes, so an
+/// unbalanced quote the client wrote cannot swallow the element a proxy appended after it.
+/// An `X-Forwarded-For` line that yields no hop never hands the decision to `Forwarded`, which
+/// the client may have written itself.
+///
+/// A trusted proxy that gives no usable client address (no header, or a hop such as `unknown`,
+/// or a `Forwarded` element without `for=`, before any untrusted address) is
+/// [`ScopeError::ProxyWithoutClientAddress`]: its own address would otherwise scope every
+/// anonymous client behind it together.
 ///
 /// ```
 /// use idempotent_runtime::scope::{client_ip, ScopeError};
 ///
 /// let proxies = ["10.0.0.0/8".parse().unwrap()];
 /// let proxy = "::ffff:10.0.0.1".parse().unwrap();
-/// let client = client_ip(proxy, ["[2001:db8::7]:4711, 10.0.0.2"], [], &proxies);
+/// let client = client_ip(proxy, [&b"[2001:db8::7]:4711, 10.0.0.2"[..]], [], &proxies);
 /// assert_eq!(client, Ok("2001:db8::7".parse().unwrap()));
-/// let by_rfc7239 = client_ip(proxy, [], ["for=192.0.2.60;proto=https"], &proxies);
+/// // Whatever the client wrote before the hop its proxy appended does not count.
+/// let spoofed = client_ip(
+///     proxy,
+///     [&b"6.6.6.6\xff, 198.51.100.9"[..]],
+///     [&b"for=192.0.2.7"[..]],
+///     &proxies,
+/// );
+/// assert_eq!(spoofed, Ok("198.51.100.9".parse().unwrap()));
+/// let by_rfc7239 = client_ip(proxy, [], [&b"for=192.0.2.60;proto=https"[..]], &proxies);
 /// assert_eq!(by_rfc7239, Ok("192.0.2.60".parse().unwrap()));
 /// assert_eq!(
 ///     client_ip(proxy, [], [], &proxies),
@@ -307,8 +325,8 @@ pub fn resolve(
 /// ```
 pub fn client_ip<'a>(
     peer: IpAddr,
-    x_forwarded_for: impl IntoIterator<Item = &'a str>,
-    forwarded: impl IntoIterator<Item = &'a str>,
+    x_forwarded_for: impl IntoIterator<Item = &'a [u8]>,
+    forwarded: impl IntoIterator<Item = &'a [u8]>,
     trusted_proxies: &[IpNet],
 ) -> Result<IpAddr, ScopeError> {
     let peer = canonical_ip(peer);
@@ -316,24 +334,24 @@ pub fn client_ip<'a>(
     if !trusted(&peer) {
         return Ok(peer);
     }
-    let mut hops: Vec<&str> = x_forwarded_for
-        .into_iter()
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .filter(|h| !h.is_empty())
-        .collect();
-    if hops.is_empty() {
-        hops = forwarded
+    let mut x_forwarded_for = x_forwarded_for.into_iter().peekable();
+    // `None` is a `Forwarded` element without `for=`: a hop, but not an address.
+    let hops: Vec<Option<&[u8]>> = if x_forwarded_for.peek().is_some() {
+        x_forwarded_for.flat_map(elements).map(Some).collect()
+    } else {
+        forwarded
             .into_iter()
-            .flat_map(|v| v.split(','))
-            .filter_map(forwarded_for_param)
-            .collect();
-    }
+            .flat_map(elements)
+            .map(forwarded_for_param)
+            .collect()
+    };
     let mut client = None;
     for hop in hops.iter().rev() {
         // A hop that is not an address (`unknown`, an obfuscated name, garbage) ends what can be
         // trusted, and no address before it is the client's.
-        let ip = parse_hop(hop).ok_or(ScopeError::ProxyWithoutClientAddress)?;
+        let ip = hop
+            .and_then(parse_hop)
+            .ok_or(ScopeError::ProxyWithoutClientAddress)?;
         client = Some(ip);
         if !trusted(&ip) {
             break;
@@ -342,20 +360,38 @@ pub fn client_ip<'a>(
     client.ok_or(ScopeError::ProxyWithoutClientAddress)
 }
 
+/// The non-empty comma-separated elements of one header line, trimmed of ASCII whitespace.
+fn elements(line: &[u8]) -> impl Iterator<Item = &[u8]> {
+    line.split(|&b| b == b',')
+        .map(<[u8]>::trim_ascii)
+        .filter(|e| !e.is_empty())
+}
+
 /// The `for=` value of one `Forwarded` element (`for=192.0.2.60;proto=http`), unquoted.
-fn forwarded_for_param(element: &str) -> Option<&str> {
-    element.split(';').find_map(|pair| {
-        let (name, value) = pair.trim().split_once('=')?;
-        name.trim()
-            .eq_ignore_ascii_case("for")
-            .then(|| value.trim().trim_matches('"'))
+fn forwarded_for_param(element: &[u8]) -> Option<&[u8]> {
+    element.split(|&b| b == b';').find_map(|pair| {
+        let eq = pair.iter().position(|&b| b == b'=')?;
+        let (name, value) = (&pair[..eq], &pair[eq + 1..]);
+        name.trim_ascii()
+            .eq_ignore_ascii_case(b"for")
+            .then(|| trim_quotes(value.trim_ascii()))
     })
 }
 
+fn trim_quotes(mut s: &[u8]) -> &[u8] {
+    while let [b'"', rest @ ..] = s {
+        s = rest;
+    }
+    while let [rest @ .., b'"'] = s {
+        s = rest;
+    }
+    s
+}
+
 /// One hop as an address: `1.2.3.4`, `1.2.3.4:5678`, `2001:db8::1`, `[2001:db8::1]`,
-/// `[2001:db8::1]:443`, canonical.
-fn parse_hop(hop: &str) -> Option<IpAddr> {
-    let hop = hop.trim().trim_matches('"');
+/// `[2001:db8::1]:443`, canonical. Anything else, non-UTF-8 bytes included, is `None`.
+fn parse_hop(hop: &[u8]) -> Option<IpAddr> {
+    let hop = std::str::from_utf8(trim_quotes(hop.trim_ascii())).ok()?;
     let ip = if let Some(rest) = hop.strip_prefix('[') {
         let (inside, after) = rest.split_once(']')?;
         if !(after.is_empty() || after.strip_prefix(':').is_some_and(is_port)) {
@@ -375,7 +411,7 @@ fn parse_hop(hop: &str) -> Option<IpAddr> {
 }
 
 fn is_port(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 5 && s.bytes().all(|b| b.is_ascii_digit())
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && s.parse::<u16>().is_ok()
 }
 
 /// The canonical form of an address: an IPv4-mapped IPv6 address (`::ffff:10.0.0.1`) is its
@@ -598,6 +634,12 @@ mod tests {
     }
 
     fn via(peer: &str, xff: &[&str], fwd: &[&str]) -> Result<IpAddr, ScopeError> {
+        let xff: Vec<&[u8]> = xff.iter().map(|v| v.as_bytes()).collect();
+        let fwd: Vec<&[u8]> = fwd.iter().map(|v| v.as_bytes()).collect();
+        via_bytes(peer, &xff, &fwd)
+    }
+
+    fn via_bytes(peer: &str, xff: &[&[u8]], fwd: &[&[u8]]) -> Result<IpAddr, ScopeError> {
         let proxies: Vec<IpNet> = vec!["10.0.0.0/8".parse().unwrap()];
         client_ip(ip(peer), xff.iter().copied(), fwd.iter().copied(), &proxies)
     }
@@ -709,5 +751,219 @@ mod tests {
             via("10.1.1.1", &["garbage, 203.0.113.9"], &[]),
             Ok(ip("203.0.113.9"))
         );
+    }
+
+    #[test]
+    fn the_proxys_hop_is_found_whatever_bytes_the_client_wrote_before_it() {
+        let real = Ok(ip("198.51.100.9"));
+        for xff in [
+            &b"6.6.6.6\xff, 198.51.100.9"[..],
+            b"\xff\xfe\x80, 198.51.100.9",
+            b"garbage, 198.51.100.9",
+            b"\"unclosed, 198.51.100.9",
+            b", , ,198.51.100.9",
+            b"192.0.2.7,,\t198.51.100.9 ",
+            b"[2001:db8::1, 198.51.100.9",
+            b"6.6.6.6\xff, 198.51.100.9, 10.0.0.2",
+        ] {
+            assert_eq!(
+                via_bytes("10.1.1.1", &[xff], &[b"for=192.0.2.7"]),
+                real,
+                "{}",
+                xff.escape_ascii()
+            );
+        }
+        // The proxy may add a line of its own rather than append to the client's.
+        assert_eq!(
+            via_bytes(
+                "10.1.1.1",
+                &[b"6.6.6.6\xff", b"198.51.100.9"],
+                &[b"for=192.0.2.7"]
+            ),
+            real
+        );
+        assert_eq!(
+            via_bytes(
+                "10.1.1.1",
+                &[b"\xff, 203.0.113.1", b"198.51.100.9, 10.0.0.3"],
+                &[]
+            ),
+            real
+        );
+    }
+
+    #[test]
+    fn an_x_forwarded_for_line_without_a_hop_never_defers_to_forwarded() {
+        for xff in [&b"\xff"[..], b"", b" ", b",", b" , \t, ", b"\xff\xfe, \x80"] {
+            assert_eq!(
+                via_bytes("10.1.1.1", &[xff], &[b"for=192.0.2.7"]),
+                Err(ScopeError::ProxyWithoutClientAddress),
+                "{}",
+                xff.escape_ascii()
+            );
+        }
+        assert_eq!(
+            via_bytes("10.1.1.1", &[b"\xff", b""], &[b"for=192.0.2.7"]),
+            Err(ScopeError::ProxyWithoutClientAddress)
+        );
+    }
+
+    #[test]
+    fn a_trusted_hop_that_is_not_an_address_is_refused() {
+        for xff in [
+            &b"198.51.100.9, 10.0.0.2\xff"[..],
+            b"198.51.100.9, unknown",
+            b"198.51.100.9\xff",
+            b"198.51.100.9, 10.0.0.2:99999",
+            b"198.51.100.9, [10.0.0.2]",
+        ] {
+            assert_eq!(
+                via_bytes("10.1.1.1", &[xff], &[]),
+                Err(ScopeError::ProxyWithoutClientAddress),
+                "{}",
+                xff.escape_ascii()
+            );
+        }
+        // A Forwarded element the proxy appended without `for=` gives no client address, and
+        // the client's own element before it does not stand in for one.
+        assert_eq!(
+            via_bytes(
+                "10.1.1.1",
+                &[],
+                &[b"for=192.0.2.7, proto=https;by=10.0.0.1"]
+            ),
+            Err(ScopeError::ProxyWithoutClientAddress)
+        );
+    }
+
+    #[test]
+    fn forwarded_is_read_as_bytes_too() {
+        let real = Ok(ip("198.51.100.9"));
+        for fwd in [
+            &b"for=6.6.6.6\xff, for=198.51.100.9"[..],
+            b"for=\"unclosed, for=198.51.100.9;proto=https",
+            b"\xff;for=1.2.3.4, , FOR=\"198.51.100.9:443\"",
+            b"garbage, for=198.51.100.9",
+        ] {
+            assert_eq!(
+                via_bytes("10.1.1.1", &[], &[fwd]),
+                real,
+                "{}",
+                fwd.escape_ascii()
+            );
+        }
+        assert_eq!(
+            via_bytes("10.1.1.1", &[], &[b"for=192.0.2.7", b"for=198.51.100.9"]),
+            real
+        );
+        assert_eq!(
+            via_bytes("10.1.1.1", &[], &[b"for=198.51.100.9\xff"]),
+            Err(ScopeError::ProxyWithoutClientAddress)
+        );
+    }
+
+    /// What a client controls behind a proxy that appends its hop: the bytes before it, and
+    /// every `Forwarded` line.
+    mod client_controlled {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn proxies() -> Vec<IpNet> {
+            vec!["10.0.0.0/8".parse().unwrap()]
+        }
+
+        fn line(client: &[u8], appended: &[u8]) -> Vec<u8> {
+            let mut line = client.to_vec();
+            line.extend_from_slice(b", ");
+            line.extend_from_slice(appended);
+            line
+        }
+
+        /// Bytes a client picks, biased towards what a parser might misread.
+        fn client_bytes() -> impl Strategy<Value = Vec<u8>> {
+            let piece = prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..12),
+                Just(b"for=192.0.2.7".to_vec()),
+                Just(b"192.0.2.7".to_vec()),
+                Just(b"10.0.0.5".to_vec()),
+                Just(b"\"".to_vec()),
+                Just(b",".to_vec()),
+                Just(b";".to_vec()),
+                Just(b"[".to_vec()),
+                Just(b"\xff".to_vec()),
+                Just(b" \t".to_vec()),
+            ];
+            proptest::collection::vec(piece, 0..8).prop_map(|p| p.concat())
+        }
+
+        proptest! {
+            #[test]
+            fn the_scope_is_the_appended_hop(
+                client in client_bytes(),
+                forwarded in proptest::collection::vec(client_bytes(), 0..3),
+                behind_second_proxy: bool,
+            ) {
+                let appended: &[u8] = if behind_second_proxy {
+                    b"198.51.100.9, 10.0.0.3"
+                } else {
+                    b"198.51.100.9"
+                };
+                let xff = line(&client, appended);
+                let fwd: Vec<&[u8]> = forwarded.iter().map(Vec::as_slice).collect();
+                let got = client_ip(ip("10.1.1.1"), [xff.as_slice()], fwd, &proxies());
+                prop_assert_eq!(got, Ok(ip("198.51.100.9")));
+            }
+
+            #[test]
+            fn an_unreadable_appended_hop_is_refused(
+                client in client_bytes(),
+                forwarded in proptest::collection::vec(client_bytes(), 0..3),
+                appended in prop_oneof![
+                    Just(&b"unknown"[..]), Just(&b"\xff"[..]), Just(&b"_hidden"[..]),
+                    Just(&b"198.51.100.9, 10.0.0.3\xff"[..]),
+                ],
+            ) {
+                let xff = line(&client, appended);
+                let fwd: Vec<&[u8]> = forwarded.iter().map(Vec::as_slice).collect();
+                let got = client_ip(ip("10.1.1.1"), [xff.as_slice()], fwd, &proxies());
+                prop_assert_eq!(got, Err(ScopeError::ProxyWithoutClientAddress));
+            }
+
+            #[test]
+            fn the_scope_is_the_appended_forwarded_element(
+                client in client_bytes(),
+                earlier in proptest::collection::vec(client_bytes(), 0..3),
+            ) {
+                let fwd = line(&client, b"for=\"[2001:db8::9]:443\";proto=https");
+                let mut lines: Vec<&[u8]> = earlier.iter().map(Vec::as_slice).collect();
+                lines.push(&fwd);
+                let got = client_ip(ip("10.1.1.1"), [], lines, &proxies());
+                prop_assert_eq!(got, Ok(ip("2001:db8::9")));
+            }
+
+            #[test]
+            fn an_x_forwarded_for_line_always_outranks_forwarded(
+                xff in proptest::collection::vec(client_bytes(), 1..3),
+                forwarded in proptest::collection::vec(client_bytes(), 0..3),
+            ) {
+                // Whatever X-Forwarded-For holds, the answer is what it alone gives.
+                let x: Vec<&[u8]> = xff.iter().map(Vec::as_slice).collect();
+                let f: Vec<&[u8]> = forwarded.iter().map(Vec::as_slice).collect();
+                let alone = client_ip(ip("10.1.1.1"), x.clone(), [], &proxies());
+                let got = client_ip(ip("10.1.1.1"), x, f, &proxies());
+                prop_assert_eq!(got, alone);
+            }
+
+            #[test]
+            fn an_untrusted_peer_is_the_client_whatever_it_sends(
+                xff in proptest::collection::vec(client_bytes(), 0..3),
+                forwarded in proptest::collection::vec(client_bytes(), 0..3),
+            ) {
+                let x: Vec<&[u8]> = xff.iter().map(Vec::as_slice).collect();
+                let f: Vec<&[u8]> = forwarded.iter().map(Vec::as_slice).collect();
+                let got = client_ip(ip("198.51.100.1"), x, f, &proxies());
+                prop_assert_eq!(got, Ok(ip("198.51.100.1")));
+            }
+        }
     }
 }

@@ -71,12 +71,14 @@ use actix_web::{FromRequest, HttpMessage, HttpRequest, dev};
 use crate::context::IdempotencyContext;
 
 mod adapter;
+mod caller;
 mod handler;
 mod middleware;
 mod probe;
 #[cfg(test)]
 mod tests;
 
+pub use caller::CallerScope;
 pub use middleware::{IdempotencyMiddleware, IdempotencyService};
 
 /// Makes an actix-web handler idempotent. See the [module documentation](self).

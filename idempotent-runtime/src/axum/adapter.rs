@@ -22,8 +22,9 @@ use crate::handle::Idempotency;
 use crate::pipeline::{
     self, ClaimMode, Claimed, Ended, Front, Head, REPLAYED_HEADER, Reply, Served,
 };
+use crate::problem::Problem;
 use crate::reservation::Reservation;
-use crate::scope::Identity;
+use crate::scope::{Identity, Scope};
 
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(crate::key::HEADER_NAME);
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -186,6 +187,12 @@ impl Reply for Response {
         }
         response
     }
+}
+
+/// The caller's scope exactly as the pipeline resolves it for this request (the one function
+/// both call), or the pipeline's refusal when it cannot be resolved.
+pub(crate) fn caller_scope(handle: &Idempotency, parts: &mut Parts) -> Result<Scope, Problem> {
+    pipeline::scope_of(handle, &AxumHead::new(parts))
 }
 
 /// A request after the steps before the handler.

@@ -40,6 +40,7 @@
 //! ```
 
 mod adapter;
+mod caller;
 #[cfg(feature = "postgres")]
 mod enlisted;
 mod extract;
@@ -47,6 +48,7 @@ mod layer;
 mod probe;
 
 pub use crate::pipeline::REPLAYED_HEADER;
+pub use caller::CallerScope;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use enlisted::EnlistedIdempotent;

@@ -342,8 +342,10 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
 
 /// The caller's scope ([the contract](crate::design) §4): the identity the application
 /// published, else the resolver's, else the peer (past trusted proxies) for a request that
-/// carries no credential header.
-fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope::Scope, Problem> {
+/// carries no credential header. The one resolution there is: the claim and the operators'
+/// `CallerScope` extractors both call it, so an admin route reaches exactly the records the
+/// same caller's requests made.
+pub(crate) fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope::Scope, Problem> {
     let config = handle.config();
     let route = route_of(head);
     let credential = config
@@ -362,9 +364,10 @@ fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope::Scope, Pro
             Ok(Some(scope::canonical_ip(ip)))
         }
         Some(ip) => {
-            let utf8 = |v| std::str::from_utf8(v).ok();
-            let xff = head.header_values("x-forwarded-for").filter_map(utf8);
-            let forwarded = head.header_values("forwarded").filter_map(utf8);
+            // As bytes, every line: a line dropped for a byte the client wrote would drop the
+            // hop the proxy appended to it (#27).
+            let xff = head.header_values("x-forwarded-for");
+            let forwarded = head.header_values("forwarded");
             scope::client_ip(ip, xff, forwarded, config.trusted_proxies()).map(Some)
         }
         None => Ok(None),

@@ -34,6 +34,11 @@ impl TestHead {
         self
     }
 
+    fn header_bytes(mut self, name: &'static str, value: &[u8]) -> Self {
+        self.headers.push((name, value.to_vec()));
+        self
+    }
+
     fn peer(mut self, ip: IpAddr) -> Self {
         self.peer = Some(ip);
         self
@@ -790,6 +795,37 @@ async fn clients_behind_a_trusted_proxy_are_scoped_by_their_forwarded_address() 
         .peer("198.51.100.1".parse().unwrap())
         .header("x-forwarded-for", "203.0.113.9");
     assert_ne!(scope_of_claim(&handle, &spoofed).await, direct);
+}
+
+#[tokio::test]
+async fn a_client_behind_a_trusted_proxy_never_picks_its_scope_with_bytes_it_wrote() {
+    let handle = handle_with(
+        Config::builder()
+            .trusted_proxies(["10.0.0.0/8".parse().unwrap()])
+            .build(),
+    );
+    let real = TestHead::keyed("k").peer("198.51.100.9".parse().unwrap());
+    let real = scope_of_claim(&handle, &real).await;
+    let victim = TestHead::keyed("k").peer("192.0.2.7".parse().unwrap());
+    let victim = scope_of_claim(&handle, &victim).await;
+    // The proxy appended the real address to the client's line, a non-UTF-8 byte and all.
+    let attack = TestHead::keyed("k")
+        .header_bytes("x-forwarded-for", b"6.6.6.6\xff, 198.51.100.9")
+        .header("forwarded", "for=192.0.2.7");
+    assert_eq!(scope_of_claim(&handle, &attack).await, real);
+    assert_ne!(real, victim);
+    // An X-Forwarded-For line without a readable hop never hands the decision to Forwarded.
+    for unreadable in [&b"\xff"[..], b"", b" , ", b"\xff\xfe, \x80"] {
+        let head = TestHead::keyed("k")
+            .header_bytes("x-forwarded-for", unreadable)
+            .header("forwarded", "for=192.0.2.7");
+        let answer = answer_of(&handle, &head, b"{}").await;
+        assert_eq!(
+            (answer.0.status, answer.0.code),
+            (500, Some(ProblemCode::ScopeUnresolved)),
+            "{unreadable:?}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -1,0 +1,94 @@
+//! [`CallerScope`]: the caller's scope for the operators' API, resolved as the pipeline does.
+
+use std::future::{Ready, ready};
+
+use actix_web::error::InternalError;
+use actix_web::{FromRequest, HttpRequest, HttpResponse, dev};
+
+use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
+use crate::pipeline;
+use crate::scope::{Scope, ScopeHash};
+
+/// The caller's scope, resolved exactly as the request pipeline resolves it for a keyed
+/// request ([the contract](crate::design) §4): the [`Identity`](crate::scope::Identity) the
+/// application published in the request extensions, else the runtime's
+/// [resolver](crate::handle::Builder::resolver), else — for a request that carries no
+/// credential header — the peer address, read past the runtime's `trusted_proxies`, under its
+/// `anonymous` setting. It is what [`Idempotency::inspect`](crate::Idempotency::inspect) and
+/// [`Idempotency::forget`](crate::Idempotency::forget) take, so an operators' route only ever
+/// reaches the records the same caller's requests made, and never another caller's.
+///
+/// The [`Idempotency`](crate::Idempotency) handle is the one registered as application data,
+/// as `#[idempotent]` finds it. The extractor's error answers what the pipeline would answer
+/// the same request (500 `IDEMPOTENCY_SCOPE_UNRESOLVED`, or the resolver's own refusal),
+/// rendered by the handle's refusal renderer. Wrap the application's authentication outside
+/// the route, as for the idempotent routes.
+///
+/// ```
+/// use actix_web::{App, HttpResponse, delete, web};
+/// use idempotent_runtime::Idempotency;
+/// use idempotent_runtime::actix::CallerScope;
+///
+/// /// `DELETE /admin/records/{key}`: forgets the caller's own record of `key`.
+/// #[delete("/admin/records/{key}")]
+/// async fn forget(
+///     idempotency: web::Data<Idempotency>,
+///     caller: CallerScope,
+///     key: web::Path<String>,
+/// ) -> HttpResponse {
+///     match idempotency.forget(caller.hash(), None, &key).await {
+///         Ok(true) => HttpResponse::NoContent().finish(),
+///         Ok(false) => HttpResponse::NotFound().finish(),
+///         Err(_) => HttpResponse::ServiceUnavailable().finish(),
+///     }
+/// }
+///
+/// # #[actix_web::main] async fn main() {
+/// let idempotency = web::Data::new(Idempotency::memory());
+/// let app = App::new().app_data(idempotency).service(forget);
+/// # let _ = actix_web::test::init_service(app).await;
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct CallerScope(Scope);
+
+impl CallerScope {
+    /// The scope hash that leads the caller's store keys.
+    pub fn hash(&self) -> &ScopeHash {
+        self.0.hash()
+    }
+
+    /// The resolved scope: its segments and hash.
+    pub fn scope(&self) -> &Scope {
+        &self.0
+    }
+
+    /// The resolved scope, by value.
+    pub fn into_inner(self) -> Scope {
+        self.0
+    }
+}
+
+impl FromRequest for CallerScope {
+    type Error = actix_web::Error;
+    type Future = Ready<Result<Self, Self::Error>>;
+
+    fn from_request(req: &HttpRequest, _: &mut dev::Payload) -> Self::Future {
+        let head = ActixHead::matched(req);
+        let Some(handle) = adapter::handle_of(req) else {
+            let route = head.route.as_deref().unwrap_or("");
+            let response: HttpResponse = pipeline::store_missing(route, STORE_MISSING_FIX);
+            return ready(Err(refused(response)));
+        };
+        ready(
+            pipeline::scope_of(&handle, &head)
+                .map(Self)
+                .map_err(|problem| refused(pipeline::refuse(&handle, &problem))),
+        )
+    }
+}
+
+/// The pipeline's answer as the error actix's extractors return.
+fn refused(response: HttpResponse) -> actix_web::Error {
+    InternalError::from_response("the caller's scope was not resolved", response).into()
+}
