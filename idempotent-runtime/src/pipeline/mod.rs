@@ -532,7 +532,7 @@ where
 /// the buffer budget ([the contract](crate::design) §5, "Buffers in flight").
 pub(crate) async fn settle<R: Reply>(
     handle: &Idempotency,
-    reservation: Reservation,
+    mut reservation: Reservation,
     response: R,
 ) -> R {
     let config = handle.config();
@@ -553,7 +553,9 @@ pub(crate) async fn settle<R: Reply>(
         reservation.release().await;
         return R::from_parts(head, body);
     }
-    match body::collect_response(handle.budget(), body, cap).await {
+    // Still renewed while the body streams: a slow answer must not lose its key to a duplicate.
+    let collected = reservation.renewing(body::collect_response(handle.budget(), body, cap));
+    match collected.await {
         (Collected::Complete { bytes, drained }, _permit) => {
             let recorded = RecordedResponse {
                 status,

@@ -71,12 +71,14 @@ impl Head for TestHead {
     }
 }
 
-/// Chunks that arrive one per poll, then (unless `stalls`) the end.
+/// Chunks that arrive one per poll (or one per `gap`), then (unless `stalls`) the end.
 #[derive(Debug, Default)]
 struct TestBody {
     chunks: VecDeque<Result<Bytes, &'static str>>,
     exact: Option<u64>,
     stalls: bool,
+    gap: Option<Duration>,
+    waiting: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl TestBody {
@@ -101,6 +103,14 @@ impl TestBody {
             ..Self::default()
         }
     }
+
+    /// Each chunk `gap` after the one before: a response that streams slowly.
+    fn every(self, gap: Duration) -> Self {
+        Self {
+            gap: Some(gap),
+            ..self
+        }
+    }
 }
 
 impl Chunks for TestBody {
@@ -110,7 +120,16 @@ impl Chunks for TestBody {
         self.exact
     }
 
-    fn poll_chunk(&mut self, _: &mut Context<'_>) -> Poll<Option<Result<Bytes, &'static str>>> {
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, &'static str>>> {
+        if let (Some(gap), false) = (self.gap, self.chunks.is_empty()) {
+            let waiting = self
+                .waiting
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep(gap)));
+            if waiting.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            self.waiting = None;
+        }
         match self.chunks.pop_front() {
             Some(chunk) => Poll::Ready(Some(chunk)),
             None if self.stalls => Poll::Pending,
@@ -820,4 +839,72 @@ async fn a_claim_dropped_while_the_store_call_is_in_flight_leaves_the_key_free()
     tokio::time::sleep(Duration::from_millis(20)).await;
     let retry = claimed(&handle, &head, b"{}").await;
     retry.held.release().await;
+}
+
+/// A clock that follows tokio's time (paused in the test, so it moves as the test's sleeps
+/// pass): the memory store's leases lapse exactly as the renewal loop's ticks see them.
+struct TokioClock {
+    start: tokio::time::Instant,
+    wall: crate::clock::Millis,
+}
+
+impl TokioClock {
+    fn new() -> Self {
+        use crate::clock::Clock as _;
+        Self {
+            start: tokio::time::Instant::now(),
+            wall: crate::clock::SystemClock.now_millis(),
+        }
+    }
+}
+
+impl crate::clock::Clock for TokioClock {
+    fn now_millis(&self) -> crate::clock::Millis {
+        self.wall + crate::clock::millis(self.start.elapsed())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_lease_is_renewed_while_the_response_body_is_read() {
+    let store = MemoryStore::builder().clock(TokioClock::new()).build();
+    let lease = Duration::from_millis(300);
+    let handle = Idempotency::builder(store)
+        .config(Config::builder().lease(lease).build())
+        .sweeper(false)
+        .build();
+    let head = TestHead::keyed("k-slow-answer");
+    let claimed = claimed(&handle, &head, b"{}").await;
+    // The handler answers at once; its body then streams for four leases.
+    let (reply, _) = TestReply::new(200, b"");
+    let body = TestBody::of(&[&b"a"[..]; 6]).every(Duration::from_millis(200));
+    let handler = async move { Ok::<_, Infallible>((Sent(reply, body), ())) };
+    let work = work(
+        handle.clone(),
+        claimed.held,
+        claimed.permit,
+        claimed.route,
+        Served::ByHandler,
+        handler,
+    );
+    let first = tokio::spawn(work);
+    for _ in 0..4 {
+        tokio::time::sleep(lease).await;
+        let buffered = buffered(&handle, &head, TestBody::of(&[b"{}"])).await;
+        match claim::<Detached, _, Sent>(&handle, &head, buffered).await {
+            Ok(_) => panic!("a duplicate took the key over while the first answer was still read"),
+            Err(duplicate) => assert_eq!(
+                (duplicate.0.status, duplicate.0.code),
+                (409, Some(ProblemCode::InProgress)),
+                "{duplicate:?}"
+            ),
+        }
+    }
+    let Ok(Ended::Answered(sent, ())) = first.await else {
+        panic!("the first request did not answer");
+    };
+    assert_eq!((sent.0.status, &sent.0.body[..]), (200, &b"aaaaaa"[..]));
+    assert!(!sent.0.resumed && !sent.0.replayed, "{sent:?}");
+    let replay = answer_of(&handle, &head, b"{}").await;
+    assert!(replay.0.replayed, "{replay:?}");
+    assert_eq!(&replay.0.body[..], b"aaaaaa");
 }
