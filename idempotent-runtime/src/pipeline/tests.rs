@@ -908,3 +908,141 @@ async fn the_lease_is_renewed_while_the_response_body_is_read() {
     assert!(replay.0.replayed, "{replay:?}");
     assert_eq!(&replay.0.body[..], b"aaaaaa");
 }
+
+async fn claimed_on(
+    handle: &Idempotency,
+    endpoint: &EndpointConfig,
+    head: &TestHead,
+) -> Claimed<Reservation> {
+    let front = front::<Detached, _, _>(handle, endpoint, head, TestBody::of(&[b"{}"])).await;
+    let Front::Buffered(buffered) = front else {
+        panic!("not buffered");
+    };
+    match claim::<Detached, _, Sent>(handle, head, buffered).await {
+        Ok(claimed) => claimed,
+        Err(answer) => panic!("not claimed: {answer:?}"),
+    }
+}
+
+fn header<'a>(sent: &'a Sent, name: &str) -> Option<&'a [u8]> {
+    let mut values = sent.0.headers.iter().filter(|(n, _)| n == name);
+    let value = values.next().map(|(_, v)| v.as_slice());
+    assert!(values.next().is_none(), "{name} sent twice: {sent:?}");
+    value
+}
+
+/// A 201 with a `Location` over a 4-byte cap, sized (already in memory) or streamed with no
+/// declared length past the cap.
+fn oversized_answer(sized: bool) -> Sent {
+    let (mut reply, _) = TestReply::new(201, b"");
+    reply
+        .headers
+        .push(("location".into(), b"/charges/7".to_vec()));
+    let body = if sized {
+        TestBody::sized(b"a receipt too large to keep")
+    } else {
+        TestBody::of(&[b"a rec", b"eipt too large", b" to keep"])
+    };
+    Sent(reply, body)
+}
+
+#[tokio::test]
+async fn an_oversized_answer_recorded_without_body_replays_its_status_and_headers_only() {
+    use crate::config::Oversized;
+
+    let config = Config::builder().max_response(4).build();
+    let per_endpoint = EndpointConfig {
+        oversized: Some(Oversized::RecordWithoutBody),
+        ..EndpointConfig::REQUIRED
+    };
+    let on_config = Config::builder()
+        .max_response(4)
+        .oversized(Oversized::RecordWithoutBody)
+        .build();
+    for (config, endpoint) in [
+        (config, per_endpoint),
+        (on_config, EndpointConfig::REQUIRED),
+    ] {
+        for sized in [true, false] {
+            let handle = handle_with(config.clone());
+            let head = TestHead::keyed("k-receipt");
+            let claimed = claimed_on(&handle, &endpoint, &head).await;
+            let sent = settle(&handle, claimed.held, oversized_answer(sized)).await;
+            assert_eq!(sent.0.status, 201);
+            assert!(
+                !sent.0.replayed,
+                "the first answer is never marked replayed"
+            );
+            assert_eq!(header(&sent, "idempotency-replay"), None, "{sent:?}");
+            let whole: Vec<u8> = sent
+                .0
+                .body
+                .iter()
+                .copied()
+                .chain(sent.1.chunks.iter().flat_map(|c| c.clone().unwrap()))
+                .collect();
+            assert_eq!(
+                whole, b"a receipt too large to keep",
+                "sized {sized}: sent whole"
+            );
+
+            let replay = answer_of(&handle, &head, b"{}").await;
+            assert_eq!(replay.0.status, 201, "sized {sized}: {replay:?}");
+            assert!(replay.0.replayed, "sized {sized}: {replay:?}");
+            assert_eq!(&replay.0.body[..], b"", "the body is not kept");
+            assert_eq!(
+                header(&replay, "idempotency-replay"),
+                Some(&b"body-omitted"[..])
+            );
+            assert_eq!(
+                header(&replay, "content-type"),
+                Some(&b"application/json"[..])
+            );
+            assert_eq!(header(&replay, "location"), Some(&b"/charges/7"[..]));
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_oversized_answer_releases_its_key_by_default() {
+    let handle = handle_with(Config::builder().max_response(4).build());
+    let head = TestHead::keyed("k-receipt");
+    for sized in [true, false] {
+        let claimed = claimed_on(&handle, &EndpointConfig::REQUIRED, &head).await;
+        let sent = settle(&handle, claimed.held, oversized_answer(sized)).await;
+        assert_eq!(sent.0.status, 201);
+        assert!(
+            claimed_again(&handle, &head).await,
+            "sized {sized}: released"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_handlers_own_idempotency_replay_header_is_never_recorded() {
+    let handle = handle_with(
+        Config::builder()
+            .recorded_headers(["content-type", "idempotency-replay"])
+            .build(),
+    );
+    let head = TestHead::keyed("k-forged");
+    let claimed = claimed(&handle, &head, b"{}").await;
+    let (mut reply, body) = TestReply::new(201, b"{}");
+    reply
+        .headers
+        .push(("idempotency-replay".into(), b"body-omitted".to_vec()));
+    let sent = settle(&handle, claimed.held, Sent(reply, body)).await;
+    assert_eq!(
+        header(&sent, "idempotency-replay"),
+        Some(&b"body-omitted"[..]),
+        "the first answer is the handler's own"
+    );
+    let replay = answer_of(&handle, &head, b"{}").await;
+    assert!(replay.0.replayed);
+    assert_eq!(&replay.0.body[..], b"{}");
+    assert_eq!(
+        header(&replay, "idempotency-replay"),
+        None,
+        "a replay of a whole answer never says its body was omitted: {replay:?}"
+    );
+}
