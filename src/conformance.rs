@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotent_runtime::Idempotency;
-use idempotent_runtime::config::{Config, MissingKeyStatus, ReuseStatus};
+use idempotent_runtime::config::{Config, MissingKeyStatus, Oversized, ReuseStatus};
 use idempotent_runtime::problem::{Problem, ProblemCode};
 use idempotent_runtime::scope::{ClientId, Identity, RequestHead, Resolution};
 use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
@@ -53,6 +53,8 @@ pub struct Options {
     pub credential_headers: Vec<String>,
     /// `--local-cache`: completed records kept in this process in front of a shared store.
     pub local_cache: bool,
+    /// What an answer over `--max-response` leaves behind (`--oversized run_again|record_without_body`).
+    pub oversized: Oversized,
 }
 
 impl Default for Options {
@@ -73,6 +75,7 @@ impl Default for Options {
             key_header: "Idempotency-Key".into(),
             credential_headers: Vec::new(),
             local_cache: false,
+            oversized: Oversized::RunAgain,
         }
     }
 }
@@ -81,7 +84,7 @@ const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite|re
 --lease SECS --retention SECS --max-body BYTES --max-response BYTES --body-timeout SECS \
 --reuse-status 422|409 \
 --missing-status 400|428 --trusted-proxy CIDR (repeatable) --key-header NAME \
---credential-header NAME (repeatable) --local-cache";
+--credential-header NAME (repeatable) --local-cache --oversized run_again|record_without_body";
 
 impl Options {
     /// Parses `std::env::args()`.
@@ -145,6 +148,13 @@ impl Options {
                 "--key-header" => {
                     o.key_header = header_name(&value).ok_or_else(|| bad("not a header name"))?
                 }
+                "--oversized" => {
+                    o.oversized = match value.as_str() {
+                        "run_again" => Oversized::RunAgain,
+                        "record_without_body" => Oversized::RecordWithoutBody,
+                        _ => return Err(bad("run_again or record_without_body")),
+                    }
+                }
                 "--credential-header" => o
                     .credential_headers
                     .push(header_name(&value).ok_or_else(|| bad("not a header name"))?),
@@ -163,6 +173,7 @@ impl Options {
             .max_response(self.max_response)
             .body_timeout(self.body_timeout)
             .reuse_status(self.reuse_status)
+            .oversized(self.oversized)
             .missing_key_status(self.missing_status)
             .trusted_proxies(self.trusted_proxies.iter().copied())
             .key_header(&self.key_header)
@@ -536,6 +547,11 @@ mod tests {
         assert_eq!(o.missing_status, MissingKeyStatus::PreconditionRequired);
         assert!(o.local_cache);
         assert!(!Options::parse([]).unwrap().local_cache);
+        assert_eq!(Options::parse([]).unwrap().oversized, Oversized::RunAgain);
+        let bodiless = Options::parse(["--oversized".into(), "record_without_body".into()]);
+        let bodiless = bodiless.unwrap().config();
+        assert_eq!(bodiless.oversized(), Oversized::RecordWithoutBody);
+        assert!(Options::parse(["--oversized".into(), "truncate".into()]).is_err());
         let redis = Options::parse(
             "--store redis --database-url redis://127.0.0.1:6379/3 --redis-prefix t1"
                 .split(' ')

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use idempotent_runtime::Config;
-use idempotent_runtime::config::{FailureMode, MissingKeyStatus, ReuseStatus};
+use idempotent_runtime::config::{FailureMode, MissingKeyStatus, Oversized, ReuseStatus};
 use idempotent_runtime::scope::Anonymous;
 
 #[derive(serde::Deserialize)]
@@ -31,6 +31,7 @@ fn loads_every_setting_from_a_toml_section_in_human_units() {
         reuse_status = 409
         missing_key_status = 428
         failure_mode = "open"
+        oversized = "record_without_body"
         anonymous = "refuse"
         trusted_proxies = ["10.0.0.0/8", "fd00::/8"]
         shutdown_grace = "1m"
@@ -51,6 +52,7 @@ fn loads_every_setting_from_a_toml_section_in_human_units() {
         MissingKeyStatus::PreconditionRequired
     );
     assert_eq!(c.failure_mode(), FailureMode::Open);
+    assert_eq!(c.oversized(), Oversized::RecordWithoutBody);
     assert_eq!(c.anonymous(), Anonymous::Refuse);
     assert_eq!(c.trusted_proxies().len(), 2);
     assert_eq!(c.shutdown_grace(), Duration::from_secs(60));

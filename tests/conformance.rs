@@ -71,6 +71,7 @@ conformance! {
     client_errors_are_recorded,
     framework_rejection_of_malformed_json_is_recorded,
     response_over_max_response_is_sent_and_not_recorded,
+    response_over_max_response_is_recorded_without_body_when_configured,
     lease_is_renewed_while_the_handler_runs,
     abandoned_reservation_is_reclaimed_after_its_lease_lapses,
     retention_lapses_and_the_key_runs_again,
@@ -575,6 +576,55 @@ mod cases {
             Some("application/octet-stream")
         );
         assert_eq!(s.runs("/big").await, 3);
+    }
+
+    /// `--oversized record_without_body` (contract §3, "Oversized answers"): the first answer
+    /// streams whole and is not marked; the retry replays the status and recorded headers with
+    /// an empty body and `Idempotency-Replay: body-omitted`, and the handler never runs again.
+    pub async fn response_over_max_response_is_recorded_without_body_when_configured(
+        name: &'static str,
+    ) {
+        let s = Server::start(
+            name,
+            &[
+                "--max-response",
+                "1000",
+                "--oversized",
+                "record_without_body",
+            ],
+        );
+        let first = s.post("/big?bytes=5000").key("k-receipt").send().await;
+        assert_eq!(first.status, 200);
+        assert!(!first.replayed());
+        assert_eq!(first.header("idempotency-replay"), None);
+        assert_eq!(first.body.len(), 5000, "the whole body is sent");
+        assert!(first.body.iter().all(|&b| b == b'a'));
+        assert_eq!(s.runs("/big").await, 1);
+        for _ in 0..2 {
+            let retry = s.post("/big?bytes=5000").key("k-receipt").send().await;
+            assert_eq!(retry.status, 200);
+            let (headers, len) = (&retry.headers, retry.body.len());
+            assert!(retry.replayed(), "ran again: {headers:?}, {len} bytes");
+            assert_eq!(retry.header("idempotency-replay"), Some("body-omitted"));
+            assert_eq!(
+                retry.header("content-type"),
+                Some("application/octet-stream")
+            );
+            assert!(retry.body.is_empty(), "{} bytes replayed", retry.body.len());
+            assert!(
+                matches!(retry.header("content-length"), None | Some("0")),
+                "content-length {:?} on an empty replay",
+                retry.header("content-length")
+            );
+            assert_eq!(s.runs("/big").await, 1, "the handler never runs again");
+        }
+        // An answer within the cap is still recorded whole, with no marker.
+        let small = s.post("/big?bytes=1000").key("k-small").send().await;
+        let again = s.post("/big?bytes=1000").key("k-small").send().await;
+        assert!(!small.replayed() && again.replayed());
+        assert_eq!(again.body.len(), 1000);
+        assert_eq!(again.header("idempotency-replay"), None);
+        assert_eq!(s.runs("/big").await, 2);
     }
 
     /// Renewal keeps the key for the whole run, not for one probe: a 0.5 s lease is renewed

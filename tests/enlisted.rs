@@ -160,6 +160,37 @@ async fn create_order(
     Ok((StatusCode::CREATED, Json(body)).into_response())
 }
 
+/// A receipt too large to keep (8 KiB over a 4 KiB cap), on an endpoint that records it without
+/// its body rather than running the charge again.
+#[idempotent_runtime::axum::idempotent(
+    require_key,
+    enlisted,
+    max_response = "4KiB",
+    oversized = "record_without_body"
+)]
+async fn create_receipt(
+    State(state): State<AppState>,
+    context: IdempotencyContext,
+    tx: &mut EnlistedTx,
+    Json(new): Json<NewOrder>,
+) -> Result<Response, HandlerError> {
+    let key = context.key().as_str().to_owned();
+    *state
+        .runs
+        .lock()
+        .expect("runs")
+        .entry(key.clone())
+        .or_default() += 1;
+    sqlx::query("INSERT INTO orders (key, item) VALUES ($1, $2)")
+        .bind(&key)
+        .bind(&new.item)
+        .execute(tx.conn())
+        .await
+        .map_err(|_| HandlerError)?;
+    let location = [(axum::http::header::LOCATION, format!("/orders/{key}"))];
+    Ok((StatusCode::CREATED, location, "r".repeat(8192)).into_response())
+}
+
 /// The key is optional here: a keyless request still runs in a transaction.
 #[idempotent_runtime::axum::idempotent(enlisted)]
 async fn loose_order(tx: &mut EnlistedTx, Json(new): Json<NewOrder>) -> Response {
@@ -239,6 +270,7 @@ async fn serve(idempotency: Idempotency, hold: Duration) -> TestServer {
     let app = Router::new()
         .route("/orders", post(create_order))
         .route("/loose", post(loose_order))
+        .route("/receipts", post(create_receipt))
         .with_state(state);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -408,6 +440,63 @@ async fn failures_roll_back_the_order_and_the_reservation_and_the_retry_runs() {
         assert_eq!(replay.body, retry.body);
         assert_eq!(server.runs(&key), 2, "{ending}");
     }
+}
+
+/// `oversized = "record_without_body"`: an answer over the cap commits with the order as its
+/// status and headers alone (not 500 `IDEMPOTENCY_NOT_RECORDED` and a rollback), and the retry
+/// replays them with an empty body and `Idempotency-Replay: body-omitted` without running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_answer_commits_without_its_body_and_the_retry_replays_it() {
+    let Some(schema) = Schema::new("bodiless").await else {
+        return;
+    };
+    let server = serve(
+        Idempotency::new(postgres_store(&schema, 8).await),
+        Duration::ZERO,
+    )
+    .await;
+    let pool = checking_pool(&schema).await;
+    let url = format!("{}/receipts", server.url);
+    let send = || {
+        server
+            .client
+            .post(&url)
+            .header("idempotency-key", "k-receipt")
+            .header("content-type", "application/json")
+            .body(json!({ "item": "charge" }).to_string())
+            .send()
+    };
+    let first = send().await.expect("send");
+    assert_eq!(first.status(), 201);
+    assert!(first.headers().get("idempotency-replayed").is_none());
+    assert_eq!(first.text().await.expect("body"), "r".repeat(8192));
+    assert_eq!(
+        rows_for(&pool, "k-receipt").await,
+        (1, 1),
+        "committed together"
+    );
+
+    let retry = send().await.expect("send");
+    assert_eq!(retry.status(), 201);
+    let header = |name| {
+        retry
+            .headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    assert_eq!(header("idempotency-replayed").as_deref(), Some("true"));
+    assert_eq!(
+        header("idempotency-replay").as_deref(),
+        Some("body-omitted")
+    );
+    assert_eq!(header("location").as_deref(), Some("/orders/k-receipt"));
+    assert!(matches!(
+        header("content-length").as_deref(),
+        None | Some("0")
+    ));
+    assert_eq!(retry.text().await.expect("body"), "");
+    assert_eq!(server.runs("k-receipt"), 1, "the charge ran once");
+    assert_eq!(rows_for(&pool, "k-receipt").await, (1, 1));
 }
 
 /// The connection dies mid-handler (`pg_terminate_backend`): the response is withheld (503,

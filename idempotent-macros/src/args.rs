@@ -1,6 +1,6 @@
 //! The attribute's arguments: `require_key`, `lease = "30s"`, `retention = "24h"`,
-//! `max_body = "64KiB"`, `max_response = "1MiB"`, `crate = path`, `framework = axum|actix` and
-//! `enlisted`. Values are checked here, at compile time, with errors on the offending token.
+//! `max_body = "64KiB"`, `max_response = "1MiB"`, `oversized = "run_again"|"record_without_body"`,
+//! `crate = path`, `framework = axum|actix` and `enlisted`. Values are checked here, at compile time, with errors on the offending token.
 
 use proc_macro2::Span;
 use syn::ext::IdentExt as _;
@@ -13,6 +13,7 @@ mod kw {
     syn::custom_keyword!(retention);
     syn::custom_keyword!(max_body);
     syn::custom_keyword!(max_response);
+    syn::custom_keyword!(oversized);
     syn::custom_keyword!(framework);
     syn::custom_keyword!(enlisted);
     syn::custom_keyword!(axum);
@@ -24,6 +25,24 @@ mod kw {
 pub(crate) enum Framework {
     Axum,
     Actix,
+}
+
+/// `oversized = "…"`: what an answer over `max_response` leaves behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Oversized {
+    RunAgain,
+    RecordWithoutBody,
+}
+
+impl Oversized {
+    /// The runtime's variant of the same name.
+    pub(crate) fn variant(self) -> proc_macro2::Ident {
+        let name = match self {
+            Self::RunAgain => "RunAgain",
+            Self::RecordWithoutBody => "RecordWithoutBody",
+        };
+        proc_macro2::Ident::new(name, Span::call_site())
+    }
 }
 
 /// The parsed arguments of `#[idempotent(...)]`.
@@ -39,6 +58,8 @@ pub(crate) struct Args {
     pub max_body: Option<u64>,
     /// `max_response = "…"`, in bytes.
     pub max_response: Option<u64>,
+    /// `oversized = "run_again" | "record_without_body"`.
+    pub oversized: Option<Oversized>,
     /// `crate = path`: where the runtime is, for renamed dependencies.
     pub krate: Option<Path>,
     /// `framework = axum|actix`, with the span of the value.
@@ -109,6 +130,25 @@ impl Parse for Args {
                 input.parse::<kw::max_response>()?;
                 once("max_response")?;
                 args.max_response = Some(size_value(input, "max_response")?);
+            } else if lookahead.peek(kw::oversized) {
+                input.parse::<kw::oversized>()?;
+                once("oversized")?;
+                let lit = string_value(input, "oversized", "record_without_body")?;
+                args.oversized = Some(match lit.value().as_str() {
+                    "run_again" => Oversized::RunAgain,
+                    "record_without_body" => Oversized::RecordWithoutBody,
+                    other => {
+                        return Err(Error::new(
+                            lit.span(),
+                            format!(
+                                "invalid `oversized` {other:?}: expected \"run_again\" (release \
+                                 the key; a retry runs the handler again) or \
+                                 \"record_without_body\" (record the status and headers; a \
+                                 retry replays them with an empty body)"
+                            ),
+                        ));
+                    }
+                });
             } else if lookahead.peek(Token![crate]) {
                 input.parse::<Token![crate]>()?;
                 once("crate")?;
@@ -147,7 +187,8 @@ impl Parse for Args {
                     format!(
                         "unknown argument `{ident}` in #[idempotent]; expected one of: require_key, \
                          lease = \"30s\", retention = \"24h\", max_body = \"64KiB\", \
-                         max_response = \"1MiB\", crate = path, framework = axum|actix, enlisted"
+                         max_response = \"1MiB\", oversized = \"record_without_body\", \
+                         crate = path, framework = axum|actix, enlisted"
                     ),
                 ));
             } else {
@@ -354,6 +395,12 @@ mod tests {
         assert!(syn::parse_str::<Args>("lease = 30").is_err());
         let flag = syn::parse_str::<Args>("require_key = true").err().unwrap();
         assert!(flag.to_string().contains("takes no value"), "{flag}");
+        let bodiless: Args = syn::parse_str("oversized = \"record_without_body\"").unwrap();
+        assert_eq!(bodiless.oversized, Some(Oversized::RecordWithoutBody));
+        let again: Args = syn::parse_str("oversized = \"run_again\"").unwrap();
+        assert_eq!(again.oversized, Some(Oversized::RunAgain));
+        assert!(syn::parse_str::<Args>("oversized = \"truncate\"").is_err());
+        assert!(syn::parse_str::<Args>("oversized = record_without_body").is_err());
     }
 
     #[test]

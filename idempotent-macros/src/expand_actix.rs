@@ -140,6 +140,10 @@ fn endpoint(args: &Args, private: &TokenStream) -> TokenStream {
     };
     let (lease, retention) = (millis(args.lease_ms), millis(args.retention_ms));
     let (max_body, max_response) = (bytes(args.max_body), bytes(args.max_response));
+    let oversized = some(args.oversized.map(|o| {
+        let variant = o.variant();
+        quote!(#private::Oversized::#variant)
+    }));
     quote! {
         #private::Endpoint {
             require_key: #require_key,
@@ -147,6 +151,7 @@ fn endpoint(args: &Args, private: &TokenStream) -> TokenStream {
             retention: #retention,
             max_body: #max_body,
             max_response: #max_response,
+            oversized: #oversized,
             ..#private::Endpoint::OPTIONAL
         }
     }

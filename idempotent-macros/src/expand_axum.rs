@@ -20,7 +20,7 @@
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
-use crate::args::{Args, Framework};
+use crate::args::{Args, Framework, Oversized};
 use crate::checks;
 use crate::detect::Beside;
 use crate::signature::{self, Handler, Names, Role};
@@ -60,7 +60,13 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
             args.max_response,
         ]
         .map(|v| v.unwrap_or(0));
-        quote!(#require, #lease, #retention, #max_body, #max_response)
+        // The runtime's `oversized` const parameter: 0 unset, 1 run_again, 2 record_without_body.
+        let oversized: u8 = match args.oversized {
+            None => 0,
+            Some(Oversized::RunAgain) => 1,
+            Some(Oversized::RecordWithoutBody) => 2,
+        };
+        quote!(#require, #lease, #retention, #max_body, #max_response, #oversized)
     };
     let wrapper = if handler.enlisted {
         quote!(#private::EnlistedIdempotent)

@@ -25,6 +25,9 @@ mod types;
 /// #[idempotent(require_key)]                     a request without a key is refused (400 or 428)
 /// #[idempotent(require_key, lease = "30s", retention = "24h", max_body = "64KiB",
 ///              max_response = "1MiB")]          per-endpoint overrides, checked at compile time
+/// #[idempotent(require_key, oversized = "record_without_body")]
+///                                                an answer over max_response is replayed as its
+///                                                status and headers with an empty body
 /// #[idempotent(crate = my_runtime)]              for a renamed idempotent-runtime dependency
 /// #[idempotent(require_key, enlisted)]           PostgreSQL: the response commits with the
 ///                                                handler's writes (take `tx: &mut EnlistedTx`)
@@ -78,6 +81,9 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// #[idempotent(require_key)]                     a request without a key is refused (400 or 428)
 /// #[idempotent(require_key, lease = "30s", retention = "24h", max_body = "64KiB",
 ///              max_response = "1MiB")]          per-endpoint overrides, checked at compile time
+/// #[idempotent(require_key, oversized = "record_without_body")]
+///                                                an answer over max_response is replayed as its
+///                                                status and headers with an empty body
 /// #[idempotent(crate = my_runtime)]              for a renamed idempotent-runtime dependency
 /// #[idempotent(require_key, enlisted)]           PostgreSQL: the response commits with the
 ///                                                handler's writes (take `tx: &mut EnlistedTx`)

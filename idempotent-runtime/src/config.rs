@@ -60,6 +60,36 @@ pub enum FailureMode {
     Open,
 }
 
+/// What an answer whose body is over `max_response` leaves behind
+/// ([the contract](crate::design) §3, "Oversized answers").
+///
+/// ```
+/// use idempotent_runtime::EndpointConfig;
+/// use idempotent_runtime::config::Oversized;
+///
+/// // A charge must never run twice, however large its receipt.
+/// const CHARGE: EndpointConfig = EndpointConfig {
+///     oversized: Some(Oversized::RecordWithoutBody),
+///     ..EndpointConfig::REQUIRED
+/// };
+/// # let _ = CHARGE;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Oversized {
+    /// Release the key (default): the answer is sent but not recorded, and a retry runs the
+    /// handler again. For handlers that are safe to run again, or whose answer the client needs.
+    #[default]
+    RunAgain,
+    /// Record the status and the recorded headers without the body: a retry is answered with
+    /// them, an empty body, `Idempotency-Replayed: true` and `Idempotency-Replay: body-omitted`,
+    /// and the handler never runs twice. A body of unknown size that streams past the cap (or
+    /// past the buffer budget) is sent whole to the first caller and recorded the same way; a
+    /// body that breaks off mid-stream still releases the key. For effects that must never repeat (a charge); the
+    /// client fetches the result another way (its `Location`).
+    RecordWithoutBody,
+}
+
 /// Runtime settings. Build with [`Config::builder`].
 ///
 /// ```
@@ -87,6 +117,7 @@ pub struct Config {
     pub(crate) reuse_status: ReuseStatus,
     pub(crate) missing_key_status: MissingKeyStatus,
     pub(crate) failure_mode: FailureMode,
+    pub(crate) oversized: Oversized,
     pub(crate) anonymous: Anonymous,
     pub(crate) trusted_proxies: Vec<IpNet>,
     pub(crate) shutdown_grace: Duration,
@@ -117,6 +148,7 @@ impl Default for Config {
             reuse_status: ReuseStatus::default(),
             missing_key_status: MissingKeyStatus::default(),
             failure_mode: FailureMode::default(),
+            oversized: Oversized::default(),
             anonymous: Anonymous::default(),
             trusted_proxies: Vec::new(),
             shutdown_grace: Duration::from_secs(30),
@@ -181,6 +213,10 @@ impl Config {
     /// Fail closed or open.
     pub fn failure_mode(&self) -> FailureMode {
         self.failure_mode
+    }
+    /// What an answer over `max_response` leaves behind.
+    pub fn oversized(&self) -> Oversized {
+        self.oversized
     }
     /// Policy for callers without subject or client id.
     pub fn anonymous(&self) -> Anonymous {
@@ -292,6 +328,12 @@ impl ConfigBuilder {
         self.0.failure_mode = mode;
         self
     }
+    /// Release the key (default) or record the answer without its body when its body is over
+    /// `max_response`.
+    pub fn oversized(mut self, policy: Oversized) -> Self {
+        self.0.oversized = policy;
+        self
+    }
     /// Scope anonymous callers by peer IP (default) or refuse them.
     pub fn anonymous(mut self, policy: Anonymous) -> Self {
         self.0.anonymous = policy;
@@ -376,6 +418,8 @@ pub struct EndpointConfig {
     pub recorded_headers: Option<&'static [&'static str]>,
     /// Fail closed or open when the store is unreachable, overriding [`Config::failure_mode`].
     pub failure_mode: Option<FailureMode>,
+    /// What an answer over `max_response` leaves behind, overriding [`Config::oversized`].
+    pub oversized: Option<Oversized>,
 }
 
 impl EndpointConfig {
@@ -390,6 +434,7 @@ impl EndpointConfig {
         non_replayable: None,
         recorded_headers: None,
         failure_mode: None,
+        oversized: None,
     };
     /// An endpoint that requires a key.
     pub const REQUIRED: Self = Self {
@@ -410,6 +455,7 @@ impl EndpointConfig {
             recording: Recording {
                 non_replayable: self.non_replayable,
                 recorded_headers: self.recorded_headers,
+                oversized: self.oversized,
             },
         }
     }
@@ -430,6 +476,8 @@ pub struct Recording {
     pub non_replayable: Option<&'static [u16]>,
     /// Response headers kept (lowercase).
     pub recorded_headers: Option<&'static [&'static str]>,
+    /// What an answer over `max_response` leaves behind.
+    pub oversized: Option<Oversized>,
 }
 
 impl Recording {
@@ -439,6 +487,11 @@ impl Recording {
             Some(list) => (200..500).contains(&status) && !list.contains(&status),
             None => config.is_recordable_status(status),
         }
+    }
+
+    /// What an answer over `max_response` leaves behind on this endpoint.
+    pub fn oversized(&self, config: &Config) -> Oversized {
+        self.oversized.unwrap_or(config.oversized)
     }
 
     /// Whether a response header (lowercase name) is kept in the record.
@@ -488,6 +541,7 @@ mod tests {
         assert_eq!(c.reuse_status().code(), 422);
         assert_eq!(c.missing_key_status().code(), 400);
         assert_eq!(c.failure_mode(), FailureMode::Closed);
+        assert_eq!(c.oversized(), Oversized::RunAgain);
         assert_eq!(c.key_header(), "idempotency-key");
         assert_eq!(c.credential_headers(), ["authorization"]);
         for s in [200, 201, 302, 400, 404, 409, 422, 499] {
@@ -529,6 +583,17 @@ mod tests {
         assert!(eff.require_key);
         assert_eq!(eff.lease, Duration::from_secs(5));
         assert_eq!(eff.retention, Duration::from_secs(86_400));
+        let config = Config::default();
+        assert_eq!(eff.recording.oversized(&config), Oversized::RunAgain);
+        let bodiless = EndpointConfig {
+            oversized: Some(Oversized::RecordWithoutBody),
+            ..EndpointConfig::REQUIRED
+        };
+        let eff = bodiless.resolve(&config);
+        assert_eq!(
+            eff.recording.oversized(&config),
+            Oversized::RecordWithoutBody
+        );
     }
 }
 
@@ -541,7 +606,7 @@ mod file {
     use serde::Deserialize;
     use serde::de::{self, Deserializer};
 
-    use super::{Config, FailureMode, MissingKeyStatus, ReuseStatus};
+    use super::{Config, FailureMode, MissingKeyStatus, Oversized, ReuseStatus};
     use crate::scope::Anonymous;
 
     /// A duration: `"30s"`, `"500ms"`, `"1.5m"`, `"24h"`, `"7d"`, or a number of seconds.
@@ -627,6 +692,13 @@ mod file {
 
     #[derive(Deserialize)]
     #[serde(rename_all = "snake_case")]
+    enum OversizedPolicy {
+        RunAgain,
+        RecordWithoutBody,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(rename_all = "snake_case")]
     enum AnonymousPolicy {
         PeerIp,
         Refuse,
@@ -647,6 +719,7 @@ mod file {
         reuse_status: Option<u16>,
         missing_key_status: Option<u16>,
         failure_mode: Option<Mode>,
+        oversized: Option<OversizedPolicy>,
         anonymous: Option<AnonymousPolicy>,
         trusted_proxies: Option<Vec<String>>,
         shutdown_grace: Option<Human<Duration>>,
@@ -655,9 +728,10 @@ mod file {
     /// Every field is optional and defaults as [`Config::default`]. Durations are strings with
     /// a unit (`ms`, `s`, `m`, `h`, `d`) or seconds as a number; sizes are strings with a unit
     /// (`KiB`, `MiB`, `GiB`, `kB`, `MB`, `GB`) or bytes as a number; `reuse_status` is 422 or
-    /// 409, `missing_key_status` 400 or 428, `failure_mode` `"closed"` or `"open"`, `anonymous`
-    /// `"peer_ip"` or `"refuse"`, `trusted_proxies` CIDR strings. Unknown fields are refused,
-    /// so a misspelt setting never silently keeps its default.
+    /// 409, `missing_key_status` 400 or 428, `failure_mode` `"closed"` or `"open"`, `oversized`
+    /// `"run_again"` or `"record_without_body"`, `anonymous` `"peer_ip"` or `"refuse"`,
+    /// `trusted_proxies` CIDR strings. Unknown fields are refused, so a misspelt setting never
+    /// silently keeps its default.
     ///
     /// ```
     /// # fn main() -> Result<(), serde_json::Error> {
@@ -728,6 +802,13 @@ mod file {
                 Some(Mode::Closed) => b.failure_mode(FailureMode::Closed),
                 Some(Mode::Open) => b.failure_mode(FailureMode::Open),
             };
+            b = match f.oversized {
+                None => b,
+                Some(OversizedPolicy::RunAgain) => b.oversized(Oversized::RunAgain),
+                Some(OversizedPolicy::RecordWithoutBody) => {
+                    b.oversized(Oversized::RecordWithoutBody)
+                }
+            };
             b = match f.anonymous {
                 None => b,
                 Some(AnonymousPolicy::PeerIp) => b.anonymous(Anonymous::PeerIp),
@@ -780,6 +861,7 @@ mod file {
                 r#"{"lease": "soon"}"#,
                 r#"{"reuse_status": 418}"#,
                 r#"{"failure_mode": "maybe"}"#,
+                r#"{"oversized": "truncate"}"#,
                 r#"{"trusted_proxies": ["10.0.0.0/99"]}"#,
             ] {
                 assert!(

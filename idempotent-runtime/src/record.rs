@@ -182,8 +182,34 @@ pub fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
-/// The headers a record keeps: the allowlisted ones, in order. `None` when the response cannot
-/// be recorded because of its headers (a `content-encoding` that is not allowlisted: the record
+/// The header a replay of a record kept without its body carries, `Idempotency-Replay:
+/// body-omitted` ([`Oversized::RecordWithoutBody`](crate::config::Oversized)). The runtime writes
+/// it into the record's headers itself, so every store keeps it exactly as it keeps the others,
+/// and never records a handler's own header of that name, so a replay says it only when the body
+/// really was left out.
+pub const REPLAY_HEADER: &str = "idempotency-replay";
+
+/// [`REPLAY_HEADER`]'s value on a replay whose body was not kept.
+pub const BODY_OMITTED: &str = "body-omitted";
+
+/// The record of an answer whose body was too large to keep: its status and recorded headers,
+/// an empty body and [`REPLAY_HEADER`]` = body-omitted`. A `content-encoding` goes too: it
+/// describes a body the replay does not have.
+pub fn without_body(status: u16, mut headers: Vec<(String, Bytes)>) -> RecordedResponse {
+    headers.retain(|(name, _)| !name.eq_ignore_ascii_case("content-encoding"));
+    headers.push((
+        REPLAY_HEADER.to_owned(),
+        Bytes::from_static(BODY_OMITTED.as_bytes()),
+    ));
+    RecordedResponse {
+        status,
+        headers,
+        body: Bytes::new(),
+    }
+}
+
+/// The headers a record keeps: the allowlisted ones, in order, never [`REPLAY_HEADER`] (the
+/// runtime's own). `None` when the response cannot be recorded because of its headers (a `content-encoding` that is not allowlisted: the record
 /// would replay bytes whose decoding the client cannot know).
 pub fn recorded_headers<'a>(
     config: &Config,
@@ -205,7 +231,7 @@ pub fn recorded_headers_for<'a>(
         {
             return None;
         }
-        if recording.records_header(config, name) {
+        if recording.records_header(config, name) && !name.eq_ignore_ascii_case(REPLAY_HEADER) {
             kept.push((name.to_owned(), Bytes::copy_from_slice(value)));
         }
     }

@@ -28,7 +28,27 @@ pub struct Reservation {
     max_response: usize,
     recording: Recording,
     route: Arc<str>,
+    renewal: Renewal,
     _running: RunningGuard,
+}
+
+/// What the renewal loop knows of the lease, kept across the handler's run and the reading of
+/// its response, so a lease lost in one is not counted again in the other.
+#[derive(Debug)]
+struct Renewal {
+    last_kept: tokio::time::Instant,
+    lost: bool,
+    overdue: bool,
+}
+
+impl Renewal {
+    fn new() -> Self {
+        Self {
+            last_kept: tokio::time::Instant::now(),
+            lost: false,
+            overdue: false,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -100,6 +120,7 @@ impl Reservation {
             max_response,
             recording: Recording::default(),
             route: route.into(),
+            renewal: Renewal::new(),
             _running: running,
         }
     }
@@ -125,6 +146,7 @@ impl Reservation {
             max_response: 0,
             recording: Recording::default(),
             route: route.into(),
+            renewal: Renewal::new(),
             _running: running,
         }
     }
@@ -153,7 +175,7 @@ impl Reservation {
             };
         };
         let handler = AssertUnwindSafe(handler).catch_unwind();
-        let renew = renew_forever(guard, self.lease, &self.route);
+        let renew = renew_forever(guard, self.lease, &self.route, &mut self.renewal);
         let result = tokio::select! {
             biased;
             result = handler => result,
@@ -165,6 +187,21 @@ impl Reservation {
                 self.release_now().await;
                 Outcome::Panicked
             }
+        }
+    }
+
+    /// Runs `work` (reading the handler's response to record it) while the lease is still
+    /// renewed, as it is while the handler runs: a response that streams for longer than the
+    /// lease is never taken over by a duplicate before it is recorded or released.
+    pub(crate) async fn renewing<F: Future>(&mut self, work: F) -> F::Output {
+        let Some(guard) = &self.guard else {
+            return work.await;
+        };
+        let renew = renew_forever(guard, self.lease, &self.route, &mut self.renewal);
+        tokio::select! {
+            biased;
+            output = work => output,
+            never = renew => match never {},
         }
     }
 
@@ -248,18 +285,26 @@ impl Reservation {
     }
 }
 
-/// Renews the lease every third of it until the handler ends. A renewal that fails because
-/// the store is down is tried again on the next tick, however long the outage: if the token
-/// still holds when the store comes back, the lease is kept. Only a renewal the store refuses
-/// (the token no longer holds the key) stops it.
-async fn renew_forever(guard: &Guard, lease: Duration, route: &str) -> std::convert::Infallible {
+/// Renews the lease every third of it until the future it races ends (the handler, then the
+/// reading of its response). A renewal that fails because the store is down is tried again on
+/// the next tick, however long the outage: if the token still holds when the store comes back,
+/// the lease is kept. Only a renewal the store refuses (the token no longer holds the key)
+/// stops it.
+async fn renew_forever(
+    guard: &Guard,
+    lease: Duration,
+    route: &str,
+    state: &mut Renewal,
+) -> std::convert::Infallible {
     let period = lease / 3;
-    let mut last_kept = tokio::time::Instant::now();
-    let mut lost = false;
-    let mut overdue = false;
+    let Renewal {
+        last_kept,
+        lost,
+        overdue,
+    } = state;
     loop {
         tokio::time::sleep(period).await;
-        if lost {
+        if *lost {
             continue;
         }
         let renew = guard
@@ -267,29 +312,30 @@ async fn renew_forever(guard: &Guard, lease: Duration, route: &str) -> std::conv
             .renew(&guard.scope, guard.key.as_str(), guard.token, lease);
         match observe::timed("renew", guard.store.kind(), renew).await {
             Ok(true) => {
-                if overdue {
+                if *overdue {
                     tracing::warn!(
                         route,
                         key_hash = %KeyDisplay(guard.key.as_str()),
                         "lease renewed again after the store came back; the token still holds"
                     );
                 }
-                last_kept = tokio::time::Instant::now();
-                overdue = false;
+                *last_kept = tokio::time::Instant::now();
+                *overdue = false;
             }
             Ok(false) => {
-                lost = true;
+                *lost = true;
                 observe::count(Event::LeaseLost, route);
                 tracing::error!(
                     route,
                     key_hash = %KeyDisplay(guard.key.as_str()),
-                    "lease lost while the handler runs: a duplicate may run concurrently"
+                    "lease lost while the handler runs or its answer is read: a duplicate may run \
+                     concurrently"
                 );
             }
             Err(error) => {
                 tracing::warn!(route, %error, "lease renewal failed; retrying next tick");
-                if !overdue && last_kept.elapsed() >= lease {
-                    overdue = true;
+                if !*overdue && last_kept.elapsed() >= lease {
+                    *overdue = true;
                     observe::count(Event::LeaseLost, route);
                     tracing::error!(
                         route,

@@ -14,7 +14,7 @@ use futures_util::future::LocalBoxFuture;
 use tracing::Instrument as _;
 
 use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
-use crate::config::{EndpointConfig, FailureMode, ReuseStatus};
+use crate::config::{EndpointConfig, FailureMode, Oversized, ReuseStatus};
 use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch, Served};
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
@@ -100,6 +100,12 @@ impl IdempotencyMiddleware {
     /// Fail closed or open inside when the store is unreachable.
     pub fn failure_mode(mut self, mode: FailureMode) -> Self {
         self.endpoint.failure_mode = Some(mode);
+        self
+    }
+
+    /// What an answer over `max_response` leaves behind inside.
+    pub fn oversized(mut self, policy: Oversized) -> Self {
+        self.endpoint.oversized = Some(policy);
         self
     }
 

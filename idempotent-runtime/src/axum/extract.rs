@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 
 use super::adapter::{self, Prepared, STORE_MISSING_FIX};
-use crate::config::EndpointConfig;
+use crate::config::{EndpointConfig, Oversized};
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
 use crate::pipeline::{self, Claimed, Detached, Handled, Served};
@@ -59,9 +59,9 @@ pub struct Via<M>(PhantomData<M>);
 ///
 /// Extracting it runs the whole pipeline before the handler: key, body, scope, claim. A replay
 /// or a refusal is its rejection, so the handler never runs for them. The endpoint's settings
-/// are its const parameters (0 means "the runtime's setting"), so the expansion needs no items
-/// beside the handler. [`run`](Self::run) then runs the handler in its own task and records
-/// the response.
+/// are its const parameters (0 means "the runtime's setting"; `OVERSIZED` is 1 for `run_again`,
+/// 2 for `record_without_body`), so the expansion needs no items beside the handler.
+/// [`run`](Self::run) then runs the handler in its own task and records the response.
 #[must_use]
 pub struct Idempotent<
     T,
@@ -71,6 +71,7 @@ pub struct Idempotent<
     const RETENTION_MS: u64 = 0,
     const MAX_BODY: u64 = 0,
     const MAX_RESPONSE: u64 = 0,
+    const OVERSIZED: u8 = 0,
 > {
     value: T,
     context: Option<IdempotencyContext>,
@@ -83,8 +84,8 @@ struct Session {
     claimed: Claimed<Reservation>,
 }
 
-impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64>
-    Idempotent<T, Src, R, L, RT, MB, MR>
+impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64, const OV: u8>
+    Idempotent<T, Src, R, L, RT, MB, MR, OV>
 {
     /// The endpoint settings these const parameters spell.
     pub const ENDPOINT: EndpointConfig = EndpointConfig {
@@ -93,6 +94,7 @@ impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR
         retention: millis(RT),
         max_body: bytes(MB),
         max_response: bytes(MR),
+        oversized: oversized(OV),
         ..EndpointConfig::OPTIONAL
     };
 
@@ -135,8 +137,27 @@ const fn bytes(n: u64) -> Option<usize> {
     if n == 0 { None } else { Some(n as usize) }
 }
 
-impl<S, M, T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64>
-    FromRequest<S, Via<M>> for Idempotent<T, Src, R, L, RT, MB, MR>
+/// `oversized = "…"` as the expansion spells it: 1 `run_again`, 2 `record_without_body`.
+const fn oversized(n: u8) -> Option<Oversized> {
+    match n {
+        1 => Some(Oversized::RunAgain),
+        2 => Some(Oversized::RecordWithoutBody),
+        _ => None,
+    }
+}
+
+impl<
+    S,
+    M,
+    T,
+    Src,
+    const R: bool,
+    const L: u64,
+    const RT: u64,
+    const MB: u64,
+    const MR: u64,
+    const OV: u8,
+> FromRequest<S, Via<M>> for Idempotent<T, Src, R, L, RT, MB, MR, OV>
 where
     T: FromRequest<S, M> + Send,
     S: Send + Sync,

@@ -12,7 +12,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::adapter::{self, Prepared};
-use crate::config::{EndpointConfig, FailureMode, ReuseStatus};
+use crate::config::{EndpointConfig, FailureMode, Oversized, ReuseStatus};
 use crate::handle::Idempotency;
 use crate::pipeline::{Detached, Handled, LayerWatch, Served};
 
@@ -95,6 +95,11 @@ impl IdempotencyLayer {
     /// Fail closed or open on these routes when the store is unreachable.
     pub fn failure_mode(self, mode: FailureMode) -> Self {
         self.edit(|s| s.endpoint.failure_mode = Some(mode))
+    }
+
+    /// What an answer over `max_response` leaves behind on these routes.
+    pub fn oversized(self, policy: Oversized) -> Self {
+        self.edit(|s| s.endpoint.oversized = Some(policy))
     }
 
     /// The methods it applies to (default POST and PATCH). HEAD and OPTIONS always pass.

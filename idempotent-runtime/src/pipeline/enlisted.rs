@@ -11,6 +11,7 @@ use futures_util::FutureExt as _;
 use super::body::{self, Chunks, Collected};
 use super::{Ended, Reply, refuse};
 use crate::budget::BufferPermit;
+use crate::config::Oversized;
 use crate::enlisted::{self, EnlistedTx, Held, Settle};
 use crate::handle::Idempotency;
 use crate::record;
@@ -50,7 +51,9 @@ where
 
 /// The final status decides: recordable → record in the transaction and commit, then answer
 /// (503 if the commit failed); anything else → roll back and answer. A recordable status whose
-/// response cannot be recorded rolls back and answers 500 `IDEMPOTENCY_NOT_RECORDED`.
+/// response cannot be recorded rolls back and answers 500 `IDEMPOTENCY_NOT_RECORDED`, except a
+/// body over the cap under [`Oversized::RecordWithoutBody`], which commits the record without
+/// it and answers the whole response.
 pub(crate) async fn settle_enlisted<R: Reply>(
     handle: &Idempotency,
     settle: Settle,
@@ -72,17 +75,44 @@ pub(crate) async fn settle_enlisted<R: Reply>(
     }
     let route = settle.route().to_owned();
     let cap = settle.max_response();
+    let without_body = recording.oversized(config) == Oversized::RecordWithoutBody;
     let headers = record::recorded_headers_for(config, &recording, response.headers());
     let (head, body) = response.into_parts();
-    let fits = body.exact_len().is_none_or(|n| n <= cap as u64);
-    let (Some(headers), true) = (headers, fits) else {
+    let Some(headers) = headers else {
         settle.rollback(tx, "response not recordable").await;
         return refuse(handle, &enlisted::not_recordable(&route));
     };
-    let (collected, _permit) = body::collect_response(handle.budget(), body, cap).await;
-    let Collected::Complete { bytes, drained } = collected else {
-        settle.rollback(tx, "response over max_response").await;
-        return refuse(handle, &enlisted::not_recordable(&route));
+    if body.exact_len().is_some_and(|n| n > cap as u64) {
+        if !without_body {
+            settle.rollback(tx, "response over max_response").await;
+            return refuse(handle, &enlisted::not_recordable(&route));
+        }
+        let recorded = record::without_body(status, headers);
+        return match settle.commit(tx, Some(&recorded)).await {
+            Ok(()) => R::from_parts(head, body),
+            Err(problem) => refuse(handle, &problem),
+        };
+    }
+    let (collected, permit) = body::collect_response(handle.budget(), body, cap).await;
+    let (bytes, drained) = match collected {
+        Collected::Complete { bytes, drained } => (bytes, drained),
+        // Streamed past the cap: kept without its body, committed before the answer goes on.
+        Collected::Partial {
+            read,
+            error: None,
+            rest,
+        } if without_body => {
+            drop(permit);
+            let recorded = record::without_body(status, headers);
+            return match settle.commit(tx, Some(&recorded)).await {
+                Ok(()) => R::resumed(head, read, None, rest),
+                Err(problem) => refuse(handle, &problem),
+            };
+        }
+        Collected::Partial { .. } => {
+            settle.rollback(tx, "response over max_response").await;
+            return refuse(handle, &enlisted::not_recordable(&route));
+        }
     };
     let recorded = RecordedResponse {
         status,

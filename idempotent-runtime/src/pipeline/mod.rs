@@ -50,7 +50,7 @@ pub(crate) use enlisted::settle_enlisted;
 pub(crate) use misuse::{LayerWatch, Watch, required_under_optional};
 
 use crate::budget::BufferPermit;
-use crate::config::{Effective, EndpointConfig};
+use crate::config::{Effective, EndpointConfig, Oversized};
 use crate::context::IdempotencyContext;
 use crate::fingerprint::FingerprintInput;
 use crate::handle::Idempotency;
@@ -530,12 +530,13 @@ where
     }
 }
 
-/// Records a recordable response before it is returned; releases the key otherwise. The first
-/// response is never marked replayed. A sized response already in memory is recorded whatever
+/// Records a recordable response before it is returned; releases the key otherwise (or, under
+/// [`Oversized::RecordWithoutBody`], records a body too large to keep as its status and
+/// headers alone). The first response is never marked replayed. A sized response already in memory is recorded whatever
 /// the buffer budget ([the contract](crate::design) §5, "Buffers in flight").
 pub(crate) async fn settle<R: Reply>(
     handle: &Idempotency,
-    reservation: Reservation,
+    mut reservation: Reservation,
     response: R,
 ) -> R {
     let config = handle.config();
@@ -551,12 +552,21 @@ pub(crate) async fn settle<R: Reply>(
         return response;
     };
     let cap = reservation.max_response();
+    let without_body = recording.oversized(config) == Oversized::RecordWithoutBody;
     let (head, body) = response.into_parts();
     if body.exact_len().is_some_and(|n| n > cap as u64) {
-        reservation.release().await;
+        if without_body {
+            reservation
+                .complete(&crate::record::without_body(status, headers))
+                .await;
+        } else {
+            reservation.release().await;
+        }
         return R::from_parts(head, body);
     }
-    match body::collect_response(handle.budget(), body, cap).await {
+    // Still renewed while the body streams: a slow answer must not lose its key to a duplicate.
+    let collected = reservation.renewing(body::collect_response(handle.budget(), body, cap));
+    match collected.await {
         (Collected::Complete { bytes, drained }, _permit) => {
             let recorded = RecordedResponse {
                 status,
@@ -568,7 +578,15 @@ pub(crate) async fn settle<R: Reply>(
         }
         (Collected::Partial { read, error, rest }, permit) => {
             drop(permit);
-            reservation.release().await;
+            // Past the cap (or the budget) the answer is whole but cannot be kept; a broken
+            // body is not an answer to keep at all.
+            if without_body && error.is_none() {
+                reservation
+                    .complete(&crate::record::without_body(status, headers))
+                    .await;
+            } else {
+                reservation.release().await;
+            }
             R::resumed(head, read, error, rest)
         }
     }

@@ -76,12 +76,14 @@ impl Head for TestHead {
     }
 }
 
-/// Chunks that arrive one per poll, then (unless `stalls`) the end.
+/// Chunks that arrive one per poll (or one per `gap`), then (unless `stalls`) the end.
 #[derive(Debug, Default)]
 struct TestBody {
     chunks: VecDeque<Result<Bytes, &'static str>>,
     exact: Option<u64>,
     stalls: bool,
+    gap: Option<Duration>,
+    waiting: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl TestBody {
@@ -106,6 +108,14 @@ impl TestBody {
             ..Self::default()
         }
     }
+
+    /// Each chunk `gap` after the one before: a response that streams slowly.
+    fn every(self, gap: Duration) -> Self {
+        Self {
+            gap: Some(gap),
+            ..self
+        }
+    }
 }
 
 impl Chunks for TestBody {
@@ -115,7 +125,16 @@ impl Chunks for TestBody {
         self.exact
     }
 
-    fn poll_chunk(&mut self, _: &mut Context<'_>) -> Poll<Option<Result<Bytes, &'static str>>> {
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, &'static str>>> {
+        if let (Some(gap), false) = (self.gap, self.chunks.is_empty()) {
+            let waiting = self
+                .waiting
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep(gap)));
+            if waiting.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            self.waiting = None;
+        }
         match self.chunks.pop_front() {
             Some(chunk) => Poll::Ready(Some(chunk)),
             None if self.stalls => Poll::Pending,
@@ -856,4 +875,210 @@ async fn a_claim_dropped_while_the_store_call_is_in_flight_leaves_the_key_free()
     tokio::time::sleep(Duration::from_millis(20)).await;
     let retry = claimed(&handle, &head, b"{}").await;
     retry.held.release().await;
+}
+
+/// A clock that follows tokio's time (paused in the test, so it moves as the test's sleeps
+/// pass): the memory store's leases lapse exactly as the renewal loop's ticks see them.
+struct TokioClock {
+    start: tokio::time::Instant,
+    wall: crate::clock::Millis,
+}
+
+impl TokioClock {
+    fn new() -> Self {
+        use crate::clock::Clock as _;
+        Self {
+            start: tokio::time::Instant::now(),
+            wall: crate::clock::SystemClock.now_millis(),
+        }
+    }
+}
+
+impl crate::clock::Clock for TokioClock {
+    fn now_millis(&self) -> crate::clock::Millis {
+        self.wall + crate::clock::millis(self.start.elapsed())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_lease_is_renewed_while_the_response_body_is_read() {
+    let store = MemoryStore::builder().clock(TokioClock::new()).build();
+    let lease = Duration::from_millis(300);
+    let handle = Idempotency::builder(store)
+        .config(Config::builder().lease(lease).build())
+        .sweeper(false)
+        .build();
+    let head = TestHead::keyed("k-slow-answer");
+    let claimed = claimed(&handle, &head, b"{}").await;
+    // The handler answers at once; its body then streams for four leases.
+    let (reply, _) = TestReply::new(200, b"");
+    let body = TestBody::of(&[&b"a"[..]; 6]).every(Duration::from_millis(200));
+    let handler = async move { Ok::<_, Infallible>((Sent(reply, body), ())) };
+    let work = work(
+        handle.clone(),
+        claimed.held,
+        claimed.permit,
+        claimed.route,
+        Served::ByHandler,
+        handler,
+    );
+    let first = tokio::spawn(work);
+    for _ in 0..4 {
+        tokio::time::sleep(lease).await;
+        let buffered = buffered(&handle, &head, TestBody::of(&[b"{}"])).await;
+        match claim::<Detached, _, Sent>(&handle, &head, buffered).await {
+            Ok(_) => panic!("a duplicate took the key over while the first answer was still read"),
+            Err(duplicate) => assert_eq!(
+                (duplicate.0.status, duplicate.0.code),
+                (409, Some(ProblemCode::InProgress)),
+                "{duplicate:?}"
+            ),
+        }
+    }
+    let Ok(Ended::Answered(sent, ())) = first.await else {
+        panic!("the first request did not answer");
+    };
+    assert_eq!((sent.0.status, &sent.0.body[..]), (200, &b"aaaaaa"[..]));
+    assert!(!sent.0.resumed && !sent.0.replayed, "{sent:?}");
+    let replay = answer_of(&handle, &head, b"{}").await;
+    assert!(replay.0.replayed, "{replay:?}");
+    assert_eq!(&replay.0.body[..], b"aaaaaa");
+}
+
+async fn claimed_on(
+    handle: &Idempotency,
+    endpoint: &EndpointConfig,
+    head: &TestHead,
+) -> Claimed<Reservation> {
+    let front = front::<Detached, _, _>(handle, endpoint, head, TestBody::of(&[b"{}"])).await;
+    let Front::Buffered(buffered) = front else {
+        panic!("not buffered");
+    };
+    match claim::<Detached, _, Sent>(handle, head, buffered).await {
+        Ok(claimed) => claimed,
+        Err(answer) => panic!("not claimed: {answer:?}"),
+    }
+}
+
+fn header<'a>(sent: &'a Sent, name: &str) -> Option<&'a [u8]> {
+    let mut values = sent.0.headers.iter().filter(|(n, _)| n == name);
+    let value = values.next().map(|(_, v)| v.as_slice());
+    assert!(values.next().is_none(), "{name} sent twice: {sent:?}");
+    value
+}
+
+/// A 201 with a `Location` over a 4-byte cap, sized (already in memory) or streamed with no
+/// declared length past the cap.
+fn oversized_answer(sized: bool) -> Sent {
+    let (mut reply, _) = TestReply::new(201, b"");
+    reply
+        .headers
+        .push(("location".into(), b"/charges/7".to_vec()));
+    let body = if sized {
+        TestBody::sized(b"a receipt too large to keep")
+    } else {
+        TestBody::of(&[b"a rec", b"eipt too large", b" to keep"])
+    };
+    Sent(reply, body)
+}
+
+#[tokio::test]
+async fn an_oversized_answer_recorded_without_body_replays_its_status_and_headers_only() {
+    use crate::config::Oversized;
+
+    let config = Config::builder().max_response(4).build();
+    let per_endpoint = EndpointConfig {
+        oversized: Some(Oversized::RecordWithoutBody),
+        ..EndpointConfig::REQUIRED
+    };
+    let on_config = Config::builder()
+        .max_response(4)
+        .oversized(Oversized::RecordWithoutBody)
+        .build();
+    for (config, endpoint) in [
+        (config, per_endpoint),
+        (on_config, EndpointConfig::REQUIRED),
+    ] {
+        for sized in [true, false] {
+            let handle = handle_with(config.clone());
+            let head = TestHead::keyed("k-receipt");
+            let claimed = claimed_on(&handle, &endpoint, &head).await;
+            let sent = settle(&handle, claimed.held, oversized_answer(sized)).await;
+            assert_eq!(sent.0.status, 201);
+            assert!(
+                !sent.0.replayed,
+                "the first answer is never marked replayed"
+            );
+            assert_eq!(header(&sent, "idempotency-replay"), None, "{sent:?}");
+            let whole: Vec<u8> = sent
+                .0
+                .body
+                .iter()
+                .copied()
+                .chain(sent.1.chunks.iter().flat_map(|c| c.clone().unwrap()))
+                .collect();
+            assert_eq!(
+                whole, b"a receipt too large to keep",
+                "sized {sized}: sent whole"
+            );
+
+            let replay = answer_of(&handle, &head, b"{}").await;
+            assert_eq!(replay.0.status, 201, "sized {sized}: {replay:?}");
+            assert!(replay.0.replayed, "sized {sized}: {replay:?}");
+            assert_eq!(&replay.0.body[..], b"", "the body is not kept");
+            assert_eq!(
+                header(&replay, "idempotency-replay"),
+                Some(&b"body-omitted"[..])
+            );
+            assert_eq!(
+                header(&replay, "content-type"),
+                Some(&b"application/json"[..])
+            );
+            assert_eq!(header(&replay, "location"), Some(&b"/charges/7"[..]));
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_oversized_answer_releases_its_key_by_default() {
+    let handle = handle_with(Config::builder().max_response(4).build());
+    let head = TestHead::keyed("k-receipt");
+    for sized in [true, false] {
+        let claimed = claimed_on(&handle, &EndpointConfig::REQUIRED, &head).await;
+        let sent = settle(&handle, claimed.held, oversized_answer(sized)).await;
+        assert_eq!(sent.0.status, 201);
+        assert!(
+            claimed_again(&handle, &head).await,
+            "sized {sized}: released"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_handlers_own_idempotency_replay_header_is_never_recorded() {
+    let handle = handle_with(
+        Config::builder()
+            .recorded_headers(["content-type", "idempotency-replay"])
+            .build(),
+    );
+    let head = TestHead::keyed("k-forged");
+    let claimed = claimed(&handle, &head, b"{}").await;
+    let (mut reply, body) = TestReply::new(201, b"{}");
+    reply
+        .headers
+        .push(("idempotency-replay".into(), b"body-omitted".to_vec()));
+    let sent = settle(&handle, claimed.held, Sent(reply, body)).await;
+    assert_eq!(
+        header(&sent, "idempotency-replay"),
+        Some(&b"body-omitted"[..]),
+        "the first answer is the handler's own"
+    );
+    let replay = answer_of(&handle, &head, b"{}").await;
+    assert!(replay.0.replayed);
+    assert_eq!(&replay.0.body[..], b"{}");
+    assert_eq!(
+        header(&replay, "idempotency-replay"),
+        None,
+        "a replay of a whole answer never says its body was omitted: {replay:?}"
+    );
 }

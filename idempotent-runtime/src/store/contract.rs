@@ -55,6 +55,7 @@ async fn run_shared_cases<S: Store + ?Sized>(
     let s = &*store;
     first_claim_acquires_and_a_second_sees_it_running(s).await;
     completed_record_is_reported_with_its_response(s).await;
+    a_record_without_body_keeps_its_headers_and_an_empty_body(s).await;
     a_resent_completion_that_finds_its_own_record_succeeds(s).await;
     wrong_token_can_neither_complete_release_nor_renew(s).await;
     release_frees_the_key(s).await;
@@ -223,6 +224,27 @@ async fn completed_record_is_reported_with_its_response<S: Store + ?Sized>(s: &S
             .unwrap(),
         "a completed record cannot be completed twice"
     );
+}
+
+/// A record kept without its body (`oversized = "record_without_body"`) is its status, its
+/// headers (the runtime's `idempotency-replay: body-omitted` among them) and an empty body, and
+/// comes back exactly so: the replay's marker is a header like any other.
+async fn a_record_without_body_keeps_its_headers_and_an_empty_body<S: Store + ?Sized>(s: &S) {
+    let scope = fresh_scope();
+    let first = req(&scope, "k-bodiless", 1, 30 * SECOND);
+    assert_eq!(claim(s, &first).await, Claim::Acquired);
+    let recorded = crate::record::without_body(201, response("").headers);
+    assert!(
+        s.complete(&scope, "k-bodiless", first.token, &recorded, 10 * SECOND)
+            .await
+            .unwrap()
+    );
+    match claim(s, &req(&scope, "k-bodiless", 1, 30 * SECOND)).await {
+        Claim::Standing(st) => {
+            assert_eq!(st.state, StandingState::Completed(Arc::new(recorded)));
+        }
+        Claim::Acquired => panic!("a completed key was acquired again"),
+    }
 }
 
 async fn wrong_token_can_neither_complete_release_nor_renew<S: Store + ?Sized>(s: &S) {
