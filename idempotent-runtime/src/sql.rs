@@ -45,8 +45,8 @@ impl fmt::Display for InvalidName {
         };
         write!(
             f,
-            "invalid {} {} name {:?}: use 1-{max} {letters}, digits or '_', not starting with a \
-             digit",
+            "invalid {} {} name {:?}: it must be 1-{max} {letters}, digits or '_', not starting with \
+             a digit",
             r.subject, self.kind, self.name
         )
     }
@@ -512,7 +512,7 @@ mod tests {
             assert_eq!(
                 e.to_string(),
                 format!(
-                    "invalid idempotency store table name {bad:?}: use 1-48 ASCII letters, \
+                    "invalid idempotency store table name {bad:?}: it must be 1-48 ASCII letters, \
                      digits or '_', not starting with a digit"
                 )
             );
@@ -530,7 +530,7 @@ mod tests {
             assert_eq!(
                 e.to_string(),
                 format!(
-                    "invalid inbox table name {bad:?}: use 1-50 lowercase ASCII letters, digits \
+                    "invalid inbox table name {bad:?}: it must be 1-50 lowercase ASCII letters, digits \
                      or '_', not starting with a digit"
                 )
             );

@@ -348,7 +348,7 @@ async fn a_bad_table_name_is_a_typed_error() {
     assert_eq!(e.name(), "a b");
     assert_eq!(
         e.to_string(),
-        "invalid idempotency store table name \"a b\": use 1-48 ASCII letters, digits or '_', \
+        "invalid idempotency store table name \"a b\": it must be 1-48 ASCII letters, digits or '_', \
          not starting with a digit"
     );
     let e = PostgresStore::builder()
@@ -376,7 +376,7 @@ async fn a_bad_table_name_is_a_typed_error() {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "invalid inbox table name \"Upper\": use 1-50 lowercase ASCII letters, digits or '_', \
+        "invalid inbox table name \"Upper\": it must be 1-50 lowercase ASCII letters, digits or '_', \
          not starting with a digit"
     );
     assert!(PostgresStore::migrations(Some("a-b"), "t").is_err());
