@@ -93,6 +93,8 @@ pub mod problem;
 pub mod record;
 pub mod reservation;
 pub mod scope;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod sql;
 pub mod store;
 
 pub use config::{Config, EndpointConfig};

@@ -4,11 +4,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnection, PgDatabaseError, PgPool};
 use sqlx::{AssertSqlSafe, Postgres, Transaction};
 
 use crate::observe::KeyDisplay;
+use crate::sql::{self, INBOX_NAMES, Migrations, Pg, Step, TableName};
 
 use super::{
     BoxFuture, DEFAULT_RETENTION, DEFAULT_SWEEP_BATCH, InboxError, Outcome, Processed, observe,
@@ -21,10 +21,14 @@ pub const DEFAULT_TABLE: &str = "processed_messages";
 /// The default `lock_timeout` a copy waits on a concurrent copy's uncommitted marker: 5 s.
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Longest table name accepted, so that `<table>_pkey` and `<table>_sweep_idx` fit PostgreSQL's
-/// 63-byte identifiers (longer names are silently truncated, and the inbox recognises its
-/// constraint by its exact name).
-const MAX_TABLE_NAME: usize = 50;
+/// The versioned DDL of the inbox's table, in order (`{table}`: the quoted, qualified name,
+/// `{name}`: the bare one; the names' length limits are in [`INBOX_NAMES`]). Never edit a
+/// shipped migration: add one.
+const MIGRATIONS: &[Step] = &[Step {
+    version: 1,
+    description: "create processed messages",
+    template: include_str!("../../migrations/postgres_inbox/0001_create_processed_messages.sql"),
+}];
 
 /// A processed-messages inbox in PostgreSQL ([the contract](crate::design) §6), for any number of consumer processes.
 ///
@@ -85,11 +89,8 @@ pub struct PgInbox {
 
 struct Settings {
     consumer: String,
-    schema: Option<String>,
-    table: String,
+    table: TableName,
     constraint: String,
-    /// `"schema"."table"` or `"table"`.
-    qualified: String,
     lock_timeout: Duration,
     retention: Duration,
     begin_sql: Arc<str>,
@@ -101,7 +102,7 @@ impl fmt::Debug for PgInbox {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PgInbox")
             .field("consumer", &self.s.consumer)
-            .field("table", &self.s.qualified)
+            .field("table", &self.s.table.qualified)
             .field("lock_timeout", &self.s.lock_timeout)
             .field("retention", &self.s.retention)
             .finish_non_exhaustive()
@@ -121,30 +122,9 @@ pub struct PgInboxBuilder {
 }
 
 /// A schema or table name the inbox refuses: it must be a lowercase SQL identifier
-/// (`[a-z_][a-z0-9_]*`; table names up to 50 bytes, schema names up to 63).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InvalidName(String);
-
-impl fmt::Display for InvalidName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "invalid inbox {}: use a lowercase SQL identifier ([a-z_][a-z0-9_]*)",
-            self.0
-        )
-    }
-}
-
-impl std::error::Error for InvalidName {}
-
-fn valid_identifier(name: &str, max: usize) -> bool {
-    let mut chars = name.chars();
-    name.len() <= max
-        && chars
-            .next()
-            .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
-        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-}
+/// (`[a-z_][a-z0-9_]*`; table names up to 50 bytes, schema names up to 63). The same type as the
+/// SQL stores' [`store::InvalidName`](crate::store::InvalidName).
+pub use crate::sql::InvalidName;
 
 impl PgInboxBuilder {
     /// The schema holding the table (default: the connection's `search_path`). `migrate()`
@@ -177,18 +157,8 @@ impl PgInboxBuilder {
 
     /// The inbox, or the name that is not a valid identifier.
     pub fn build(self) -> Result<PgInbox, InvalidName> {
-        if !valid_identifier(&self.table, MAX_TABLE_NAME) {
-            return Err(InvalidName(format!("table name {:?}", self.table)));
-        }
-        if let Some(schema) = &self.schema
-            && !valid_identifier(schema, 63)
-        {
-            return Err(InvalidName(format!("schema name {schema:?}")));
-        }
-        let qualified = match &self.schema {
-            Some(schema) => format!("\"{schema}\".\"{}\"", self.table),
-            None => format!("\"{}\"", self.table),
-        };
+        let table = TableName::new(INBOX_NAMES, self.schema.as_deref(), &self.table)?;
+        let qualified = &table.qualified;
         let lock_ms = self.lock_timeout.as_millis().clamp(1, i32::MAX as u128);
         let begin_sql = format!("BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'");
         let insert_sql = format!("INSERT INTO {qualified} (consumer, message_id) VALUES ($1, $2)");
@@ -208,11 +178,9 @@ impl PgInboxBuilder {
         Ok(PgInbox {
             pool: self.pool,
             s: Arc::new(Settings {
-                constraint: format!("{}_pkey", self.table),
+                constraint: format!("{}_pkey", table.name),
                 consumer: self.consumer,
-                schema: self.schema,
-                table: self.table,
-                qualified,
+                table,
                 lock_timeout: self.lock_timeout,
                 retention: self.retention,
                 begin_sql: begin_sql.into(),
@@ -277,7 +245,7 @@ impl PgInbox {
 
     /// The table, quoted and schema-qualified as it appears in SQL.
     pub fn qualified_table(&self) -> &str {
-        &self.s.qualified
+        &self.s.table.qualified
     }
 
     /// The primary key constraint by whose name duplicates are recognised.
@@ -290,66 +258,52 @@ impl PgInbox {
         &self.pool
     }
 
-    /// Creates the schema (if configured), the table and its sweep index if they are missing,
-    /// and checks that the table's primary key carries the expected constraint name. Idempotent,
-    /// and safe to run from several processes at once (serialised by a transaction-scoped
-    /// advisory lock derived from the table's name, so it never waits on the application's own
-    /// sqlx migrations).
+    /// Creates the schema (if configured), the table and its sweep index, or upgrades them,
+    /// through versioned migrations recorded in `<table>_migrations` (with the checksum of each
+    /// step's SQL), and checks that the table's primary key carries the expected constraint
+    /// name. A table created by a release before versioned migrations is adopted as it is.
+    /// Idempotent, and safe to run from several processes at once (serialised by a
+    /// transaction-scoped advisory lock derived from the table's name, so it never waits on the
+    /// application's own sqlx migrations). To apply the DDL with a migration tool of your own
+    /// instead, see [`migrations`](Self::migrations).
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
         let s = &*self.s;
-        let lock_id = {
-            let digest = Sha256::digest(format!("idempotent-inbox:{}", s.qualified));
-            i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
-        };
-        let mut tx = self.pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(lock_id)
-            .execute(&mut *tx)
-            .await?;
-        if let Some(schema) = &s.schema {
-            sqlx::query(AssertSqlSafe(format!(
-                "CREATE SCHEMA IF NOT EXISTS \"{schema}\""
-            )))
-            .execute(&mut *tx)
-            .await?;
-        }
-        sqlx::query(AssertSqlSafe(format!(
-            "CREATE TABLE IF NOT EXISTS {q} (\
-               consumer text NOT NULL, \
-               message_id text NOT NULL, \
-               processed_at timestamptz NOT NULL DEFAULT now(), \
-               CONSTRAINT \"{c}\" PRIMARY KEY (consumer, message_id))",
-            q = s.qualified,
-            c = s.constraint,
-        )))
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "CREATE INDEX IF NOT EXISTS \"{t}_sweep_idx\" ON {q} (consumer, processed_at)",
-            t = s.table,
-            q = s.qualified,
-        )))
-        .execute(&mut *tx)
-        .await?;
+        sql::migrate::<Pg>(&self.pool, &s.table, MIGRATIONS).await?;
         let has_pkey: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_constraint \
              WHERE conrelid = $1::regclass AND conname = $2 AND contype = 'p')",
         )
-        .bind(&s.qualified)
+        .bind(&s.table.qualified)
         .bind(&s.constraint)
-        .fetch_one(&mut *tx)
+        .fetch_one(&self.pool)
         .await?;
         if !has_pkey {
             return Err(sqlx::Error::Configuration(
                 format!(
                     "inbox table {} exists without a primary key constraint named {}; the inbox \
                      recognises duplicates by that name: rename the constraint or choose another table",
-                    s.qualified, s.constraint
+                    s.table.qualified, s.constraint
                 )
                 .into(),
             ));
         }
-        tx.commit().await
+        Ok(())
+    }
+
+    /// The DDL [`migrate`](Self::migrate) applies, rendered for `table` in `schema` (`None`: the
+    /// connection's default schema), for users who ship schema changes with their own migration
+    /// tool: each step's SQL, in order, or a sqlx `Migrator` of them. Use either this or
+    /// `migrate()` for a table, never both (see [`Migrations`]).
+    ///
+    /// ```
+    /// use idempotent_runtime::inbox::PgInbox;
+    ///
+    /// let migrations = PgInbox::migrations(None, "processed_messages")?;
+    /// assert!(migrations.iter().next().unwrap().sql.contains("\"processed_messages_pkey\""));
+    /// # Ok::<(), idempotent_runtime::inbox::InvalidName>(())
+    /// ```
+    pub fn migrations(schema: Option<&str>, table: &str) -> Result<Migrations, InvalidName> {
+        Ok(TableName::new(INBOX_NAMES, schema, table)?.migrations(MIGRATIONS))
     }
 
     /// Whether `e` is a unique violation of this inbox's own primary key (a duplicate), as
@@ -363,8 +317,8 @@ impl PgInbox {
         }
         match db.try_downcast_ref::<PgDatabaseError>() {
             Some(pg) => {
-                pg.table().is_none_or(|t| t == self.s.table)
-                    && match (&self.s.schema, pg.schema()) {
+                pg.table().is_none_or(|t| t == self.s.table.name)
+                    && match (&self.s.table.schema, pg.schema()) {
                         (Some(want), Some(got)) => want == got,
                         _ => true,
                     }

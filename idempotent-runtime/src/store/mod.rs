@@ -32,6 +32,11 @@ pub mod sqlite;
 #[cfg(any(test, feature = "testing"))]
 pub mod contract;
 
+/// The SQL stores' (and the inbox's) shared naming error and DDL for users' own migration tools.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "sqlite"))))]
+pub use crate::sql::{InvalidName, Migration, Migrations};
+
 /// A fencing token: fresh for every claim and reclaim. Completing, releasing and renewing are
 /// conditional on it, so a holder whose lease lapsed can never touch its successor's record.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]

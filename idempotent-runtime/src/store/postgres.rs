@@ -42,6 +42,7 @@ use super::{
 };
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
+use crate::sql::{self, InvalidName, Migrations, Pg, STORE_NAMES, Step, TableName};
 
 mod batch;
 mod enlisted;
@@ -51,27 +52,23 @@ pub(crate) use enlisted::Glanced;
 /// The versioned DDL shipped with the crate, in order. `{table}` is replaced by the quoted,
 /// qualified table name, `{name}` by the bare one and `{schema}` by the quoted schema and a dot
 /// (or nothing, for the connection's default schema). Never edit a shipped migration: add one.
-const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (
-        1,
-        "create records",
-        include_str!("../../migrations/postgres/0001_create_records.sql"),
-    ),
-    (
-        2,
-        "record route and creation time",
-        include_str!("../../migrations/postgres/0002_record_route_and_creation.sql"),
-    ),
-    (
-        3,
-        "heap-only completions",
-        include_str!("../../migrations/postgres/0003_heap_only_completions.sql"),
-    ),
+const MIGRATIONS: &[Step] = &[
+    Step {
+        version: 1,
+        description: "create records",
+        template: include_str!("../../migrations/postgres/0001_create_records.sql"),
+    },
+    Step {
+        version: 2,
+        description: "record route and creation time",
+        template: include_str!("../../migrations/postgres/0002_record_route_and_creation.sql"),
+    },
+    Step {
+        version: 3,
+        description: "heap-only completions",
+        template: include_str!("../../migrations/postgres/0003_heap_only_completions.sql"),
+    },
 ];
-
-/// Key of the transaction-scoped advisory lock that serialises concurrent `migrate()` calls
-/// (the bytes of "idem-mig").
-const MIGRATE_LOCK: i64 = 0x6964_656d_2d6d_6967;
 
 /// SQLSTATE `lock_not_available`: `lock_timeout` elapsed.
 const LOCK_NOT_AVAILABLE: &str = "55P03";
@@ -111,7 +108,8 @@ pub struct PostgresStoreBuilder {
 impl PostgresStoreBuilder {
     /// The table name (default `idempotency_records`): ASCII letters, digits and `_`, not
     /// starting with a digit, at most 48 characters (its index and version table are named
-    /// after it).
+    /// after it). Another name fails [`build`](Self::build) with [`InvalidName`], and
+    /// [`connect`](Self::connect) with `sqlx::Error::Configuration` holding it.
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self
@@ -204,7 +202,7 @@ impl PostgresStoreBuilder {
         // The pool connects lazily: without this, a missing TLS feature surfaces at the first
         // statement, naming sqlx's features instead of this crate's.
         super::postgres_tls::require_tls_support(&options, super::postgres_tls::TLS_COMPILED)?;
-        let table = TableName::new(self.schema.as_deref(), &self.table)?;
+        let table = TableName::new(STORE_NAMES, self.schema.as_deref(), &self.table)?;
         let mut options = options.options([
             (
                 "lock_timeout",
@@ -238,62 +236,16 @@ impl PostgresStoreBuilder {
     /// Builds the store over an existing pool. The pool's connections should set
     /// `lock_timeout` (see [`lock_timeout`](Self::lock_timeout)): without it, a claim that meets
     /// another transaction's uncommitted row waits for that transaction. The pool settings of
-    /// this builder do not apply.
-    pub fn build(self, pool: PgPool) -> Result<PostgresStore, sqlx::Error> {
-        let table = TableName::new(self.schema.as_deref(), &self.table)?;
+    /// this builder do not apply. Fails only on a bad table or schema name (which converts
+    /// into `sqlx::Error` with `?`).
+    pub fn build(self, pool: PgPool) -> Result<PostgresStore, InvalidName> {
+        let table = TableName::new(STORE_NAMES, self.schema.as_deref(), &self.table)?;
         Ok(PostgresStore::with_table(
             pool,
             table,
             self.reserved_connections,
             self.batch,
         ))
-    }
-}
-
-/// A validated, quoted table name.
-#[derive(Debug, Clone)]
-struct TableName {
-    /// `"schema"."table"` or `"table"`.
-    qualified: String,
-    /// `"schema"."table_migrations"` or `"table_migrations"`.
-    versions: String,
-    /// `"schema".` or nothing: what names the table's indexes.
-    prefix: String,
-    schema: Option<String>,
-    name: String,
-}
-
-impl TableName {
-    fn new(schema: Option<&str>, name: &str) -> Result<Self, sqlx::Error> {
-        fn check(what: &str, ident: &str) -> Result<(), sqlx::Error> {
-            let ok = !ident.is_empty()
-                && ident.len() <= 48
-                && !ident.starts_with(|c: char| c.is_ascii_digit())
-                && ident.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-            if ok {
-                Ok(())
-            } else {
-                Err(sqlx::Error::Configuration(
-                    format!(
-                        "idempotency store {what} name {ident:?} must be 1-48 ASCII letters, digits \
-                         or '_', not starting with a digit"
-                    )
-                    .into(),
-                ))
-            }
-        }
-        check("table", name)?;
-        if let Some(schema) = schema {
-            check("schema", schema)?;
-        }
-        let prefix = schema.map_or_else(String::new, |s| format!("\"{s}\"."));
-        Ok(Self {
-            qualified: format!("{prefix}\"{name}\""),
-            versions: format!("{prefix}\"{name}_migrations\""),
-            prefix: prefix.clone(),
-            schema: schema.map(str::to_owned),
-            name: name.to_owned(),
-        })
     }
 }
 
@@ -1040,7 +992,8 @@ impl PostgresStore {
     /// The store over an existing pool, with the default table `idempotency_records` in the
     /// connection's default schema. See [`PostgresStoreBuilder::build`] about `lock_timeout`.
     pub fn new(pool: PgPool) -> Self {
-        let table = TableName::new(None, DEFAULT_TABLE).expect("the default table name is valid");
+        let table = TableName::new(STORE_NAMES, None, DEFAULT_TABLE)
+            .expect("the default table name is valid");
         Self::with_table(pool, table, enlisted::RESERVED_CONNECTIONS, DEFAULT_BATCH)
     }
 
@@ -1070,61 +1023,38 @@ impl PostgresStore {
     }
 
     /// Creates or upgrades the table to this crate's schema. Safe to call from several replicas
-    /// at once (they serialise on a transaction-scoped advisory lock) and idempotent. Applied
-    /// versions are kept in `<table>_migrations` beside the table, never in sqlx's
-    /// `_sqlx_migrations`, so the application's own migrations are unaffected.
+    /// at once (they serialise on a transaction-scoped advisory lock derived from the table's
+    /// name) and idempotent. Applied versions are kept in `<table>_migrations` beside the table,
+    /// with the checksum of the SQL each ran, never in sqlx's `_sqlx_migrations`, so the
+    /// application's own migrations are unaffected.
+    ///
+    /// A version recorded with another checksum than this release's SQL is refused with
+    /// [`MigrateError::VersionMismatch`](sqlx::migrate::MigrateError::VersionMismatch) before
+    /// anything runs. To apply the schema with a migration tool of your own instead, see
+    /// [`migrations`](Self::migrations).
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
-        let mut tx = self.core.pool.begin().await?;
-        // Migrating replicas queue behind each other; the store's short lock_timeout is for
-        // claims, not for this.
-        sqlx::query("SET LOCAL lock_timeout = '60s'")
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(MIGRATE_LOCK)
-            .execute(&mut *tx)
-            .await?;
-        if let Some(schema) = &self.table.schema {
-            sqlx::raw_sql(AssertSqlSafe(format!(
-                "CREATE SCHEMA IF NOT EXISTS \"{schema}\""
-            )))
-            .execute(&mut *tx)
-            .await?;
-        }
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "CREATE TABLE IF NOT EXISTS {} (\
-                 version bigint PRIMARY KEY, \
-                 description text NOT NULL, \
-                 applied_at timestamptz NOT NULL DEFAULT now())",
-            self.table.versions
-        )))
-        .execute(&mut *tx)
-        .await?;
-        let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT version FROM {}",
-            self.table.versions
-        )))
-        .fetch_all(&mut *tx)
-        .await?;
-        for (version, description, ddl) in MIGRATIONS {
-            if applied.contains(version) {
-                continue;
-            }
-            let ddl = ddl
-                .replace("{table}", &self.table.qualified)
-                .replace("{name}", &self.table.name)
-                .replace("{schema}", &self.table.prefix);
-            sqlx::raw_sql(AssertSqlSafe(ddl)).execute(&mut *tx).await?;
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {} (version, description) VALUES ($1, $2)",
-                self.table.versions
-            )))
-            .bind(version)
-            .bind(description)
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await
+        sql::migrate::<Pg>(&self.core.pool, &self.table, MIGRATIONS).await
+    }
+
+    /// The DDL [`migrate`](Self::migrate) applies, rendered for `table` in `schema` (`None`: the
+    /// connection's default schema), for users who ship schema changes with their own migration
+    /// tool: each step's SQL, in order, or a sqlx `Migrator` of them. Use either this or
+    /// `migrate()` for a table, never both (see [`Migrations`]). The schema must exist before
+    /// the first step runs; [`Migrations::migrator`] creates it.
+    ///
+    /// ```
+    /// use idempotent_runtime::store::postgres::PostgresStore;
+    ///
+    /// let migrations = PostgresStore::migrations(Some("app"), "idempotency_records")?;
+    /// for step in &migrations {
+    ///     // e.g. a Flyway file: V{version}__{description}.sql
+    ///     println!("-- V{}: {}\n{}", step.version, step.description, step.sql);
+    /// }
+    /// assert!(PostgresStore::migrations(None, "no spaces").is_err());
+    /// # Ok::<(), idempotent_runtime::store::InvalidName>(())
+    /// ```
+    pub fn migrations(schema: Option<&str>, table: &str) -> Result<Migrations, InvalidName> {
+        Ok(TableName::new(STORE_NAMES, schema, table)?.migrations(MIGRATIONS))
     }
 
     /// Moves the store's clock forward by `by` (an offset added to the database's `now()` in
@@ -1507,20 +1437,5 @@ mod tests {
         // Row 3's body is $20; the clock offset comes after the last row.
         assert!(sql.contains("body = $20::bytea") && sql.contains("$22::bigint * interval"));
         assert!(!sql.contains("$23"));
-    }
-
-    #[test]
-    fn table_names_are_validated_and_quoted() {
-        let t = TableName::new(Some("app"), "records").unwrap();
-        assert_eq!(t.qualified, "\"app\".\"records\"");
-        assert_eq!(t.versions, "\"app\".\"records_migrations\"");
-        assert_eq!(TableName::new(None, "r_1").unwrap().qualified, "\"r_1\"");
-        for bad in ["", "1abc", "a\"b", "a b", "x;drop", &"a".repeat(49)] {
-            assert!(TableName::new(None, bad).is_err(), "{bad:?} accepted");
-            assert!(
-                TableName::new(Some(bad), "ok").is_err(),
-                "schema {bad:?} accepted"
-            );
-        }
     }
 }

@@ -40,20 +40,21 @@ use super::{
 use crate::clock::{Clock, SystemClock};
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
+use crate::sql::{self, InvalidName, Lite, Migrations, STORE_NAMES, Step, TableName};
 
 /// The versioned DDL shipped with the crate, in order (`{table}`: quoted name, `{name}`: bare).
 /// Never edit a shipped migration: add one.
-const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (
-        1,
-        "create records",
-        include_str!("../../migrations/sqlite/0001_create_records.sql"),
-    ),
-    (
-        2,
-        "record route and creation time",
-        include_str!("../../migrations/sqlite/0002_record_route_and_creation.sql"),
-    ),
+const MIGRATIONS: &[Step] = &[
+    Step {
+        version: 1,
+        description: "create records",
+        template: include_str!("../../migrations/sqlite/0001_create_records.sql"),
+    },
+    Step {
+        version: 2,
+        description: "record route and creation time",
+        template: include_str!("../../migrations/sqlite/0002_record_route_and_creation.sql"),
+    },
 ];
 
 /// How often a claim retries when its record vanishes between its insert and its read-back.
@@ -85,7 +86,8 @@ impl std::fmt::Debug for SqliteStoreBuilder {
 
 impl SqliteStoreBuilder {
     /// The table name (default `idempotency_records`): ASCII letters, digits and `_`, not
-    /// starting with a digit, at most 48 characters.
+    /// starting with a digit, at most 48 characters. Another name fails
+    /// [`open`](Self::open) with `sqlx::Error::Configuration` holding an [`InvalidName`].
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self
@@ -134,7 +136,7 @@ impl SqliteStoreBuilder {
         self,
         options: SqliteConnectOptions,
     ) -> Result<SqliteStore, sqlx::Error> {
-        let table = TableName::new(&self.table)?;
+        let table = TableName::new(STORE_NAMES, None, &self.table)?;
         let options = options
             .journal_mode(SqliteJournalMode::Wal)
             .busy_timeout(self.busy_timeout);
@@ -153,42 +155,12 @@ impl SqliteStoreBuilder {
             .test_before_acquire(false)
             .connect_lazy_with(options.pragma("query_only", "ON"));
         Ok(SqliteStore {
-            sql: Statements::new(&table.quoted),
+            sql: Statements::new(&table.qualified),
             writer,
             readers,
             table,
             clock: self.clock,
             statements: AtomicU64::new(0),
-        })
-    }
-}
-
-#[derive(Debug, Clone)]
-struct TableName {
-    quoted: String,
-    versions: String,
-    name: String,
-}
-
-impl TableName {
-    fn new(name: &str) -> Result<Self, sqlx::Error> {
-        let ok = !name.is_empty()
-            && name.len() <= 48
-            && !name.starts_with(|c: char| c.is_ascii_digit())
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !ok {
-            return Err(sqlx::Error::Configuration(
-                format!(
-                    "idempotency store table name {name:?} must be 1-48 ASCII letters, digits or \
-                     '_', not starting with a digit"
-                )
-                .into(),
-            ));
-        }
-        Ok(Self {
-            quoted: format!("\"{name}\""),
-            versions: format!("\"{name}_migrations\""),
-            name: name.to_owned(),
         })
     }
 }
@@ -379,48 +351,33 @@ impl SqliteStore {
 
     /// The quoted table name.
     pub fn table(&self) -> &str {
-        &self.table.quoted
+        &self.table.qualified
     }
 
     /// Creates or upgrades the table to this crate's schema; idempotent, and safe from several
     /// processes at once (`BEGIN IMMEDIATE`). Applied versions are kept in `<table>_migrations`,
-    /// never in sqlx's `_sqlx_migrations`.
+    /// with the checksum of the SQL each ran, never in sqlx's `_sqlx_migrations`. A version
+    /// recorded with another checksum is refused with
+    /// [`MigrateError::VersionMismatch`](sqlx::migrate::MigrateError::VersionMismatch) before
+    /// anything runs.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
-        let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "CREATE TABLE IF NOT EXISTS {} (\
-                 version INTEGER PRIMARY KEY, \
-                 description TEXT NOT NULL, \
-                 applied_at INTEGER NOT NULL)",
-            self.table.versions
-        )))
-        .execute(&mut *tx)
-        .await?;
-        let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT version FROM {}",
-            self.table.versions
-        )))
-        .fetch_all(&mut *tx)
-        .await?;
-        for (version, description, ddl) in MIGRATIONS {
-            if applied.contains(version) {
-                continue;
-            }
-            let ddl = ddl
-                .replace("{table}", &self.table.quoted)
-                .replace("{name}", &self.table.name);
-            sqlx::raw_sql(AssertSqlSafe(ddl)).execute(&mut *tx).await?;
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {} (version, description, applied_at) VALUES (?1, ?2, ?3)",
-                self.table.versions
-            )))
-            .bind(version)
-            .bind(description)
-            .bind(self.now())
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await
+        sql::migrate::<Lite>(&self.writer, &self.table, MIGRATIONS).await
+    }
+
+    /// The DDL [`migrate`](Self::migrate) applies, rendered for `table`, for users who ship
+    /// schema changes with their own migration tool: each step's SQL, in order, or a sqlx
+    /// `Migrator` of them. Use either this or `migrate()` for a table, never both (see
+    /// [`Migrations`]).
+    ///
+    /// ```
+    /// use idempotent_runtime::store::sqlite::SqliteStore;
+    ///
+    /// let migrations = SqliteStore::migrations("idempotency_records")?;
+    /// assert_eq!(migrations.iter().map(|m| m.version).collect::<Vec<_>>(), [1, 2]);
+    /// # Ok::<(), idempotent_runtime::store::InvalidName>(())
+    /// ```
+    pub fn migrations(table: &str) -> Result<Migrations, InvalidName> {
+        Ok(TableName::new(STORE_NAMES, None, table)?.migrations(MIGRATIONS))
     }
 
     /// Statements sent to the database so far.
@@ -665,17 +622,4 @@ fn record_info(row: &SqliteRow, now: i64) -> Result<RecordInfo, StoreError> {
         body: row.try_get(9).map_err(unavailable)?,
     }
     .into_info()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn table_names_are_validated_and_quoted() {
-        assert_eq!(TableName::new("records").unwrap().quoted, "\"records\"");
-        for bad in ["", "1abc", "a\"b", "a b", "x;drop", &"a".repeat(49)] {
-            assert!(TableName::new(bad).is_err(), "{bad:?} accepted");
-        }
-    }
 }
