@@ -88,6 +88,9 @@ pub mod handle;
 pub mod inbox;
 pub mod key;
 pub mod observe;
+#[cfg(feature = "utoipa")]
+#[cfg_attr(docsrs, doc(cfg(feature = "utoipa")))]
+pub mod openapi;
 pub mod pipeline;
 pub mod problem;
 pub mod record;
