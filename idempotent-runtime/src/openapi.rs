@@ -84,7 +84,7 @@ use utoipa::openapi::schema::{
 };
 use utoipa::openapi::{Components, OpenApi, Ref, RefOr, Required};
 
-use crate::config::{Config, EndpointConfig, Effective, MissingKeyStatus, ReuseStatus};
+use crate::config::{Config, Effective, EndpointConfig, MissingKeyStatus, ReuseStatus};
 use crate::pipeline::REPLAYED_HEADER;
 use crate::problem::{self, Problem, ProblemCode};
 
@@ -328,7 +328,9 @@ impl IdempotentOperation {
                     .schema_type(Type::String)
                     .min_length(Some(1)),
             ))
-            .example(Some(serde_json::json!("8e03978e-40d5-43e8-bc93-6894a57f9324")))
+            .example(Some(serde_json::json!(
+                "8e03978e-40d5-43e8-bc93-6894a57f9324"
+            )))
             .build()
     }
 
@@ -339,7 +341,10 @@ impl IdempotentOperation {
         let mut add = |status: u16, code| by_status.entry(status).or_default().push(code);
         add(400, ProblemCode::KeyInvalid);
         if effective.require_key {
-            add(self.config.missing_key_status().code(), ProblemCode::KeyRequired);
+            add(
+                self.config.missing_key_status().code(),
+                ProblemCode::KeyRequired,
+            );
         }
         add(400, ProblemCode::BodyInvalid);
         add(413, ProblemCode::PayloadTooLarge);
@@ -363,10 +368,13 @@ impl IdempotentOperation {
         for &code in codes {
             description.push_str(&format!(
                 "\n- `{code}`: {}",
-                example_body(status, code)["title"].as_str().unwrap_or_default()
+                example_body(status, code)["title"]
+                    .as_str()
+                    .unwrap_or_default()
             ));
         }
-        let mut response = ResponseBuilder::new().content(problem::CONTENT_TYPE, self.problem_content(status, codes));
+        let mut response = ResponseBuilder::new()
+            .content(problem::CONTENT_TYPE, self.problem_content(status, codes));
         if codes.iter().copied().any(retried_after) {
             description.push_str("\n\nRetry after the `Retry-After` seconds.");
             response = response.header("Retry-After", retry_after_header());
@@ -446,9 +454,13 @@ impl IdempotentOperation {
         let effective = self.effective();
         let name = display_header_name(REPLAYED_HEADER);
         for (status, response) in &mut operation.responses.responses {
-            let RefOr::T(response) = response else { continue };
+            let RefOr::T(response) = response else {
+                continue;
+            };
             let replayable = match status.parse::<u16>() {
-                Ok(status) => effective.recording.is_recordable_status(&self.config, status),
+                Ok(status) => effective
+                    .recording
+                    .is_recordable_status(&self.config, status),
                 Err(_) => matches!(status.as_str(), "2XX" | "3XX" | "4XX"),
             };
             if replayable && !has_header(response, &name) && !only_refusals(response) {
@@ -615,7 +627,9 @@ fn merge_refusal(theirs: &mut Response, ours: Response) {
         return;
     };
     let Some(existing) = theirs.content.get_mut(problem::CONTENT_TYPE) else {
-        theirs.content.insert(problem::CONTENT_TYPE.to_owned(), ours);
+        theirs
+            .content
+            .insert(problem::CONTENT_TYPE.to_owned(), ours);
         return;
     };
     match existing.schema.take() {
@@ -655,7 +669,10 @@ fn only_refusals(response: &Response) -> bool {
 }
 
 fn has_header(response: &Response, name: &str) -> bool {
-    response.headers.keys().any(|h| h.eq_ignore_ascii_case(name))
+    response
+        .headers
+        .keys()
+        .any(|h| h.eq_ignore_ascii_case(name))
 }
 
 /// The codes whose refusal carries `Retry-After`.
