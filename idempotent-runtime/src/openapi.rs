@@ -48,20 +48,35 @@
 //! assert!(post["responses"]["201"]["headers"]["Idempotency-Replayed"].is_object());
 //! ```
 //!
-//! With utoipa's derive, name it among the document's modifiers:
+//! With utoipa's derive, name it among the document's modifiers (`#[utoipa::path]` may go above
+//! or below `#[idempotent]`):
 //!
-//! ```ignore
-//! #[derive(utoipa::OpenApi)]
-//! #[openapi(paths(create_order), modifiers(&Idempotent))]
-//! struct ApiDoc;
+//! ```
+//! use idempotent_runtime::Config;
+//! use idempotent_runtime::openapi::{IdempotentOperation, IdempotentPaths, ProblemDetails};
+//! use utoipa::OpenApi;
+//! use utoipa::openapi::path::HttpMethod;
+//!
+//! #[utoipa::path(post, path = "/orders", responses((status = 201, description = "Order created")))]
+//! async fn create_order() { /* an `#[idempotent(require_key)]` handler */ }
 //!
 //! struct Idempotent;
+//!
 //! impl utoipa::Modify for Idempotent {
 //!     fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
-//!         let operation = IdempotentOperation::from_config(&config()).require_key(true);
-//!         IdempotentPaths::new(operation).modify(doc);
+//!         let config = Config::default(); // the service's own
+//!         IdempotentPaths::new(IdempotentOperation::from_config(&config).require_key(true))
+//!             .only("/orders", HttpMethod::Post)
+//!             .modify(doc);
 //!     }
 //! }
+//!
+//! #[derive(OpenApi)]
+//! #[openapi(paths(create_order), components(schemas(ProblemDetails)), modifiers(&Idempotent))]
+//! struct ApiDoc;
+//!
+//! let doc = serde_json::to_value(ApiDoc::openapi()).unwrap();
+//! assert_eq!(doc["paths"]["/orders"]["post"]["parameters"][0]["name"], "Idempotency-Key");
 //! ```
 //!
 //! A service that renders refusals in its own format
