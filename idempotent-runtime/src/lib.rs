@@ -63,6 +63,7 @@
 //! - [`scope`], [`fingerprint`], [`key`], [`problem`]: who the caller is, what "the same request"
 //!   means, the key's syntax, the refusals;
 //! - [`observe`]: counters, audit; [`pipeline`]: the request sequence both frameworks share.
+//! - [`openapi`]: the key header and the refusals in a utoipa 5 document (feature `utoipa`).
 //!
 //! The core modules know no web framework; the `axum` and `actix` features add the integrations.
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -88,6 +89,9 @@ pub mod handle;
 pub mod inbox;
 pub mod key;
 pub mod observe;
+#[cfg(feature = "utoipa")]
+#[cfg_attr(docsrs, doc(cfg(feature = "utoipa")))]
+pub mod openapi;
 pub mod pipeline;
 pub mod problem;
 pub mod record;

@@ -41,6 +41,44 @@ pub enum ProblemCode {
     StoreNotEnlistable,
 }
 
+/// [`ProblemCode::ALL`] from one list, with an exhaustive match over the same list: a variant
+/// added to the enum and not here fails to compile, so no table built from `ALL` (the OpenAPI
+/// schema's `code` enum among them) can miss a code.
+macro_rules! every_code {
+    ($($variant:ident),+ $(,)?) => {
+        impl ProblemCode {
+            /// Every stable code, in the order of [the contract](crate::design) §2.
+            ///
+            /// ```
+            /// use idempotent_runtime::problem::ProblemCode;
+            ///
+            /// assert!(ProblemCode::ALL.contains(&ProblemCode::InProgress));
+            /// ```
+            pub const ALL: &'static [ProblemCode] = &[$(ProblemCode::$variant),+];
+        }
+
+        const _: fn(ProblemCode) = |code| match code {
+            $(ProblemCode::$variant => {})+
+        };
+    };
+}
+
+every_code!(
+    InProgress,
+    KeyReused,
+    KeyRequired,
+    KeyInvalid,
+    PayloadTooLarge,
+    BodyTimeout,
+    BodyInvalid,
+    ScopeUnresolved,
+    StoreUnavailable,
+    StoreFull,
+    HandlerPanicked,
+    NotRecorded,
+    StoreNotEnlistable,
+);
+
 impl ProblemCode {
     /// The stable `code` member.
     pub fn as_str(self) -> &'static str {
