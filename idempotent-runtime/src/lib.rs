@@ -95,7 +95,7 @@ pub mod reservation;
 pub mod scope;
 pub mod store;
 
-pub use config::{Config, EndpointConfig};
+pub use config::{Config, EndpointConfig, Methods};
 pub use context::IdempotencyContext;
 pub use handle::Idempotency;
 pub use pipeline::REPLAYED_HEADER;

@@ -46,6 +46,7 @@ pub struct EnlistedIdempotent<
     const RETENTION_MS: u64 = 0,
     const MAX_BODY: u64 = 0,
     const MAX_RESPONSE: u64 = 0,
+    const METHODS: u8 = 0,
 > {
     value: T,
     context: Option<IdempotencyContext>,
@@ -58,11 +59,12 @@ struct Session {
     claimed: Claimed<Held>,
 }
 
-impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64>
-    EnlistedIdempotent<T, Src, R, L, RT, MB, MR>
+impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64, const MT: u8>
+    EnlistedIdempotent<T, Src, R, L, RT, MB, MR, MT>
 {
     /// The endpoint settings these const parameters spell.
-    pub const ENDPOINT: EndpointConfig = super::Idempotent::<T, Src, R, L, RT, MB, MR>::ENDPOINT;
+    pub const ENDPOINT: EndpointConfig =
+        super::Idempotent::<T, Src, R, L, RT, MB, MR, MT>::ENDPOINT;
 
     /// Runs the handler in its own task (a client that disconnects never cancels it) with the
     /// transaction, which it hands back with its response; then commits or rolls back.
@@ -88,8 +90,18 @@ impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR
     }
 }
 
-impl<S, M, T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64>
-    FromRequest<S, Via<M>> for EnlistedIdempotent<T, Src, R, L, RT, MB, MR>
+impl<
+    S,
+    M,
+    T,
+    Src,
+    const R: bool,
+    const L: u64,
+    const RT: u64,
+    const MB: u64,
+    const MR: u64,
+    const MT: u8,
+> FromRequest<S, Via<M>> for EnlistedIdempotent<T, Src, R, L, RT, MB, MR, MT>
 where
     T: FromRequest<S, M> + Send,
     S: Send + Sync,
