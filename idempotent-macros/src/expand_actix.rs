@@ -140,6 +140,10 @@ fn endpoint(args: &Args, private: &TokenStream) -> TokenStream {
     };
     let (lease, retention) = (millis(args.lease_ms), millis(args.retention_ms));
     let (max_body, max_response) = (bytes(args.max_body), bytes(args.max_response));
+    let methods = some(args.methods.map(|bits| {
+        let bits = Literal::u8_unsuffixed(bits);
+        quote!(#private::Methods::from_bits(#bits))
+    }));
     quote! {
         #private::Endpoint {
             require_key: #require_key,
@@ -147,6 +151,7 @@ fn endpoint(args: &Args, private: &TokenStream) -> TokenStream {
             retention: #retention,
             max_body: #max_body,
             max_response: #max_response,
+            methods: #methods,
             ..#private::Endpoint::OPTIONAL
         }
     }

@@ -653,3 +653,63 @@ async fn the_attribute_passes_get_head_and_options_through() {
     );
     assert_eq!(runs.get(), 7);
 }
+
+#[idempotent(crate = crate)]
+async fn by_default(runs: web::Data<Runs>, body: String) -> HttpResponse {
+    let n = runs.next();
+    HttpResponse::Ok().body(format!("run {n} {body}"))
+}
+
+#[idempotent(crate = crate, methods = ["PUT"])]
+async fn put_only(runs: web::Data<Runs>, body: String) -> HttpResponse {
+    let n = runs.next();
+    HttpResponse::Ok().body(format!("run {n} {body}"))
+}
+
+/// The attribute applies to POST and PATCH by default, like the middleware: a PUT with a key
+/// runs every time. With `methods = ["PUT"]` the PUT is claimed and replayed, and POST passes.
+#[actix_web::test]
+async fn the_attribute_applies_to_its_methods_post_and_patch_by_default() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(Idempotency::memory()))
+            .app_data(runs.clone())
+            .route("/default", web::route().to(by_default))
+            .route("/put-only", web::route().to(put_only)),
+    )
+    .await;
+    let mut seen = Vec::new();
+    for (method, path, key) in [
+        (Method::PUT, "/default", "k1"),
+        (Method::PUT, "/default", "k1"),
+        (Method::PATCH, "/default", "k2"),
+        (Method::PATCH, "/default", "k2"),
+        (Method::PUT, "/put-only", "k3"),
+        (Method::PUT, "/put-only", "k3"),
+        (Method::POST, "/put-only", "k4"),
+        (Method::POST, "/put-only", "k4"),
+    ] {
+        let req = post(path, Some(key)).method(method).set_payload("b");
+        let (status, replayed, text) =
+            parts(test::call_service(&app, req.to_request()).await).await;
+        assert_eq!(status, 200, "{path}: {text:?}");
+        seen.push((String::from_utf8_lossy(&text).into_owned(), replayed));
+    }
+    let expect = |n: usize, replayed: bool| (format!("run {n} b"), replayed);
+    assert_eq!(
+        seen,
+        [
+            expect(1, false),
+            expect(2, false),
+            expect(3, false),
+            expect(3, true),
+            expect(4, false),
+            expect(4, true),
+            expect(5, false),
+            expect(6, false),
+        ],
+        "default PUT runs twice, PATCH replays; methods = [\"PUT\"]: PUT replays, POST runs twice"
+    );
+    assert_eq!(runs.get(), 6);
+}

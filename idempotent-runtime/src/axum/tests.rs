@@ -794,3 +794,73 @@ async fn the_attribute_passes_get_head_and_options_through() {
     assert_eq!(code(&body), "IDEMPOTENCY_KEY_REQUIRED");
     assert_eq!(runs.load(Ordering::SeqCst), 7);
 }
+
+#[idempotent(crate = crate)]
+async fn by_default(State(app): State<App>, body: String) -> String {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    format!("run {n} {body}")
+}
+
+#[idempotent(crate = crate, methods = ["PUT"])]
+async fn put_only(State(app): State<App>, body: String) -> String {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    format!("run {n} {body}")
+}
+
+/// The attribute applies to POST and PATCH by default, like the layer: a PUT with a key runs
+/// every time. With `methods = ["PUT"]` the PUT is claimed and replayed, and POST passes.
+#[tokio::test]
+async fn the_attribute_applies_to_its_methods_post_and_patch_by_default() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = Router::new()
+        .route(
+            "/default",
+            post(by_default).put(by_default).patch(by_default),
+        )
+        .route("/put-only", post(put_only).put(put_only))
+        .with_state(App {
+            store: Idempotency::memory(),
+            runs: Arc::clone(&runs),
+        })
+        .layer(peer());
+    let keyed = |method: &str, path: &str, key: &str| {
+        Request::builder()
+            .method(method)
+            .uri(path)
+            .header("idempotency-key", key)
+            .body(Body::from("b"))
+            .unwrap()
+    };
+    let mut seen = Vec::new();
+    for (method, path, key) in [
+        ("PUT", "/default", "k1"),
+        ("PUT", "/default", "k1"),
+        ("PATCH", "/default", "k2"),
+        ("PATCH", "/default", "k2"),
+        ("PUT", "/put-only", "k3"),
+        ("PUT", "/put-only", "k3"),
+        ("POST", "/put-only", "k4"),
+        ("POST", "/put-only", "k4"),
+    ] {
+        let (status, headers, text) = call(&router, keyed(method, path, key)).await;
+        assert_eq!(status, StatusCode::OK, "{method} {path}: {text}");
+        let replayed = headers.contains_key("idempotency-replayed");
+        seen.push((text, replayed));
+    }
+    let expect = |n: usize, replayed: bool| (format!("run {n} b"), replayed);
+    assert_eq!(
+        seen,
+        [
+            expect(1, false),
+            expect(2, false),
+            expect(3, false),
+            expect(3, true),
+            expect(4, false),
+            expect(4, true),
+            expect(5, false),
+            expect(6, false),
+        ],
+        "default PUT runs twice, PATCH replays; methods = [\"PUT\"]: PUT replays, POST runs twice"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 6);
+}
