@@ -68,7 +68,7 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
     let Names { tx, context } = Names::new();
     let inner = handler.inner_name();
     let unwrap_context = handler.unwrap_context(&private);
-    let respond = handler.at_output(&private, "respond");
+    let respond = handler.at_output(&quote!(#private::HandlerResponse), "respond");
     let returned = Ident::new("__idempotent_returned", handler.output_span());
     let (handle, tx_param, answer) = if handler.enlisted {
         (
