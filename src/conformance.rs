@@ -53,6 +53,9 @@ pub struct Options {
     pub credential_headers: Vec<String>,
     /// `--local-cache`: completed records kept in this process in front of a shared store.
     pub local_cache: bool,
+    /// `--strict` / `--no-strict`: refuse a detected setup mistake with 500
+    /// `IDEMPOTENCY_MISCONFIGURED` (default: the build's, strict in debug builds).
+    pub strict: bool,
 }
 
 impl Default for Options {
@@ -73,6 +76,7 @@ impl Default for Options {
             key_header: "Idempotency-Key".into(),
             credential_headers: Vec::new(),
             local_cache: false,
+            strict: cfg!(debug_assertions),
         }
     }
 }
@@ -81,7 +85,7 @@ const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite|re
 --lease SECS --retention SECS --max-body BYTES --max-response BYTES --body-timeout SECS \
 --reuse-status 422|409 \
 --missing-status 400|428 --trusted-proxy CIDR (repeatable) --key-header NAME \
---credential-header NAME (repeatable) --local-cache";
+--credential-header NAME (repeatable) --local-cache --strict --no-strict";
 
 impl Options {
     /// Parses `std::env::args()`.
@@ -99,6 +103,10 @@ impl Options {
             }
             if flag == "--local-cache" {
                 o.local_cache = true;
+                continue;
+            }
+            if flag == "--strict" || flag == "--no-strict" {
+                o.strict = flag == "--strict";
                 continue;
             }
             let value = args
@@ -170,6 +178,7 @@ impl Options {
                 std::iter::once("authorization")
                     .chain(self.credential_headers.iter().map(String::as_str)),
             )
+            .strict(self.strict)
             .build()
     }
 
@@ -536,6 +545,13 @@ mod tests {
         assert_eq!(o.missing_status, MissingKeyStatus::PreconditionRequired);
         assert!(o.local_cache);
         assert!(!Options::parse([]).unwrap().local_cache);
+        assert_eq!(Options::parse([]).unwrap().strict, cfg!(debug_assertions));
+        let strict = |flags: &[&str]| {
+            let o = Options::parse(flags.iter().map(|f| f.to_string())).unwrap();
+            (o.strict, o.config().strict())
+        };
+        assert_eq!(strict(&["--strict"]), (true, true));
+        assert_eq!(strict(&["--strict", "--no-strict"]), (false, false));
         let redis = Options::parse(
             "--store redis --database-url redis://127.0.0.1:6379/3 --redis-prefix t1"
                 .split(' ')
