@@ -374,23 +374,6 @@ impl Idempotency {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn building_the_handle_names_its_store_and_the_memory_store_says_it_protects_one_process() {
-        let (logs, _guard) = crate::testlog::Logs::capture();
-        let _memory = Idempotency::builder(MemoryStore::default())
-            .sweeper(false)
-            .build();
-        let text = logs.text();
-        let line = text.lines().find(|l| l.contains("INFO")).unwrap_or_default();
-        assert!(line.contains("store=\"memory\""), "{text}");
-        assert!(line.contains("protects this process only"), "{text}");
-    }
-}
-
 /// The identity of an in-memory store, which protects only the handles that share it.
 fn memory_id(store: &Arc<dyn Store>) -> Option<usize> {
     let any: &dyn std::any::Any = &**store;
@@ -403,5 +386,25 @@ fn on_route(info: &RecordInfo, route: Option<&str>) -> bool {
     match (route, info.route.as_deref()) {
         (Some(wanted), Some(actual)) => wanted == actual,
         _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn building_the_handle_names_its_store_and_the_memory_store_says_it_protects_one_process() {
+        let (logs, _guard) = crate::testlog::Logs::capture();
+        let _memory = Idempotency::builder(MemoryStore::default())
+            .sweeper(false)
+            .build();
+        let text = logs.text();
+        let line = text
+            .lines()
+            .find(|l| l.contains("INFO"))
+            .unwrap_or_default();
+        assert!(line.contains("store=\"memory\""), "{text}");
+        assert!(line.contains("protects this process only"), "{text}");
     }
 }

@@ -31,10 +31,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Which memory store serves which route of which server in this process: `(server, route)` →
-/// store id.
-fn memory_routes() -> &'static Mutex<HashMap<(Option<usize>, Box<str>), usize>> {
-    static ROUTES: OnceLock<Mutex<HashMap<(Option<usize>, Box<str>), usize>>> = OnceLock::new();
+/// A route of a server ([`server`]): `None` where the runtime cannot tell the server.
+type ServedRoute = (Option<usize>, Box<str>);
+
+/// Which memory store serves which route of which server in this process: store ids.
+fn memory_routes() -> &'static Mutex<HashMap<ServedRoute, usize>> {
+    static ROUTES: OnceLock<Mutex<HashMap<ServedRoute, usize>>> = OnceLock::new();
     ROUTES.get_or_init(Default::default)
 }
 
@@ -73,7 +75,7 @@ pub(crate) struct Watch {
     /// Asked on every keyed request: hashbrown's default hasher, not std's SipHash, which
     /// cost more than the lookup. The value: another memory store serves this route of this
     /// server.
-    routes: Mutex<hashbrown::HashMap<(Option<usize>, Box<str>), bool>>,
+    routes: Mutex<hashbrown::HashMap<ServedRoute, bool>>,
     forwarded: Mutex<HashMap<IpAddr, HashSet<u64>>>,
     split_said: AtomicBool,
     proxy_said: AtomicBool,
@@ -89,8 +91,8 @@ impl std::hash::Hash for At<'_> {
     }
 }
 
-impl hashbrown::Equivalent<(Option<usize>, Box<str>)> for At<'_> {
-    fn equivalent(&self, key: &(Option<usize>, Box<str>)) -> bool {
+impl hashbrown::Equivalent<ServedRoute> for At<'_> {
+    fn equivalent(&self, key: &ServedRoute) -> bool {
         self.0 == key.0 && self.1 == &*key.1
     }
 }
