@@ -23,8 +23,8 @@ use crate::pipeline::{self, Detached, Handled, LayerWatch, Served};
 ///
 /// Add it with `Router::layer` or `Router::route_layer` (it reads the matched route, which only
 /// exists inside the router). Put around a finished `Router` it could protect nothing: it says
-/// so when it is applied, and in [strict mode](crate::Config::strict) refuses every request it
-/// would apply to with 500 `IDEMPOTENCY_MISCONFIGURED`.
+/// so on the first request it would apply to, and in [strict mode](crate::Config::strict)
+/// refuses each of them with 500 `IDEMPOTENCY_MISCONFIGURED`.
 ///
 /// ```
 /// use axum::{Router, routing::post};
@@ -110,7 +110,7 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let wraps_router = self.shared.watch.wraps(std::any::type_name::<S>());
+        let wraps_router = LayerWatch::wraps_router(std::any::type_name::<S>());
         IdempotencyService {
             inner,
             shared: Arc::clone(&self.shared),
@@ -153,11 +153,13 @@ where
             let method = request.method().as_str();
             let by_method = shared.endpoint.applies_to(Some(handle.config()), method);
             let matched = request.extensions().get::<MatchedPath>().is_some();
-            if by_method {
-                shared.watch.saw(matched, request.uri().path());
-                if wraps_router && !matched && handle.config().strict() {
+            if by_method && wraps_router && !matched {
+                shared.watch.outside_router(request.uri().path());
+                if handle.config().strict() {
                     return Ok(pipeline::refuse(handle, &pipeline::misconfigured()));
                 }
+            } else if by_method {
+                shared.watch.saw(matched, request.uri().path());
             }
             let applies = by_method && matched && request.extensions().get::<Handled>().is_none();
             if !applies {

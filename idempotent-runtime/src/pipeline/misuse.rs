@@ -208,22 +208,27 @@ const OUTSIDE_FIX: &str = "add it with Router::layer or Router::route_layer (ins
                            router), not around the finished Router";
 
 impl LayerWatch {
-    /// The layer was put around `inner`: where that is a finished router (axum's `Router`, or a
-    /// service stack around one), the layer can never see a matched route, and says so now,
-    /// at startup. `true` when it is.
-    pub(crate) fn wraps(&self, inner: &str) -> bool {
+    /// Whether the service a layer was put around is a finished router (axum's `Router`, or a
+    /// service stack around one): a request without a matched route then certainly shows the
+    /// layer misplaced, as that router sets the matched route only for its own handlers. (Put
+    /// behind another router's route, with `route_service`, its requests arrive matched.)
+    pub(crate) fn wraps_router(inner: &str) -> bool {
         // The type's name is the only sign the layer gets; a name that ever stopped matching
-        // leaves the request count below to speak.
-        let router = inner.contains("axum::routing::Router");
-        if router && once(&self.said) {
-            observe::count(Event::Misconfigured, "");
+        // leaves the request count of `saw` to speak.
+        inner.contains("axum::routing::Router")
+    }
+
+    /// An applicable request without a matched route reached a layer around a finished
+    /// router: said once, on the first.
+    pub(crate) fn outside_router(&self, path: &str) {
+        if once(&self.said) {
+            observe::count(Event::Misconfigured, path);
             tracing::error!(
-                inner,
+                path,
                 "the idempotency layer was put around a finished Router, so it never sees a \
                  matched route and protects nothing: {OUTSIDE_FIX}"
             );
         }
-        router
     }
 
     /// Notes one request the layer would apply to by its method.
