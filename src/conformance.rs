@@ -55,6 +55,9 @@ pub struct Options {
     pub local_cache: bool,
     /// What an answer over `--max-response` leaves behind (`--oversized run_again|record_without_body`).
     pub oversized: Oversized,
+    /// `--strict` / `--no-strict`: refuse a detected setup mistake with 500
+    /// `IDEMPOTENCY_MISCONFIGURED` (default: the build's, strict in debug builds).
+    pub strict: bool,
 }
 
 impl Default for Options {
@@ -76,6 +79,7 @@ impl Default for Options {
             credential_headers: Vec::new(),
             local_cache: false,
             oversized: Oversized::RunAgain,
+            strict: cfg!(debug_assertions),
         }
     }
 }
@@ -84,7 +88,7 @@ const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite|re
 --lease SECS --retention SECS --max-body BYTES --max-response BYTES --body-timeout SECS \
 --reuse-status 422|409 \
 --missing-status 400|428 --trusted-proxy CIDR (repeatable) --key-header NAME \
---credential-header NAME (repeatable) --local-cache --oversized run_again|record_without_body";
+--credential-header NAME (repeatable) --local-cache --oversized run_again|record_without_body --strict --no-strict";
 
 impl Options {
     /// Parses `std::env::args()`.
@@ -102,6 +106,10 @@ impl Options {
             }
             if flag == "--local-cache" {
                 o.local_cache = true;
+                continue;
+            }
+            if flag == "--strict" || flag == "--no-strict" {
+                o.strict = flag == "--strict";
                 continue;
             }
             let value = args
@@ -181,6 +189,7 @@ impl Options {
                 std::iter::once("authorization")
                     .chain(self.credential_headers.iter().map(String::as_str)),
             )
+            .strict(self.strict)
             .build()
     }
 
@@ -552,6 +561,13 @@ mod tests {
         let bodiless = bodiless.unwrap().config();
         assert_eq!(bodiless.oversized(), Oversized::RecordWithoutBody);
         assert!(Options::parse(["--oversized".into(), "truncate".into()]).is_err());
+        assert_eq!(Options::parse([]).unwrap().strict, cfg!(debug_assertions));
+        let strict = |flags: &[&str]| {
+            let o = Options::parse(flags.iter().map(|f| f.to_string())).unwrap();
+            (o.strict, o.config().strict())
+        };
+        assert_eq!(strict(&["--strict"]), (true, true));
+        assert_eq!(strict(&["--strict", "--no-strict"]), (false, false));
         let redis = Options::parse(
             "--store redis --database-url redis://127.0.0.1:6379/3 --redis-prefix t1"
                 .split(' ')

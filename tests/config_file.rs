@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use idempotent_runtime::Config;
-use idempotent_runtime::config::{FailureMode, MissingKeyStatus, Oversized, ReuseStatus};
+use idempotent_runtime::config::{FailureMode, Methods, MissingKeyStatus, Oversized, ReuseStatus};
 use idempotent_runtime::scope::Anonymous;
 
 #[derive(serde::Deserialize)]
@@ -35,6 +35,8 @@ fn loads_every_setting_from_a_toml_section_in_human_units() {
         anonymous = "refuse"
         trusted_proxies = ["10.0.0.0/8", "fd00::/8"]
         shutdown_grace = "1m"
+        methods = ["POST", "PUT"]
+        strict = false
     "#;
     let service: ServiceConfig = toml::from_str(file).expect("a valid file");
     let c = service.idempotency;
@@ -56,6 +58,19 @@ fn loads_every_setting_from_a_toml_section_in_human_units() {
     assert_eq!(c.anonymous(), Anonymous::Refuse);
     assert_eq!(c.trusted_proxies().len(), 2);
     assert_eq!(c.shutdown_grace(), Duration::from_secs(60));
+    assert_eq!(c.methods(), Methods::POST.with(Methods::PUT));
+    assert!(!c.strict());
+}
+
+#[test]
+fn methods_name_only_unsafe_methods_and_strict_defaults_to_the_build() {
+    let err = toml::from_str::<Config>(r#"methods = ["POST", "GET"]"#).unwrap_err();
+    assert!(err.to_string().contains("safe methods"), "{err}");
+    let c: Config = toml::from_str("").unwrap();
+    assert_eq!(c.methods(), Methods::POST.with(Methods::PATCH));
+    assert_eq!(c.strict(), cfg!(debug_assertions));
+    let on: Config = toml::from_str("strict = true").unwrap();
+    assert!(on.strict());
 }
 
 #[test]

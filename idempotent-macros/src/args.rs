@@ -1,6 +1,7 @@
 //! The attribute's arguments: `require_key`, `lease = "30s"`, `retention = "24h"`,
 //! `max_body = "64KiB"`, `max_response = "1MiB"`, `oversized = "run_again"|"record_without_body"`,
-//! `crate = path`, `framework = axum|actix` and `enlisted`. Values are checked here, at compile time, with errors on the offending token.
+//! `methods = ["POST", "PUT"]`, `crate = path`, `framework = axum|actix` and `enlisted`. Values are
+//! checked here, at compile time, with errors on the offending token.
 
 use proc_macro2::Span;
 use syn::ext::IdentExt as _;
@@ -14,6 +15,7 @@ mod kw {
     syn::custom_keyword!(max_body);
     syn::custom_keyword!(max_response);
     syn::custom_keyword!(oversized);
+    syn::custom_keyword!(methods);
     syn::custom_keyword!(framework);
     syn::custom_keyword!(enlisted);
     syn::custom_keyword!(axum);
@@ -60,6 +62,9 @@ pub(crate) struct Args {
     pub max_response: Option<u64>,
     /// `oversized = "run_again" | "record_without_body"`.
     pub oversized: Option<Oversized>,
+    /// `methods = ["POST", …]`, as the runtime's `Methods` bits (POST 1, PUT 2, PATCH 4,
+    /// DELETE 8).
+    pub methods: Option<u8>,
     /// `crate = path`: where the runtime is, for renamed dependencies.
     pub krate: Option<Path>,
     /// `framework = axum|actix`, with the span of the value.
@@ -149,6 +154,10 @@ impl Parse for Args {
                         ));
                     }
                 });
+            } else if lookahead.peek(kw::methods) {
+                input.parse::<kw::methods>()?;
+                once("methods")?;
+                args.methods = Some(methods_value(input)?);
             } else if lookahead.peek(Token![crate]) {
                 input.parse::<Token![crate]>()?;
                 once("crate")?;
@@ -188,7 +197,8 @@ impl Parse for Args {
                         "unknown argument `{ident}` in #[idempotent]; expected one of: require_key, \
                          lease = \"30s\", retention = \"24h\", max_body = \"64KiB\", \
                          max_response = \"1MiB\", oversized = \"record_without_body\", \
-                         crate = path, framework = axum|actix, enlisted"
+                         methods = [\"POST\", \"PUT\"], crate = path, framework = axum|actix, \
+                         enlisted"
                     ),
                 ));
             } else {
@@ -250,6 +260,69 @@ fn size_value(input: ParseStream<'_>, name: &str) -> syn::Result<u64> {
             format!("invalid `{name}` {:?}: {why}", lit.value()),
         )
     })
+}
+
+/// `["POST", "PUT"]` → the runtime's `Methods` bits; each name is checked at its token.
+fn methods_value(input: ParseStream<'_>) -> syn::Result<u8> {
+    input.parse::<Token![=]>()?;
+    if !input.peek(syn::token::Bracket) {
+        return Err(Error::new(
+            input.span(),
+            "`methods` takes a list of method names, e.g. `methods = [\"POST\", \"PUT\"]`",
+        ));
+    }
+    let list;
+    let brackets = syn::bracketed!(list in input);
+    let names = list.parse_terminated(|i| i.parse::<LitStr>(), Token![,])?;
+    if names.is_empty() {
+        return Err(Error::new(
+            brackets.span.join(),
+            "`methods` needs at least one method; leave it out for POST and PATCH",
+        ));
+    }
+    let mut bits = 0;
+    for name in &names {
+        let bit = method_bit(&name.value()).map_err(|why| Error::new(name.span(), why))?;
+        if bits & bit != 0 {
+            return Err(Error::new(
+                name.span(),
+                format!("{:?} is listed twice in `methods`; keep one", name.value()),
+            ));
+        }
+        bits |= bit;
+    }
+    Ok(bits)
+}
+
+/// One method name → its bit (the runtime's `Methods::parse`, which the macro cannot call).
+pub(crate) fn method_bit(name: &str) -> Result<u8, String> {
+    match name {
+        "POST" => Ok(1),
+        "PUT" => Ok(2),
+        "PATCH" => Ok(4),
+        "DELETE" => Ok(8),
+        "GET" | "HEAD" | "OPTIONS" | "TRACE" => Err(format!(
+            "`{name}` cannot be listed in `methods`: GET, HEAD, OPTIONS and TRACE are safe \
+             methods (repeating them changes nothing), so they always pass through untouched"
+        )),
+        "CONNECT" => Err(
+            "`CONNECT` cannot be listed in `methods`: it opens a tunnel, there is \
+                          no response to record and replay"
+                .to_owned(),
+        ),
+        other
+            if ["POST", "PUT", "PATCH", "DELETE"]
+                .contains(&other.to_ascii_uppercase().as_str()) =>
+        {
+            Err(format!(
+                "method names are upper case, as HTTP spells them: write {:?}",
+                other.to_ascii_uppercase()
+            ))
+        }
+        other => Err(format!(
+            "unknown method {other:?} in `methods`: expected POST, PUT, PATCH or DELETE"
+        )),
+    }
 }
 
 fn split_number(text: &str) -> Option<(u64, &str)> {
@@ -401,6 +474,27 @@ mod tests {
         assert_eq!(again.oversized, Some(Oversized::RunAgain));
         assert!(syn::parse_str::<Args>("oversized = \"truncate\"").is_err());
         assert!(syn::parse_str::<Args>("oversized = record_without_body").is_err());
+    }
+
+    #[test]
+    fn methods() {
+        let args: Args = syn::parse_str(r#"methods = ["POST", "PUT"]"#).unwrap();
+        assert_eq!(args.methods, Some(1 | 2));
+        let args: Args = syn::parse_str(r#"methods = ["DELETE",]"#).unwrap();
+        assert_eq!(args.methods, Some(8));
+        for (bad, why) in [
+            (r#"methods = ["GET"]"#, "safe methods"),
+            (r#"methods = ["POST", "HEAD"]"#, "safe methods"),
+            (r#"methods = ["CONNECT"]"#, "tunnel"),
+            (r#"methods = ["put"]"#, "upper case"),
+            (r#"methods = ["BREW"]"#, "unknown method"),
+            (r#"methods = []"#, "at least one"),
+            (r#"methods = ["PUT", "PUT"]"#, "twice"),
+            (r#"methods = "POST""#, "a list"),
+        ] {
+            let error = syn::parse_str::<Args>(bad).err().expect(bad).to_string();
+            assert!(error.contains(why), "{bad}: {error}");
+        }
     }
 
     #[test]

@@ -60,6 +60,49 @@ pub(crate) fn routed_for_safe_methods(routes: &[Route<'_>]) -> syn::Result<()> {
     ))
 }
 
+/// A handler routed (by an actix-web route attribute beside it) only for methods the attribute
+/// does not apply to, `#[put]` under the default POST and PATCH say: every request would pass
+/// through unprotected, so the fix (`methods = [...]`) is asked for here.
+pub(crate) fn routed_outside_methods(routes: &[Route<'_>], methods: Option<u8>) -> syn::Result<()> {
+    let applies = methods.unwrap_or(1 | 4);
+    let named: Vec<&str> = routes
+        .iter()
+        .flat_map(|r| r.methods.iter().map(String::as_str))
+        .collect();
+    let covered = |m: &&str| crate::args::method_bit(m).is_ok_and(|bit| applies & bit != 0);
+    let Some(route) = routes.iter().find(|r| !r.methods.is_empty()) else {
+        return Ok(());
+    };
+    if named.iter().any(covered) {
+        return Ok(());
+    }
+    let listed = named
+        .iter()
+        .map(|m| format!("{m:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let name = route
+        .attr
+        .path()
+        .to_token_stream()
+        .to_string()
+        .replace(" :: ", "::");
+    let default = if methods.is_none() {
+        " (by default POST and PATCH)"
+    } else {
+        ""
+    };
+    Err(Error::new_spanned(
+        route.attr,
+        format!(
+            "`#[{name}]` routes this handler for {}, which #[idempotent] does not apply to{default}: \
+             every request would pass through unprotected; add `methods = [{listed}]` to \
+             #[idempotent]",
+            named.join("/")
+        ),
+    ))
+}
+
 /// In axum only the last extractor may take the request body: one that takes it before the
 /// last is refused at its type, naming the fix, instead of axum's `Handler` error at
 /// `.route()`. actix-web's extractors all run on the buffered body, so only axum needs it.
@@ -326,8 +369,8 @@ pub(crate) fn body_probe(private: &TokenStream, framework: Framework, ty: &Type)
 /// `Handler` error at `.route()`.
 pub(crate) fn state_provides_store(private: &TokenStream, state: &Type) -> TokenStream {
     let (first, last) = first_last_span(state);
-    let path = quote_spanned!(first=> #private::assert_state_provides_store::<#state>);
-    quote_spanned!(last=> #path();)
+    let path = quote_spanned!(first=> <#state as #private::ProvidesIdempotency>);
+    quote_spanned!(last=> #path::provides_idempotency();)
 }
 
 fn first_last_span(ty: &Type) -> (Span, Span) {

@@ -68,7 +68,7 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
     let Names { tx, context } = Names::new();
     let inner = handler.inner_name();
     let unwrap_context = handler.unwrap_context(&private);
-    let respond = handler.at_output(&private, "respond");
+    let respond = handler.at_output(&quote!(#private::HandlerResponse), "respond");
     let returned = Ident::new("__idempotent_returned", handler.output_span());
     let (handle, tx_param, answer) = if handler.enlisted {
         (
@@ -144,6 +144,10 @@ fn endpoint(args: &Args, private: &TokenStream) -> TokenStream {
         let variant = o.variant();
         quote!(#private::Oversized::#variant)
     }));
+    let methods = some(args.methods.map(|bits| {
+        let bits = Literal::u8_unsuffixed(bits);
+        quote!(#private::Methods::from_bits(#bits))
+    }));
     quote! {
         #private::Endpoint {
             require_key: #require_key,
@@ -152,6 +156,7 @@ fn endpoint(args: &Args, private: &TokenStream) -> TokenStream {
             max_body: #max_body,
             max_response: #max_response,
             oversized: #oversized,
+            methods: #methods,
             ..#private::Endpoint::OPTIONAL
         }
     }

@@ -8,7 +8,7 @@
 //! ```text
 //! async fn create(
 //!     __idempotent_arg0: State<Db>,
-//!     __idempotent_last: rt::__private::axum::Idempotent<Json<New>, FromState, true, 0, 0, 0, 0>,
+//!     __idempotent_last: rt::__private::axum::Idempotent<Json<New>, FromState, true, 0, 0, 0, 0, 0>,
 //! ) -> rt::__private::axum::Response {
 //!     async fn create(State(db): State<Db>, Json(req): Json<New>) -> R { body }
 //!     __idempotent_last.run(move |v, ctx| async move { into_response(create(__idempotent_arg0, v).await) }).await
@@ -66,7 +66,8 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
             Some(Oversized::RunAgain) => 1,
             Some(Oversized::RecordWithoutBody) => 2,
         };
-        quote!(#require, #lease, #retention, #max_body, #max_response, #oversized)
+        let methods = proc_macro2::Literal::u8_unsuffixed(args.methods.unwrap_or(0));
+        quote!(#require, #lease, #retention, #max_body, #max_response, #oversized, #methods)
     };
     let wrapper = if handler.enlisted {
         quote!(#private::EnlistedIdempotent)

@@ -28,6 +28,7 @@ mod types;
 /// #[idempotent(require_key, oversized = "record_without_body")]
 ///                                                an answer over max_response is replayed as its
 ///                                                status and headers with an empty body
+/// #[idempotent(methods = ["POST", "PUT"])]       the methods it applies to (default POST, PATCH)
 /// #[idempotent(crate = my_runtime)]              for a renamed idempotent-runtime dependency
 /// #[idempotent(require_key, enlisted)]           PostgreSQL: the response commits with the
 ///                                                handler's writes (take `tx: &mut EnlistedTx`)
@@ -84,6 +85,7 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// #[idempotent(require_key, oversized = "record_without_body")]
 ///                                                an answer over max_response is replayed as its
 ///                                                status and headers with an empty body
+/// #[idempotent(methods = ["POST", "PUT"])]       the methods it applies to (default POST, PATCH)
 /// #[idempotent(crate = my_runtime)]              for a renamed idempotent-runtime dependency
 /// #[idempotent(require_key, enlisted)]           PostgreSQL: the response commits with the
 ///                                                handler's writes (take `tx: &mut EnlistedTx`)
@@ -100,10 +102,12 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// with `.route("/…", web::post().to(handler))`. `web::Payload` and `Multipart` parameters are
 /// compile errors: a streamed body cannot be fingerprinted.
 ///
-/// GET, HEAD, OPTIONS and TRACE requests pass through untouched (on axum too): they are
-/// idempotent by HTTP semantics. A handler routed for those only by a route attribute beside
-/// the attribute (`#[get]`, `#[head]`, `#[route(…, method = "GET")]`, above or below it) is a
-/// compile error; an attribute above is read back from the source file, so it is seen
+/// The attribute applies to POST and PATCH unless `methods = [...]` lists others (PUT, DELETE);
+/// every other request passes through untouched (on axum too), and GET, HEAD, OPTIONS and TRACE
+/// cannot be listed: they are idempotent by HTTP semantics. A handler routed for those only by
+/// a route attribute beside the attribute (`#[get]`, `#[head]`, `#[route(…, method = "GET")]`,
+/// above or below it) is a compile error, and so is one routed only for methods the attribute
+/// does not apply to (`#[put]` without `methods = ["PUT"]`); an attribute above is read back from the source file, so it is seen
 /// wherever the compiler can give that file's text (not inside other macros' output).
 /// Attributes the macro does not own stay on the handler, as for axum.
 #[proc_macro_attribute]

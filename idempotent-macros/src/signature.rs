@@ -114,7 +114,9 @@ impl<'a> Handler<'a> {
         let sig = &item.sig;
         checks::framework(args, framework)?;
         if framework == Framework::Actix {
-            checks::routed_for_safe_methods(&detect::actix_routes(beside, item))?;
+            let routes = detect::actix_routes(beside, item);
+            checks::routed_for_safe_methods(&routes)?;
+            checks::routed_outside_methods(&routes, args.methods)?;
         }
         checks::shape(sig)?;
         checks::streaming_response(&sig.output)?;

@@ -90,6 +90,100 @@ pub enum Oversized {
     RecordWithoutBody,
 }
 
+/// The request methods an endpoint applies to: a set of POST, PUT, PATCH and DELETE (default
+/// POST and PATCH, [the contract](crate::design) §1). GET, HEAD, OPTIONS and TRACE are safe by
+/// HTTP semantics and CONNECT opens a tunnel, so none of them can be listed: such a request
+/// always passes through untouched, keyed or not.
+///
+/// ```
+/// use idempotent_runtime::config::Methods;
+///
+/// let methods = Methods::DEFAULT.with(Methods::PUT);
+/// assert!(methods.contains("PUT") && methods.contains("POST") && methods.contains("PATCH"));
+/// assert!(!methods.contains("DELETE") && !methods.contains("GET"));
+/// assert_eq!(Methods::parse("PUT"), Ok(Methods::PUT));
+/// assert!(Methods::parse("GET").is_err());
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Methods(u8);
+
+impl Methods {
+    /// `POST`.
+    pub const POST: Self = Self(1);
+    /// `PUT`.
+    pub const PUT: Self = Self(2);
+    /// `PATCH`.
+    pub const PATCH: Self = Self(4);
+    /// `DELETE`.
+    pub const DELETE: Self = Self(8);
+    /// POST and PATCH, the default of the attribute and the layer alike.
+    pub const DEFAULT: Self = Self(1 | 4);
+    const NAMES: [(&'static str, Self); 4] = [
+        ("POST", Self::POST),
+        ("PUT", Self::PUT),
+        ("PATCH", Self::PATCH),
+        ("DELETE", Self::DELETE),
+    ];
+
+    /// Both sets.
+    pub const fn with(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+
+    /// The set these bits spell (`POST` 1, `PUT` 2, `PATCH` 4, `DELETE` 8), as the attribute
+    /// writes it; other bits are dropped.
+    pub const fn from_bits(bits: u8) -> Self {
+        Self(bits & 0b1111)
+    }
+
+    /// The bits of [`from_bits`](Self::from_bits).
+    pub const fn bits(self) -> u8 {
+        self.0
+    }
+
+    /// Whether a request with this method (as sent, upper case) is in the set.
+    pub fn contains(self, method: &str) -> bool {
+        Self::NAMES
+            .iter()
+            .any(|(name, m)| *name == method && self.0 & m.0 != 0)
+    }
+
+    /// One method by name (upper case, as HTTP spells it). The error says why a name cannot
+    /// be listed.
+    pub fn parse(name: &str) -> Result<Self, &'static str> {
+        if let Some((_, m)) = Self::NAMES.iter().find(|(n, _)| *n == name) {
+            return Ok(*m);
+        }
+        Err(match name {
+            "GET" | "HEAD" | "OPTIONS" | "TRACE" => {
+                "GET, HEAD, OPTIONS and TRACE are safe methods: repeating them changes nothing, \
+                 so they always pass through untouched"
+            }
+            "CONNECT" => "CONNECT opens a tunnel: there is no response to record and replay",
+            _ => "expected one of POST, PUT, PATCH, DELETE (upper case)",
+        })
+    }
+}
+
+impl Default for Methods {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+impl std::fmt::Debug for Methods {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names = Self::NAMES.iter().filter(|(_, m)| self.0 & m.0 != 0);
+        f.debug_set().entries(names.map(|(n, _)| n)).finish()
+    }
+}
+
+impl FromIterator<Methods> for Methods {
+    fn from_iter<I: IntoIterator<Item = Methods>>(iter: I) -> Self {
+        iter.into_iter().fold(Self(0), Self::with)
+    }
+}
+
 /// Runtime settings. Build with [`Config::builder`].
 ///
 /// ```
@@ -123,6 +217,8 @@ pub struct Config {
     pub(crate) shutdown_grace: Duration,
     pub(crate) key_header: String,
     pub(crate) credential_headers: Vec<String>,
+    pub(crate) methods: Methods,
+    pub(crate) strict: bool,
 }
 
 impl Default for Config {
@@ -154,6 +250,8 @@ impl Default for Config {
             shutdown_grace: Duration::from_secs(30),
             key_header: crate::key::HEADER_NAME.to_owned(),
             credential_headers: vec!["authorization".to_owned()],
+            methods: Methods::DEFAULT,
+            strict: cfg!(debug_assertions),
         }
     }
 }
@@ -239,6 +337,17 @@ impl Config {
     /// of them for which no identity was established is refused, never scoped by its peer.
     pub fn credential_headers(&self) -> &[String] {
         &self.credential_headers
+    }
+
+    /// The methods endpoints apply to where they do not say (default POST and PATCH).
+    pub fn methods(&self) -> Methods {
+        self.methods
+    }
+    /// Whether a setup mistake seen on a request is refused with 500
+    /// `IDEMPOTENCY_MISCONFIGURED` (strict) or only logged once and counted (default: strict in
+    /// debug builds, see [`ConfigBuilder::strict`]).
+    pub fn strict(&self) -> bool {
+        self.strict
     }
 
     /// Whether a response with this final status may be recorded and replayed.
@@ -371,6 +480,26 @@ impl ConfigBuilder {
             .collect();
         self
     }
+    /// The methods endpoints apply to where they do not say (default POST and PATCH; the
+    /// attribute's `methods = [...]` and [`EndpointConfig::methods`] override it).
+    pub fn methods(mut self, methods: Methods) -> Self {
+        self.0.methods = methods;
+        self
+    }
+    /// Refuse a setup mistake the runtime sees on a request (a router-level layer outside the
+    /// router, two in-memory stores serving one route, a `require_key` attribute under a layer
+    /// whose key is optional) with 500 `IDEMPOTENCY_MISCONFIGURED`, instead of logging it once
+    /// and carrying on unprotected.
+    ///
+    /// On by default in debug builds and off in release builds: each of these mistakes turns
+    /// protection off without failing a single request, so a log line is easy to miss while
+    /// developing, and a 500 on the first request that shows it is not; in production the
+    /// same mistake, deployed, is better logged, counted (`misconfigured`) and served than
+    /// turned into an outage. Set it either way to decide for yourself.
+    pub fn strict(mut self, on: bool) -> Self {
+        self.0.strict = on;
+        self
+    }
     /// The finished configuration.
     pub fn build(self) -> Config {
         self.0
@@ -420,6 +549,9 @@ pub struct EndpointConfig {
     pub failure_mode: Option<FailureMode>,
     /// What an answer over `max_response` leaves behind, overriding [`Config::oversized`].
     pub oversized: Option<Oversized>,
+    /// The methods this endpoint applies to, overriding [`Config::methods`] (POST and PATCH);
+    /// other methods pass through untouched.
+    pub methods: Option<Methods>,
 }
 
 impl EndpointConfig {
@@ -435,6 +567,7 @@ impl EndpointConfig {
         recorded_headers: None,
         failure_mode: None,
         oversized: None,
+        methods: None,
     };
     /// An endpoint that requires a key.
     pub const REQUIRED: Self = Self {
@@ -452,6 +585,7 @@ impl EndpointConfig {
             max_response: self.max_response.unwrap_or(config.max_response),
             reuse_status: self.reuse_status.unwrap_or(config.reuse_status),
             failure_mode: self.failure_mode.unwrap_or(config.failure_mode),
+            methods: self.methods.unwrap_or(config.methods),
             recording: Recording {
                 non_replayable: self.non_replayable,
                 recorded_headers: self.recorded_headers,
@@ -461,11 +595,14 @@ impl EndpointConfig {
     }
 }
 
-/// Whether `#[idempotent]` applies to a request with this method: not to GET, HEAD, OPTIONS or
-/// TRACE, which are idempotent by HTTP semantics (DESIGN.md §8). Such a request passes through
-/// untouched, keyed or not, even under `require_key`, on both frameworks alike.
-pub(crate) fn attribute_applies_to(method: &str) -> bool {
-    !matches!(method, "GET" | "HEAD" | "OPTIONS" | "TRACE")
+impl EndpointConfig {
+    /// Whether this endpoint applies to a request with `method`: one of its
+    /// [`methods`](Self::methods), else the configured ones. Any other request passes through
+    /// untouched, keyed or not, even under `require_key`, on both frameworks alike.
+    pub fn applies_to(&self, config: Option<&Config>, method: &str) -> bool {
+        let configured = config.map_or(Methods::DEFAULT, |c| c.methods);
+        self.methods.unwrap_or(configured).contains(method)
+    }
 }
 
 /// Which responses an endpoint records: its overrides of [`Config`]'s lists, `None` meaning
@@ -522,6 +659,8 @@ pub struct Effective {
     pub reuse_status: ReuseStatus,
     /// Fail closed or open.
     pub failure_mode: FailureMode,
+    /// The methods it applies to.
+    pub methods: Methods,
     /// Which responses are recorded.
     pub recording: Recording,
 }
@@ -606,7 +745,7 @@ mod file {
     use serde::Deserialize;
     use serde::de::{self, Deserializer};
 
-    use super::{Config, FailureMode, MissingKeyStatus, Oversized, ReuseStatus};
+    use super::{Config, FailureMode, Methods, MissingKeyStatus, Oversized, ReuseStatus};
     use crate::scope::Anonymous;
 
     /// A duration: `"30s"`, `"500ms"`, `"1.5m"`, `"24h"`, `"7d"`, or a number of seconds.
@@ -723,6 +862,8 @@ mod file {
         anonymous: Option<AnonymousPolicy>,
         trusted_proxies: Option<Vec<String>>,
         shutdown_grace: Option<Human<Duration>>,
+        methods: Option<Vec<String>>,
+        strict: Option<bool>,
     }
 
     /// Every field is optional and defaults as [`Config::default`]. Durations are strings with
@@ -730,7 +871,8 @@ mod file {
     /// (`KiB`, `MiB`, `GiB`, `kB`, `MB`, `GB`) or bytes as a number; `reuse_status` is 422 or
     /// 409, `missing_key_status` 400 or 428, `failure_mode` `"closed"` or `"open"`, `oversized`
     /// `"run_again"` or `"record_without_body"`, `anonymous` `"peer_ip"` or `"refuse"`,
-    /// `trusted_proxies` CIDR strings. Unknown fields are refused, so a misspelt setting never
+    /// `trusted_proxies` CIDR strings, `methods` a list of `"POST"`, `"PUT"`, `"PATCH"`,
+    /// `"DELETE"`, `strict` a boolean. Unknown fields are refused, so a misspelt setting never
     /// silently keeps its default.
     ///
     /// ```
@@ -825,6 +967,19 @@ mod file {
                     .collect::<Result<Vec<_>, _>>()?;
                 b = b.trusted_proxies(nets);
             }
+            if let Some(names) = f.methods {
+                let methods = names
+                    .iter()
+                    .map(|n| {
+                        Methods::parse(n)
+                            .map_err(|why| de::Error::custom(format!("methods: {n:?}: {why}")))
+                    })
+                    .collect::<Result<Methods, _>>()?;
+                b = b.methods(methods);
+            }
+            if let Some(on) = f.strict {
+                b = b.strict(on);
+            }
             Ok(b.build())
         }
     }
@@ -863,6 +1018,9 @@ mod file {
                 r#"{"failure_mode": "maybe"}"#,
                 r#"{"oversized": "truncate"}"#,
                 r#"{"trusted_proxies": ["10.0.0.0/99"]}"#,
+                r#"{"methods": ["GET"]}"#,
+                r#"{"methods": ["post"]}"#,
+                r#"{"strict": "yes"}"#,
             ] {
                 assert!(
                     serde_json::from_str::<Config>(bad).is_err(),

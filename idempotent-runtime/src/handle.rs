@@ -160,7 +160,21 @@ impl Builder {
                 SWEEP_BATCH,
             )
         });
-        let watch = Watch::new(memory_id(&self.store));
+        let memory = memory_id(&self.store);
+        let store = self.store.kind();
+        if memory.is_some() {
+            // Said at startup: nothing fails when replicas each keep their own records, so
+            // nothing would say it later.
+            tracing::info!(
+                store,
+                "idempotency on the in-memory store: it protects this process only; a retry \
+                 that reaches another replica or a restarted process runs again (use the \
+                 PostgreSQL or Redis store for more than one process)"
+            );
+        } else {
+            tracing::info!(store, "idempotency on the {store} store");
+        }
+        let watch = Watch::new(memory);
         Idempotency {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -372,5 +386,25 @@ fn on_route(info: &RecordInfo, route: Option<&str>) -> bool {
     match (route, info.route.as_deref()) {
         (Some(wanted), Some(actual)) => wanted == actual,
         _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn building_the_handle_names_its_store_and_the_memory_store_says_it_protects_one_process() {
+        let (logs, _guard) = crate::testlog::Logs::capture();
+        let _memory = Idempotency::builder(MemoryStore::default())
+            .sweeper(false)
+            .build();
+        let text = logs.text();
+        let line = text
+            .lines()
+            .find(|l| l.contains("INFO"))
+            .unwrap_or_default();
+        assert!(line.contains("store=\"memory\""), "{text}");
+        assert!(line.contains("protects this process only"), "{text}");
     }
 }

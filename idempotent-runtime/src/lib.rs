@@ -101,7 +101,7 @@ pub mod scope;
 mod sql;
 pub mod store;
 
-pub use config::{Config, EndpointConfig};
+pub use config::{Config, EndpointConfig, Methods};
 pub use context::IdempotencyContext;
 pub use handle::Idempotency;
 pub use pipeline::REPLAYED_HEADER;

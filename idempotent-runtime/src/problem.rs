@@ -39,6 +39,11 @@ pub enum ProblemCode {
     NotRecorded,
     /// Enlisted mode: the endpoint needs the PostgreSQL store and another one is configured.
     StoreNotEnlistable,
+    /// Strict mode ([`Config::strict`](crate::Config::strict)): this request showed a setup
+    /// mistake that turns protection off (a router-level layer outside the router, two
+    /// in-memory stores serving one route, a `require_key` attribute under a layer whose key is
+    /// optional). The log line says the fix; nothing was claimed.
+    Misconfigured,
 }
 
 /// [`ProblemCode::ALL`] from one list, with an exhaustive match over the same list: a variant
@@ -96,6 +101,7 @@ impl ProblemCode {
             Self::HandlerPanicked => "IDEMPOTENCY_HANDLER_PANICKED",
             Self::NotRecorded => "IDEMPOTENCY_NOT_RECORDED",
             Self::StoreNotEnlistable => "IDEMPOTENCY_STORE_NOT_ENLISTABLE",
+            Self::Misconfigured => "IDEMPOTENCY_MISCONFIGURED",
         }
     }
 
@@ -114,6 +120,7 @@ impl ProblemCode {
             Self::HandlerPanicked => "The request failed",
             Self::NotRecorded => "The response could not be recorded",
             Self::StoreNotEnlistable => "Enlisted endpoint without a PostgreSQL store",
+            Self::Misconfigured => "Idempotency is misconfigured on this server",
         }
     }
 
@@ -133,6 +140,7 @@ impl ProblemCode {
             Self::HandlerPanicked => "variant.HandlerPanicked",
             Self::NotRecorded => "variant.NotRecorded",
             Self::StoreNotEnlistable => "variant.StoreNotEnlistable",
+            Self::Misconfigured => "variant.Misconfigured",
         }
     }
 }
@@ -290,6 +298,7 @@ mod tests {
             HandlerPanicked,
             NotRecorded,
             StoreNotEnlistable,
+            Misconfigured,
         ];
         for code in all {
             // rustdoc's anchor for an enum variant is `variant.<Name>`.

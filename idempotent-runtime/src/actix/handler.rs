@@ -44,7 +44,8 @@ where
     let Some(handle) = adapter::handle_of(req) else {
         return Err(pipeline::store_missing(route, STORE_MISSING_FIX));
     };
-    req.extensions_mut().insert(Handled);
+    let require_key = endpoint.require_key;
+    req.extensions_mut().insert(Handled { require_key });
     let buffered = match pipeline::front::<M, _, _>(&handle, endpoint, &head, payload).await {
         Front::Pass(payload) => return extract(req.clone(), payload).await.map(Prepared::Pass),
         Front::Refuse(problem) => return Err(pipeline::refuse(&handle, &problem)),
@@ -94,20 +95,27 @@ where
     A: 'static,
 {
     let payload = payload.into_inner();
-    if req.extensions().contains::<Handled>() {
+    let outer = req.extensions().get::<Handled>().copied();
+    if let Some(outer) = outer {
         // An outer middleware decided; the context, if any, is its.
         let context = req.extensions().get::<IdempotencyContext>().cloned();
-        if endpoint.require_key && context.is_none() {
+        if endpoint.require_key && !outer.require_key {
             let route = req.match_pattern().unwrap_or_default();
             let handle = adapter::handle_of(&req);
-            return pipeline::required_under_optional(handle.as_ref(), &route);
+            let keyed = context.is_some();
+            if let Some(refusal) = pipeline::required_under_optional(handle.as_ref(), &route, keyed)
+            {
+                return refusal;
+            }
         }
         return match extract(req.clone(), payload).await {
             Ok(args) => handler(args, context, req).await,
             Err(rejection) => rejection,
         };
     }
-    if !crate::config::attribute_applies_to(req.method().as_str()) {
+    let handle = adapter::handle_of(&req);
+    let config = handle.as_ref().map(Idempotency::config);
+    if !endpoint.applies_to(config, req.method().as_str()) {
         return match extract(req.clone(), payload).await {
             Ok(args) => handler(args, None, req).await,
             Err(rejection) => rejection,

@@ -8,17 +8,17 @@ use std::sync::Arc;
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{self, ResourceDef, Service, ServiceRequest, ServiceResponse, Transform};
-use actix_web::http::Method;
 use actix_web::{Error, HttpMessage, HttpResponse};
 use futures_util::future::LocalBoxFuture;
 use tracing::Instrument as _;
 
 use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
-use crate::config::{EndpointConfig, FailureMode, Oversized, ReuseStatus};
+use crate::config::{EndpointConfig, FailureMode, Methods, Oversized, ReuseStatus};
 use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch, Served};
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
-/// with the same semantics as `#[idempotent]` on each handler (runtime checks only).
+/// with the same semantics as `#[idempotent]` on each handler (runtime checks only); the
+/// methods are a setting ([`methods`](Self::methods), [`EndpointConfig::methods`]).
 ///
 /// Requests with other methods (HEAD, OPTIONS, GET, …) and requests that match no route
 /// (default services) pass through untouched. Where this middleware and the attribute both
@@ -47,7 +47,6 @@ use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch
 #[derive(Debug, Clone)]
 pub struct IdempotencyMiddleware {
     endpoint: EndpointConfig,
-    methods: Arc<[Method]>,
     watch: Arc<LayerWatch>,
 }
 
@@ -62,7 +61,6 @@ impl IdempotencyMiddleware {
     pub fn new() -> Self {
         Self {
             endpoint: EndpointConfig::OPTIONAL,
-            methods: Arc::from([Method::POST, Method::PATCH]),
             watch: Arc::default(),
         }
     }
@@ -73,7 +71,8 @@ impl IdempotencyMiddleware {
         self
     }
 
-    /// Endpoint settings for every route inside (lease, retention, body and response caps).
+    /// Endpoint settings for every route inside (lease, retention, body and response caps,
+    /// methods).
     pub fn endpoint(mut self, endpoint: EndpointConfig) -> Self {
         self.endpoint = endpoint;
         self
@@ -109,13 +108,11 @@ impl IdempotencyMiddleware {
         self
     }
 
-    /// The methods the middleware applies to (default POST and PATCH). HEAD and OPTIONS are
-    /// never handled, whatever is listed.
-    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.methods = methods
-            .into_iter()
-            .filter(|m| *m != Method::HEAD && *m != Method::OPTIONS)
-            .collect();
+    /// The methods the middleware applies to (default [`Config::methods`](crate::Config::methods),
+    /// POST and PATCH), as [`EndpointConfig::methods`]. GET, HEAD, OPTIONS, TRACE and CONNECT
+    /// always pass (a set of [`Methods`] cannot hold them).
+    pub fn methods(mut self, methods: Methods) -> Self {
+        self.endpoint.methods = Some(methods);
         self
     }
 }
@@ -135,7 +132,6 @@ where
         ready(Ok(IdempotencyService {
             service: Rc::new(service),
             endpoint: self.endpoint,
-            methods: Arc::clone(&self.methods),
             watch: Arc::clone(&self.watch),
             patterns: Rc::default(),
         }))
@@ -146,7 +142,6 @@ where
 pub struct IdempotencyService<S> {
     service: Rc<S>,
     endpoint: EndpointConfig,
-    methods: Arc<[Method]>,
     watch: Arc<LayerWatch>,
     // Route patterns compiled once per worker, to read the path parameters of a request whose
     // resource has not been matched yet (a scope middleware runs before the scope's router).
@@ -157,7 +152,6 @@ impl<S> std::fmt::Debug for IdempotencyService<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotencyService")
             .field("endpoint", &self.endpoint)
-            .field("methods", &self.methods)
             .finish_non_exhaustive()
     }
 }
@@ -194,7 +188,9 @@ where
 
     fn call(&self, mut req: ServiceRequest) -> Self::Future {
         let service = Rc::clone(&self.service);
-        let by_method = self.methods.contains(req.method());
+        let handle = adapter::handle_of(req.request());
+        let config = handle.as_ref().map(|h| h.config());
+        let by_method = self.endpoint.applies_to(config, req.method().as_str());
         let matched = req.match_pattern();
         if by_method {
             self.watch.saw(matched.is_some(), req.path());
@@ -204,13 +200,14 @@ where
         let Some(pattern) = pattern else {
             return Box::pin(async move { Ok(service.call(req).await?.map_into_boxed_body()) });
         };
-        let Some(handle) = adapter::handle_of(req.request()) else {
+        let Some(handle) = handle else {
             let response: HttpResponse = pipeline::store_missing(&pattern, STORE_MISSING_FIX);
             return Box::pin(async move { Ok(req.into_response(response)) });
         };
         let params = self.params(&req, &pattern);
         let endpoint = self.endpoint;
-        req.extensions_mut().insert(Handled);
+        let require_key = endpoint.require_key;
+        req.extensions_mut().insert(Handled { require_key });
         let span = crate::observe::request_span(&pattern);
         let steps = async move {
             let payload = req.take_payload();

@@ -81,11 +81,38 @@ mod tests;
 pub use caller::CallerScope;
 pub use middleware::{IdempotencyMiddleware, IdempotencyService};
 
+/// What a `#[idempotent]` handler returns: every actix-web [`Responder`](actix_web::Responder)
+/// whose body can be boxed. Implement `Responder` for your type, never this trait; it exists
+/// so a handler returning something else fails on its return type with that fix.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an actix-web `Responder`, so #[idempotent] cannot answer with it",
+    label = "the handler's return type must implement `actix_web::Responder`",
+    note = "return `HttpResponse` (or `impl Responder`), or implement `actix_web::Responder` for `{Self}`"
+)]
+pub trait HandlerResponse {
+    /// The handler's return value as a response.
+    #[doc(hidden)]
+    fn respond(self, req: &HttpRequest) -> actix_web::HttpResponse;
+}
+
+// The impl's bounds are actix-web's; they would lead the reader away from the fix.
+#[diagnostic::do_not_recommend]
+impl<R> HandlerResponse for R
+where
+    R: actix_web::Responder,
+    R::Body: actix_web::body::MessageBody + 'static,
+{
+    fn respond(self, req: &HttpRequest) -> actix_web::HttpResponse {
+        self.respond_to(req).map_into_boxed_body()
+    }
+}
+
 /// Makes an actix-web handler idempotent. See the [module documentation](self).
 ///
 /// Arguments: `require_key`; `lease = "30s"`, `retention = "24h"`, `max_body = "64KiB"`,
-/// `max_response = "1MiB"`; `crate = path` for a renamed dependency; `enlisted` (PostgreSQL:
-/// the handler takes `&mut EnlistedTx`, see `idempotent_runtime::enlisted`).
+/// `max_response = "1MiB"`; `methods = ["POST", "PUT"]` (default POST and PATCH); `crate = path`
+/// for a renamed dependency; `enlisted` (PostgreSQL: the handler takes `&mut EnlistedTx`, see
+/// `idempotent_runtime::enlisted`).
 pub use idempotent_macros::idempotent_actix as idempotent;
 
 /// Available in a handler behind `#[idempotent]` or [`IdempotencyMiddleware`] for requests
@@ -116,8 +143,7 @@ impl FromRequest for IdempotencyContext {
 /// What `#[idempotent]` expansions call. Not a stable API.
 #[doc(hidden)]
 pub mod __private {
-    use actix_web::body::MessageBody;
-    use actix_web::{HttpRequest, HttpResponse, Responder};
+    use actix_web::HttpResponse;
 
     pub use super::handler::handle;
     #[cfg(feature = "postgres")]
@@ -125,6 +151,7 @@ pub mod __private {
     pub use super::probe::{NotStreaming, Probe, Streaming};
     pub use crate::config::EndpointConfig as Endpoint;
     pub use crate::config::Oversized;
+    pub use crate::config::Methods;
     pub use crate::context::IdempotencyContext as Context;
     #[cfg(feature = "postgres")]
     pub use crate::enlisted::EnlistedTx;
@@ -144,12 +171,5 @@ pub mod __private {
         HttpResponse::from_error(error)
     }
 
-    /// The original function's return value as a response.
-    pub fn respond<R>(value: R, req: &HttpRequest) -> HttpResponse
-    where
-        R: Responder,
-        R::Body: MessageBody + 'static,
-    {
-        value.respond_to(req).map_into_boxed_body()
-    }
+    pub use super::HandlerResponse;
 }

@@ -28,6 +28,14 @@ impl Runs {
     }
 }
 
+/// A memory-store handle with strict mode on or off (its default follows the build).
+fn strict(on: bool) -> Idempotency {
+    let config = crate::Config::builder().strict(on).build();
+    Idempotency::builder(crate::store::memory::MemoryStore::default())
+        .config(config)
+        .build()
+}
+
 fn peer() -> SocketAddr {
     ([127, 0, 0, 1], 40_000).into()
 }
@@ -109,7 +117,7 @@ async fn middleware_applies_to_the_methods_it_is_given() {
             .app_data(runs.clone())
             .service(
                 web::resource("/x")
-                    .wrap(IdempotencyMiddleware::new().methods([Method::PUT]))
+                    .wrap(IdempotencyMiddleware::new().methods(crate::config::Methods::PUT))
                     .route(web::put().to(counted))
                     .route(web::post().to(counted)),
             ),
@@ -127,7 +135,7 @@ async fn attribute_steps_aside_under_the_middleware() {
     let runs = web::Data::new(Runs::default());
     let app = test::init_service(
         App::new()
-            .app_data(web::Data::new(Idempotency::memory()))
+            .app_data(web::Data::new(strict(false)))
             .app_data(runs.clone())
             .service(
                 web::resource("/x")
@@ -447,8 +455,8 @@ async fn a_store_built_per_worker_is_said_and_a_shared_store_replays_across_work
     };
     let (logs, guard) = crate::testlog::Logs::capture();
     let split = "/misuse-workers";
-    let a = worker(Idempotency::memory(), split).await;
-    let b = worker(Idempotency::memory(), split).await;
+    let a = worker(strict(false), split).await;
+    let b = worker(strict(false), split).await;
     let first = test::call_service(&a, post(split, Some("k")).to_request()).await;
     assert_eq!(first.status(), 201);
     let second = test::call_service(&b, post(split, Some("k")).to_request()).await;
@@ -482,7 +490,7 @@ async fn a_required_key_under_an_optional_middleware_is_still_required() {
     let runs = web::Data::new(Runs::default());
     let app = test::init_service(
         App::new()
-            .app_data(web::Data::new(Idempotency::memory()))
+            .app_data(web::Data::new(strict(false)))
             .app_data(runs.clone())
             .service(
                 web::scope("/opt")
@@ -497,6 +505,87 @@ async fn a_required_key_under_an_optional_middleware_is_still_required() {
         (status, code(&body).as_str()),
         (400, "IDEMPOTENCY_KEY_REQUIRED")
     );
+    assert_eq!(runs.get(), 0);
+    let errors = logs.errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("make the layer require the key")),
+        "{errors:?}"
+    );
+}
+
+/// Strict mode: two App instances (two workers) with different memory stores on one route of
+/// one server: the second store's first request on the route is refused, nothing claimed.
+#[actix_web::test]
+async fn strict_a_store_built_per_worker_is_refused_on_its_first_request() {
+    let runs = web::Data::new(Runs::default());
+    let worker = |store: Idempotency| {
+        test::init_service(
+            App::new()
+                .app_data(web::Data::new(store))
+                .app_data(runs.clone())
+                .route("/strict-workers", web::post().to(attributed)),
+        )
+    };
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let a = worker(strict(true)).await;
+    let b = worker(strict(true)).await;
+    let first = post("/strict-workers", Some("k")).to_request();
+    let (status, replayed, _) = parts(test::call_service(&a, first).await).await;
+    assert_eq!((status, replayed), (201, false));
+    for key in ["k", "other"] {
+        let req = post("/strict-workers", Some(key)).to_request();
+        let res = test::call_service(&b, req).await;
+        assert_eq!(
+            res.headers().get("content-type").unwrap(),
+            "application/problem+json"
+        );
+        let (status, replayed, body) = parts(res).await;
+        assert_eq!(
+            (status, replayed, code(&body).as_str()),
+            (500, false, "IDEMPOTENCY_MISCONFIGURED")
+        );
+    }
+    assert_eq!(runs.get(), 1, "only the first store's request ran");
+    let again = post("/strict-workers", Some("k")).to_request();
+    let (status, replayed, _) = parts(test::call_service(&a, again).await).await;
+    assert_eq!(
+        (status, replayed),
+        (201, true),
+        "the first store still serves"
+    );
+    let errors = logs.errors();
+    let fix = "outside the HttpServer::new factory";
+    assert!(errors.iter().any(|e| e.contains(fix)), "{errors:?}");
+}
+
+/// Strict mode: a `require_key` attribute under a middleware whose key is optional is refused
+/// on the first request, keyed or not.
+#[actix_web::test]
+async fn strict_a_required_key_under_an_optional_middleware_is_refused() {
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(strict(true)))
+            .app_data(runs.clone())
+            .service(
+                web::scope("/strict-opt")
+                    .wrap(IdempotencyMiddleware::new())
+                    .route("/x", web::post().to(attributed)),
+            ),
+    )
+    .await;
+    for key in [Some("k"), None] {
+        let req = post("/strict-opt/x", key).to_request();
+        let (status, replayed, body) = parts(test::call_service(&app, req).await).await;
+        assert_eq!(
+            (status, replayed, code(&body).as_str()),
+            (500, false, "IDEMPOTENCY_MISCONFIGURED"),
+            "{key:?}"
+        );
+    }
     assert_eq!(runs.get(), 0);
     let errors = logs.errors();
     assert!(
@@ -563,4 +652,64 @@ async fn the_attribute_passes_get_head_and_options_through() {
         (400, "IDEMPOTENCY_KEY_REQUIRED")
     );
     assert_eq!(runs.get(), 7);
+}
+
+#[idempotent(crate = crate)]
+async fn by_default(runs: web::Data<Runs>, body: String) -> HttpResponse {
+    let n = runs.next();
+    HttpResponse::Ok().body(format!("run {n} {body}"))
+}
+
+#[idempotent(crate = crate, methods = ["PUT"])]
+async fn put_only(runs: web::Data<Runs>, body: String) -> HttpResponse {
+    let n = runs.next();
+    HttpResponse::Ok().body(format!("run {n} {body}"))
+}
+
+/// The attribute applies to POST and PATCH by default, like the middleware: a PUT with a key
+/// runs every time. With `methods = ["PUT"]` the PUT is claimed and replayed, and POST passes.
+#[actix_web::test]
+async fn the_attribute_applies_to_its_methods_post_and_patch_by_default() {
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(Idempotency::memory()))
+            .app_data(runs.clone())
+            .route("/default", web::route().to(by_default))
+            .route("/put-only", web::route().to(put_only)),
+    )
+    .await;
+    let mut seen = Vec::new();
+    for (method, path, key) in [
+        (Method::PUT, "/default", "k1"),
+        (Method::PUT, "/default", "k1"),
+        (Method::PATCH, "/default", "k2"),
+        (Method::PATCH, "/default", "k2"),
+        (Method::PUT, "/put-only", "k3"),
+        (Method::PUT, "/put-only", "k3"),
+        (Method::POST, "/put-only", "k4"),
+        (Method::POST, "/put-only", "k4"),
+    ] {
+        let req = post(path, Some(key)).method(method).set_payload("b");
+        let (status, replayed, text) =
+            parts(test::call_service(&app, req.to_request()).await).await;
+        assert_eq!(status, 200, "{path}: {text:?}");
+        seen.push((String::from_utf8_lossy(&text).into_owned(), replayed));
+    }
+    let expect = |n: usize, replayed: bool| (format!("run {n} b"), replayed);
+    assert_eq!(
+        seen,
+        [
+            expect(1, false),
+            expect(2, false),
+            expect(3, false),
+            expect(3, true),
+            expect(4, false),
+            expect(4, true),
+            expect(5, false),
+            expect(6, false),
+        ],
+        "default PUT runs twice, PATCH replays; methods = [\"PUT\"]: PUT replays, POST runs twice"
+    );
+    assert_eq!(runs.get(), 6);
 }

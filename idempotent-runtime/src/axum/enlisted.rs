@@ -47,6 +47,7 @@ pub struct EnlistedIdempotent<
     const MAX_BODY: u64 = 0,
     const MAX_RESPONSE: u64 = 0,
     const OVERSIZED: u8 = 0,
+    const METHODS: u8 = 0,
 > {
     value: T,
     context: Option<IdempotencyContext>,
@@ -59,12 +60,21 @@ struct Session {
     claimed: Claimed<Held>,
 }
 
-impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64, const OV: u8>
-    EnlistedIdempotent<T, Src, R, L, RT, MB, MR, OV>
+impl<
+    T,
+    Src,
+    const R: bool,
+    const L: u64,
+    const RT: u64,
+    const MB: u64,
+    const MR: u64,
+    const OV: u8,
+    const MT: u8,
+> EnlistedIdempotent<T, Src, R, L, RT, MB, MR, OV, MT>
 {
     /// The endpoint settings these const parameters spell.
     pub const ENDPOINT: EndpointConfig =
-        super::Idempotent::<T, Src, R, L, RT, MB, MR, OV>::ENDPOINT;
+        super::Idempotent::<T, Src, R, L, RT, MB, MR, OV, MT>::ENDPOINT;
 
     /// Runs the handler in its own task (a client that disconnects never cancels it) with the
     /// transaction, which it hands back with its response; then commits or rolls back.
@@ -101,7 +111,8 @@ impl<
     const MB: u64,
     const MR: u64,
     const OV: u8,
-> FromRequest<S, Via<M>> for EnlistedIdempotent<T, Src, R, L, RT, MB, MR, OV>
+    const MT: u8,
+> FromRequest<S, Via<M>> for EnlistedIdempotent<T, Src, R, L, RT, MB, MR, OV, MT>
 where
     T: FromRequest<S, M> + Send,
     S: Send + Sync,

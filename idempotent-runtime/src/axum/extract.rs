@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 
 use super::adapter::{self, Prepared, STORE_MISSING_FIX};
-use crate::config::{EndpointConfig, Oversized};
+use crate::config::{EndpointConfig, Methods, Oversized};
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
 use crate::pipeline::{self, Claimed, Detached, Handled, Served};
@@ -72,6 +72,7 @@ pub struct Idempotent<
     const MAX_BODY: u64 = 0,
     const MAX_RESPONSE: u64 = 0,
     const OVERSIZED: u8 = 0,
+    const METHODS: u8 = 0,
 > {
     value: T,
     context: Option<IdempotencyContext>,
@@ -84,8 +85,17 @@ struct Session {
     claimed: Claimed<Reservation>,
 }
 
-impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR: u64, const OV: u8>
-    Idempotent<T, Src, R, L, RT, MB, MR, OV>
+impl<
+    T,
+    Src,
+    const R: bool,
+    const L: u64,
+    const RT: u64,
+    const MB: u64,
+    const MR: u64,
+    const OV: u8,
+    const MT: u8,
+> Idempotent<T, Src, R, L, RT, MB, MR, OV, MT>
 {
     /// The endpoint settings these const parameters spell.
     pub const ENDPOINT: EndpointConfig = EndpointConfig {
@@ -95,6 +105,7 @@ impl<T, Src, const R: bool, const L: u64, const RT: u64, const MB: u64, const MR
         max_body: bytes(MB),
         max_response: bytes(MR),
         oversized: oversized(OV),
+        methods: methods(MT),
         ..EndpointConfig::OPTIONAL
     };
 
@@ -133,6 +144,14 @@ const fn millis(ms: u64) -> Option<Duration> {
     }
 }
 
+const fn methods(bits: u8) -> Option<Methods> {
+    if bits == 0 {
+        None
+    } else {
+        Some(Methods::from_bits(bits))
+    }
+}
+
 const fn bytes(n: u64) -> Option<usize> {
     if n == 0 { None } else { Some(n as usize) }
 }
@@ -157,7 +176,8 @@ impl<
     const MB: u64,
     const MR: u64,
     const OV: u8,
-> FromRequest<S, Via<M>> for Idempotent<T, Src, R, L, RT, MB, MR, OV>
+    const MT: u8,
+> FromRequest<S, Via<M>> for Idempotent<T, Src, R, L, RT, MB, MR, OV, MT>
 where
     T: FromRequest<S, M> + Send,
     S: Send + Sync,
@@ -173,26 +193,33 @@ where
             _source: PhantomData,
         };
         // Where the layer already applies, it decides (the outer one): the attribute steps aside.
-        if request.extensions().get::<Handled>().is_some() {
+        if let Some(outer) = request.extensions().get::<Handled>().copied() {
             let context = request.extensions().get::<IdempotencyContext>().cloned();
-            if R && context.is_none() {
+            if R && !outer.require_key {
                 let handle = Src::store(request.extensions(), state);
                 let route = request.extensions().get::<MatchedPath>();
                 let route = route.map_or("", MatchedPath::as_str);
-                return Err(pipeline::required_under_optional(handle.as_ref(), route));
+                let keyed = context.is_some();
+                if let Some(refusal) =
+                    pipeline::required_under_optional(handle.as_ref(), route, keyed)
+                {
+                    return Err(refusal);
+                }
             }
             return T::from_request(request, state)
                 .await
                 .map(|value| plain(value, context))
                 .map_err(IntoResponse::into_response);
         }
-        if !crate::config::attribute_applies_to(request.method().as_str()) {
+        let handle = Src::store(request.extensions(), state);
+        let config = handle.as_ref().map(Idempotency::config);
+        if !Self::ENDPOINT.applies_to(config, request.method().as_str()) {
             return T::from_request(request, state)
                 .await
                 .map(|value| plain(value, None))
                 .map_err(IntoResponse::into_response);
         }
-        let Some(handle) = Src::store(request.extensions(), state) else {
+        let Some(handle) = handle else {
             let route = request.extensions().get::<MatchedPath>();
             let route = route.map_or("", MatchedPath::as_str);
             return Err(pipeline::store_missing(route, STORE_MISSING_FIX));

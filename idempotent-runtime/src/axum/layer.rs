@@ -7,22 +7,24 @@ use std::task::{Context, Poll};
 
 use axum::extract::{MatchedPath, Request};
 use axum::response::{IntoResponse, Response};
-use http::Method;
 use tower_layer::Layer;
 use tower_service::Service;
 
 use super::adapter::{self, Prepared};
-use crate::config::{EndpointConfig, FailureMode, Oversized, ReuseStatus};
+use crate::config::{EndpointConfig, FailureMode, Methods, Oversized, ReuseStatus};
 use crate::handle::Idempotency;
-use crate::pipeline::{Detached, Handled, LayerWatch, Served};
+use crate::pipeline::{self, Detached, Handled, LayerWatch, Served};
 
 /// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
-/// checks only). It applies to POST and PATCH by default and passes other methods, HEAD,
-/// OPTIONS and requests that matched no route (fallbacks) through untouched. Where a handler
-/// also carries `#[idempotent]`, the layer decides and the attribute steps aside.
+/// checks only). It applies to the [`methods`](EndpointConfig::methods) of its endpoint
+/// settings (POST and PATCH by default) and passes other methods and requests that matched no
+/// route (fallbacks) through untouched. Where a handler also carries `#[idempotent]`, the layer
+/// decides and the attribute steps aside.
 ///
 /// Add it with `Router::layer` or `Router::route_layer` (it reads the matched route, which only
-/// exists inside the router):
+/// exists inside the router). Put around a finished `Router` it could protect nothing: it says
+/// so on the first request it would apply to, and in [strict mode](crate::Config::strict)
+/// refuses each of them with 500 `IDEMPOTENCY_MISCONFIGURED`.
 ///
 /// ```
 /// use axum::{Router, routing::post};
@@ -45,7 +47,6 @@ pub struct IdempotencyLayer {
 struct Shared {
     store: Idempotency,
     endpoint: EndpointConfig,
-    methods: Vec<Method>,
     watch: Arc<LayerWatch>,
 }
 
@@ -56,7 +57,6 @@ impl IdempotencyLayer {
             shared: Arc::new(Shared {
                 store,
                 endpoint: EndpointConfig::OPTIONAL,
-                methods: vec![Method::POST, Method::PATCH],
                 watch: Arc::default(),
             }),
         }
@@ -72,7 +72,8 @@ impl IdempotencyLayer {
         self.edit(|s| s.endpoint.require_key = true)
     }
 
-    /// Per-route settings (lease, retention, caps), as the attribute's arguments would set them.
+    /// Per-route settings (lease, retention, caps, methods), as the attribute's arguments would
+    /// set them.
     pub fn endpoint(self, endpoint: EndpointConfig) -> Self {
         self.edit(|s| s.endpoint = endpoint)
     }
@@ -102,10 +103,11 @@ impl IdempotencyLayer {
         self.edit(|s| s.endpoint.oversized = Some(policy))
     }
 
-    /// The methods it applies to (default POST and PATCH). HEAD and OPTIONS always pass.
-    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
-        let methods = methods.into_iter().collect();
-        self.edit(|s| s.methods = methods)
+    /// The methods it applies to (default [`Config::methods`](crate::Config::methods), POST
+    /// and PATCH), as [`EndpointConfig::methods`]. GET, HEAD, OPTIONS, TRACE and CONNECT always
+    /// pass (a set of [`Methods`] cannot hold them).
+    pub fn methods(self, methods: Methods) -> Self {
+        self.edit(|s| s.endpoint.methods = Some(methods))
     }
 }
 
@@ -113,9 +115,11 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        let wraps_router = LayerWatch::wraps_router(std::any::type_name::<S>());
         IdempotencyService {
             inner,
             shared: Arc::clone(&self.shared),
+            wraps_router,
         }
     }
 }
@@ -125,6 +129,8 @@ impl<S> Layer<S> for IdempotencyLayer {
 pub struct IdempotencyService<S> {
     inner: S,
     shared: Arc<Shared>,
+    /// Put around a finished router: no request it sees can have a matched route of its own.
+    wraps_router: bool,
 }
 
 impl<S> Service<Request> for IdempotencyService<S>
@@ -146,21 +152,26 @@ where
         let fresh = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, fresh);
         let shared = Arc::clone(&self.shared);
+        let wraps_router = self.wraps_router;
         Box::pin(async move {
-            let method = request.method();
-            let by_method = method != Method::HEAD
-                && method != Method::OPTIONS
-                && shared.methods.contains(method);
+            let handle = &shared.store;
+            let method = request.method().as_str();
+            let by_method = shared.endpoint.applies_to(Some(handle.config()), method);
             let matched = request.extensions().get::<MatchedPath>().is_some();
-            if by_method {
+            if by_method && wraps_router && !matched {
+                shared.watch.outside_router(request.uri().path());
+                if handle.config().strict() {
+                    return Ok(pipeline::refuse(handle, &pipeline::misconfigured()));
+                }
+            } else if by_method {
                 shared.watch.saw(matched, request.uri().path());
             }
             let applies = by_method && matched && request.extensions().get::<Handled>().is_none();
             if !applies {
                 return Ok(inner.call(request).await.into_response());
             }
-            request.extensions_mut().insert(Handled);
-            let handle = &shared.store;
+            let require_key = shared.endpoint.require_key;
+            request.extensions_mut().insert(Handled { require_key });
             let response = match adapter::prepare::<Detached>(handle, &shared.endpoint, request)
                 .await
             {

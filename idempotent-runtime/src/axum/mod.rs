@@ -54,6 +54,7 @@ pub use caller::CallerScope;
 pub use enlisted::EnlistedIdempotent;
 pub use extract::{FromExtension, FromState, Idempotent, StoreSource, Via, context_missing};
 pub use layer::{IdempotencyLayer, IdempotencyService};
+pub use probe::ProvidesIdempotency;
 
 /// Makes an axum handler idempotent. See the [crate-level docs](crate) and
 /// [`idempotent_macros::idempotent_axum`].
@@ -66,7 +67,7 @@ pub mod __private {
     #[cfg(feature = "postgres")]
     pub use super::enlisted::EnlistedIdempotent;
     pub use super::extract::{FromExtension, FromState, Idempotent, context_missing};
-    pub use super::probe::{BodyProbe, CheckOther, StreamingBody, assert_state_provides_store};
+    pub use super::probe::{BodyProbe, CheckOther, ProvidesIdempotency, StreamingBody};
     #[cfg(feature = "postgres")]
     pub use crate::enlisted::EnlistedTx;
     pub use axum::response::Response;

@@ -30,10 +30,23 @@ pub trait CheckOther {
 }
 impl<T: ?Sized> CheckOther for BodyProbe<T> {}
 
-/// The early store assertion on the `State<S>` a handler names: fails with
-/// "`Idempotency: FromRef<S>` is not satisfied" when the state cannot provide the store.
-pub fn assert_state_provides_store<S>()
-where
-    Idempotency: FromRef<S>,
-{
+/// A state a `#[idempotent]` handler can find its [`Idempotency`] in: every `S` with
+/// `Idempotency: FromRef<S>`. Implement [`FromRef`] for the handle (or derive it on the state),
+/// never this trait. The macro checks it on the `State<S>` a handler names, so a state without
+/// the handle fails there, with the fix, rather than at `.route(…)` with axum's `Handler` error.
+#[diagnostic::on_unimplemented(
+    message = "the state `{Self}` does not provide the `Idempotency` handle #[idempotent] needs",
+    label = "`Idempotency` cannot be taken from this state",
+    note = "implement `FromRef<{Self}> for Idempotency` (or `#[derive(FromRef)]` on the state with an \
+            `Idempotency` field), or take `Extension<Idempotency>` in the handler and add the handle \
+            with `.layer(Extension(idempotency))`"
+)]
+pub trait ProvidesIdempotency {
+    /// The expansion's check: calling it needs `Self: ProvidesIdempotency`.
+    #[doc(hidden)]
+    fn provides_idempotency() {}
 }
+
+// The impl's bound (`FromRef`) is axum's, and would lead the reader there instead of to the fix.
+#[diagnostic::do_not_recommend]
+impl<S> ProvidesIdempotency for S where Idempotency: FromRef<S> {}

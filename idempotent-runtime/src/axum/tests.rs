@@ -53,6 +53,14 @@ fn app(store: Idempotency) -> (Router, Arc<AtomicUsize>) {
     (router, runs)
 }
 
+/// A memory-store handle with strict mode on or off (its default follows the build).
+fn strict(on: bool) -> Idempotency {
+    let config = crate::Config::builder().strict(on).build();
+    Idempotency::builder(crate::store::memory::MemoryStore::default())
+        .config(config)
+        .build()
+}
+
 fn peer() -> MockConnectInfo<SocketAddr> {
     MockConnectInfo(([10, 0, 0, 1], 4000).into())
 }
@@ -531,7 +539,7 @@ async fn a_layer_around_the_finished_router_says_it_protects_nothing() {
         Router::new().route(path, post(plain)).with_state(app)
     };
     let (logs, _guard) = crate::testlog::Logs::capture();
-    let layer = IdempotencyLayer::new(Idempotency::memory());
+    let layer = IdempotencyLayer::new(strict(false));
     let mut outside = tower_layer::Layer::layer(&layer, routes("/misuse-outside").layer(peer()));
     for i in 0..16 {
         let request = post_with_key("/misuse-outside", &format!("k{i}"), "x");
@@ -551,7 +559,7 @@ async fn a_layer_around_the_finished_router_says_it_protects_nothing() {
     drop(_guard);
 
     let (logs, _guard) = crate::testlog::Logs::capture();
-    let layer = IdempotencyLayer::new(Idempotency::memory());
+    let layer = IdempotencyLayer::new(strict(true));
     let mut inside = routes("/misuse-inside").layer(layer).layer(peer());
     for i in 0..16 {
         let request = post_with_key("/misuse-inside", &format!("k{i}"), "x");
@@ -560,10 +568,63 @@ async fn a_layer_around_the_finished_router_says_it_protects_nothing() {
     assert!(logs.errors().is_empty(), "{:?}", logs.errors());
 }
 
+/// Strict mode: a layer around a finished `Router` refuses the first request it would apply
+/// to (the router it wraps sets the matched route only for its own handlers, so the layer can
+/// never see one), with the fix in the log; other methods still pass.
+#[tokio::test]
+async fn strict_a_layer_around_the_finished_router_refuses_the_first_request() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = App {
+        store: Idempotency::memory(),
+        runs: Arc::clone(&runs),
+    };
+    let routes = Router::new()
+        .route("/strict-outside", post(plain).get(plain))
+        .with_state(app)
+        .layer(peer());
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let layer = IdempotencyLayer::new(strict(true)).require_key();
+    let mut outside = tower_layer::Layer::layer(&layer, routes);
+    for key in ["k", "k"] {
+        let request = post_with_key("/strict-outside", key, "x");
+        let response = {
+            std::future::poll_fn(|cx| outside.poll_ready(cx))
+                .await
+                .unwrap();
+            outside.call(request).await.unwrap()
+        };
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        let body = String::from_utf8_lossy(&body);
+        assert_eq!(parts.status, 500, "{body}");
+        assert_eq!(parts.headers["content-type"], "application/problem+json");
+        assert_eq!(code(&body), "IDEMPOTENCY_MISCONFIGURED");
+    }
+    let keyless = Request::post("/strict-outside")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(ready_call(&mut outside, keyless).await, 500);
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran unprotected");
+    let get = Request::get("/strict-outside").body(Body::empty()).unwrap();
+    assert_eq!(
+        ready_call(&mut outside, get).await,
+        200,
+        "GET is not its business"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let errors = logs.errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("Router::layer or Router::route_layer")),
+        "{errors:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_required_key_under_an_optional_layer_is_still_required_and_said() {
     let (logs, _guard) = crate::testlog::Logs::capture();
-    let store = Idempotency::memory();
+    let store = strict(false);
     let (router, runs) = app(store.clone());
     let router = router.layer(IdempotencyLayer::new(store)).layer(peer());
     let request = Request::post("/create").body(Body::from("x")).unwrap();
@@ -591,6 +652,45 @@ async fn a_required_key_under_an_optional_layer_is_still_required_and_said() {
     let (status, _, _) = call(&router, request).await;
     assert_eq!(status, 400);
     assert!(logs.errors().is_empty(), "{:?}", logs.errors());
+}
+
+/// Strict mode: a `require_key` attribute under a layer whose key is optional is refused on the
+/// first request either way, keyed or not (the layer's marker says its key is optional).
+#[tokio::test]
+async fn strict_a_required_key_under_an_optional_layer_is_refused() {
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let store = strict(true);
+    let (router, runs) = app(store.clone());
+    let router = router.layer(IdempotencyLayer::new(store)).layer(peer());
+    for request in [
+        post_with_key("/create", "k", "x"),
+        Request::post("/create").body(Body::from("x")).unwrap(),
+    ] {
+        let (status, headers, body) = call(&router, request).await;
+        assert_eq!(status, 500, "{body}");
+        assert_eq!(headers["content-type"], "application/problem+json");
+        assert!(!headers.contains_key("idempotency-replayed"));
+        assert_eq!(code(&body), "IDEMPOTENCY_MISCONFIGURED");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler did not run");
+    let errors = logs.errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("make the layer require the key")),
+        "{errors:?}"
+    );
+
+    // Off, today's behaviour: the keyed request runs under the layer, and is replayed.
+    let store = strict(false);
+    let (router, runs) = app(store.clone());
+    let router = router.layer(IdempotencyLayer::new(store)).layer(peer());
+    let (s1, _, first) = call(&router, post_with_key("/create", "k", "x")).await;
+    let (s2, h2, again) = call(&router, post_with_key("/create", "k", "x")).await;
+    assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK));
+    assert_eq!(h2["idempotency-replayed"], "true");
+    assert_eq!(first, again);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
@@ -693,4 +793,74 @@ async fn the_attribute_passes_get_head_and_options_through() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(code(&body), "IDEMPOTENCY_KEY_REQUIRED");
     assert_eq!(runs.load(Ordering::SeqCst), 7);
+}
+
+#[idempotent(crate = crate)]
+async fn by_default(State(app): State<App>, body: String) -> String {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    format!("run {n} {body}")
+}
+
+#[idempotent(crate = crate, methods = ["PUT"])]
+async fn put_only(State(app): State<App>, body: String) -> String {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    format!("run {n} {body}")
+}
+
+/// The attribute applies to POST and PATCH by default, like the layer: a PUT with a key runs
+/// every time. With `methods = ["PUT"]` the PUT is claimed and replayed, and POST passes.
+#[tokio::test]
+async fn the_attribute_applies_to_its_methods_post_and_patch_by_default() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = Router::new()
+        .route(
+            "/default",
+            post(by_default).put(by_default).patch(by_default),
+        )
+        .route("/put-only", post(put_only).put(put_only))
+        .with_state(App {
+            store: Idempotency::memory(),
+            runs: Arc::clone(&runs),
+        })
+        .layer(peer());
+    let keyed = |method: &str, path: &str, key: &str| {
+        Request::builder()
+            .method(method)
+            .uri(path)
+            .header("idempotency-key", key)
+            .body(Body::from("b"))
+            .unwrap()
+    };
+    let mut seen = Vec::new();
+    for (method, path, key) in [
+        ("PUT", "/default", "k1"),
+        ("PUT", "/default", "k1"),
+        ("PATCH", "/default", "k2"),
+        ("PATCH", "/default", "k2"),
+        ("PUT", "/put-only", "k3"),
+        ("PUT", "/put-only", "k3"),
+        ("POST", "/put-only", "k4"),
+        ("POST", "/put-only", "k4"),
+    ] {
+        let (status, headers, text) = call(&router, keyed(method, path, key)).await;
+        assert_eq!(status, StatusCode::OK, "{method} {path}: {text}");
+        let replayed = headers.contains_key("idempotency-replayed");
+        seen.push((text, replayed));
+    }
+    let expect = |n: usize, replayed: bool| (format!("run {n} b"), replayed);
+    assert_eq!(
+        seen,
+        [
+            expect(1, false),
+            expect(2, false),
+            expect(3, false),
+            expect(3, true),
+            expect(4, false),
+            expect(4, true),
+            expect(5, false),
+            expect(6, false),
+        ],
+        "default PUT runs twice, PATCH replays; methods = [\"PUT\"]: PUT replays, POST runs twice"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 6);
 }

@@ -1,5 +1,7 @@
 //! Setups that would silently turn protection off, detected on the request that shows them and
-//! said once, loudly, with the fix: a `tracing` error and the `misconfigured` counter.
+//! said once, loudly, with the fix: a `tracing` error and the `misconfigured` counter. In strict
+//! mode ([`Config::strict`](crate::Config::strict)) the first three are also refused, on every
+//! request that shows them, with 500 `IDEMPOTENCY_MISCONFIGURED` before anything is claimed:
 //!
 //! - two different memory stores serving one route in one process (actix builds app data per
 //!   worker: a store made inside `HttpServer::new`'s factory is one store per worker);
@@ -29,10 +31,39 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Which memory store serves which route in this process: `(route, store id)` pairs.
-fn memory_routes() -> &'static Mutex<HashMap<Box<str>, usize>> {
-    static ROUTES: OnceLock<Mutex<HashMap<Box<str>, usize>>> = OnceLock::new();
+/// A route of a server ([`server`]): `None` where the runtime cannot tell the server.
+type ServedRoute = (Option<usize>, Box<str>);
+
+/// Which memory store serves which route of which server in this process: store ids.
+fn memory_routes() -> &'static Mutex<HashMap<ServedRoute, usize>> {
+    static ROUTES: OnceLock<Mutex<HashMap<ServedRoute, usize>>> = OnceLock::new();
     ROUTES.get_or_init(Default::default)
+}
+
+/// The server this request is served by, where the runtime can tell: the actix `System` its
+/// workers share (or, for actix-server workers started without one, all of them). Two memory
+/// stores serving one route of one server are certainly the per-worker mistake; two apps in one
+/// process elsewhere (a test suite builds one per test) may be meant, so they are only said.
+fn server() -> Option<usize> {
+    #[cfg(feature = "actix")]
+    if let Some(system) = actix_web::rt::System::try_current() {
+        return Some(system.id());
+    }
+    let thread = std::thread::current();
+    let worker = thread
+        .name()
+        .is_some_and(|name| name.starts_with("actix-server worker "));
+    worker.then_some(usize::MAX)
+}
+
+/// The answer to a request that shows a setup mistake in strict mode; the log line says the
+/// fix, the client only that the server is misconfigured.
+pub(crate) fn misconfigured() -> Problem {
+    Problem::new(
+        500,
+        ProblemCode::Misconfigured,
+        "idempotency is misconfigured on this server (strict mode); its log names the fix",
+    )
 }
 
 /// What one handle has seen: the routes it registered for its memory store, and the forwarded
@@ -41,13 +72,29 @@ fn memory_routes() -> &'static Mutex<HashMap<Box<str>, usize>> {
 pub(crate) struct Watch {
     /// The memory store's identity, when the handle holds one.
     memory: Option<usize>,
-    /// Asked on every claimed request: hashbrown's default hasher, not std's SipHash, which
-    /// cost more than the lookup.
-    routes: Mutex<hashbrown::HashSet<Box<str>>>,
+    /// Asked on every keyed request: hashbrown's default hasher, not std's SipHash, which
+    /// cost more than the lookup. The value: another memory store serves this route of this
+    /// server.
+    routes: Mutex<hashbrown::HashMap<ServedRoute, bool>>,
     forwarded: Mutex<HashMap<IpAddr, HashSet<u64>>>,
     split_said: AtomicBool,
     proxy_said: AtomicBool,
     keyless_said: AtomicBool,
+}
+
+/// A `(server, route)` key looked up without allocating one: hashed as the tuple it stands for.
+struct At<'a>(Option<usize>, &'a str);
+
+impl std::hash::Hash for At<'_> {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        (self.0, self.1).hash(state);
+    }
+}
+
+impl hashbrown::Equivalent<ServedRoute> for At<'_> {
+    fn equivalent(&self, key: &ServedRoute) -> bool {
+        self.0 == key.0 && self.1 == &*key.1
+    }
 }
 
 /// Peers and distinct forwarded values kept per peer: enough to see the pattern, bounded.
@@ -66,18 +113,27 @@ impl Watch {
         }
     }
 
-    /// On a claimed route: is another memory store serving it in this process?
-    pub(crate) fn served(&self, route: &str) {
-        let Some(store) = self.memory else { return };
-        if route.is_empty() || lock(&self.routes).contains(route) {
-            return;
+    /// On a keyed request, before its claim: is another memory store serving this route? `true`
+    /// when it certainly is a mistake (both serve one server, see [`server`]): strict mode then
+    /// refuses the request.
+    pub(crate) fn served(&self, route: &str) -> bool {
+        let Some(store) = self.memory else {
+            return false;
+        };
+        if route.is_empty() {
+            return false;
         }
-        lock(&self.routes).insert(route.into());
+        let server = server();
+        if let Some(split) = lock(&self.routes).get(&At(server, route)) {
+            return *split && server.is_some();
+        }
+        let at = (server, Box::<str>::from(route));
         let other = {
             let mut routes = lock(memory_routes());
-            let standing = *routes.entry(route.into()).or_insert(store);
+            let standing = *routes.entry(at.clone()).or_insert(store);
             standing != store
         };
+        lock(&self.routes).insert(at.clone(), other);
         if other && once(&self.split_said) {
             observe::count(Event::Misconfigured, route);
             tracing::error!(
@@ -89,6 +145,7 @@ impl Watch {
                  `.app_data(idempotency.clone())`)"
             );
         }
+        other && server.is_some()
     }
 
     /// A request from `peer` carried `X-Forwarded-For` although no proxy is trusted.
@@ -131,7 +188,7 @@ impl Drop for Watch {
     fn drop(&mut self) {
         let Some(store) = self.memory else { return };
         let mine = std::mem::take(&mut *lock(&self.routes));
-        lock(memory_routes()).retain(|route, id| !(*id == store && mine.contains(route)));
+        lock(memory_routes()).retain(|at, id| !(*id == store && mine.contains_key(at)));
     }
 }
 
@@ -147,7 +204,33 @@ pub(crate) struct LayerWatch {
 /// can be fallbacks).
 const UNMATCHED_BEFORE_ERROR: u32 = 16;
 
+const OUTSIDE_FIX: &str = "add it with Router::layer or Router::route_layer (inside the \
+                           router), not around the finished Router";
+
 impl LayerWatch {
+    /// Whether the service a layer was put around is a finished router (axum's `Router`, or a
+    /// service stack around one): a request without a matched route then certainly shows the
+    /// layer misplaced, as that router sets the matched route only for its own handlers. (Put
+    /// behind another router's route, with `route_service`, its requests arrive matched.)
+    pub(crate) fn wraps_router(inner: &str) -> bool {
+        // The type's name is the only sign the layer gets; a name that ever stopped matching
+        // leaves the request count of `saw` to speak.
+        inner.contains("axum::routing::Router")
+    }
+
+    /// An applicable request without a matched route reached a layer around a finished
+    /// router: said once, on the first.
+    pub(crate) fn outside_router(&self, path: &str) {
+        if once(&self.said) {
+            observe::count(Event::Misconfigured, path);
+            tracing::error!(
+                path,
+                "the idempotency layer was put around a finished Router, so it never sees a \
+                 matched route and protects nothing: {OUTSIDE_FIX}"
+            );
+        }
+    }
+
     /// Notes one request the layer would apply to by its method.
     pub(crate) fn saw(&self, matched: bool, path: &str) {
         if matched {
@@ -163,17 +246,21 @@ impl LayerWatch {
             tracing::error!(
                 path,
                 "the idempotency layer has seen {n} requests and never a matched route, so it \
-                 protects nothing: add it with Router::layer or Router::route_layer (inside the \
-                 router), not around the finished Router"
+                 protects nothing: {OUTSIDE_FIX}"
             );
         }
     }
 }
 
-/// An attribute with `require_key` under an outer layer whose key is optional: the outer one
-/// let a keyless request through. Said once; the attribute refuses the request itself, as it
-/// would alone, rather than passing it.
-pub(crate) fn required_under_optional<R: Reply>(handle: Option<&Idempotency>, route: &str) -> R {
+/// An attribute with `require_key` under an outer layer whose key is optional. Said once. In
+/// strict mode every request is refused (500), keyed or not; otherwise a keyless one, which the
+/// outer step let through, is refused as the attribute alone would (400), and a keyed one
+/// (`None`) goes on under the outer step's claim.
+pub(crate) fn required_under_optional<R: Reply>(
+    handle: Option<&Idempotency>,
+    route: &str,
+    keyed: bool,
+) -> Option<R> {
     static WITHOUT_HANDLE: AtomicBool = AtomicBool::new(false);
     let said = handle.map_or(&WITHOUT_HANDLE, |h| &h.watch().keyless_said);
     if once(said) {
@@ -186,7 +273,10 @@ pub(crate) fn required_under_optional<R: Reply>(handle: Option<&Idempotency>, ro
              or remove it from this route"
         );
     }
+    let strict = handle.map_or(cfg!(debug_assertions), |h| h.config().strict());
     let problem = match handle {
+        _ if strict => misconfigured(),
+        _ if keyed => return None,
         Some(handle) => handle.key_missing(route),
         None => Problem::new(
             400,
@@ -194,10 +284,10 @@ pub(crate) fn required_under_optional<R: Reply>(handle: Option<&Idempotency>, ro
             "an Idempotency-Key header is required",
         ),
     };
-    match handle {
+    Some(match handle {
         Some(handle) => super::refuse(handle, &problem),
         None => R::problem(&problem, RenderedRefusal::problem_json(&problem)),
-    }
+    })
 }
 
 #[cfg(test)]

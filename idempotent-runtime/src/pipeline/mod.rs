@@ -47,7 +47,7 @@ pub(crate) use claim::{ClaimMode, Detached};
 pub(crate) use enlisted::enlisted_work;
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub(crate) use enlisted::settle_enlisted;
-pub(crate) use misuse::{LayerWatch, Watch, required_under_optional};
+pub(crate) use misuse::{LayerWatch, Watch, misconfigured, required_under_optional};
 
 use crate::budget::BufferPermit;
 use crate::config::{Effective, EndpointConfig, Oversized};
@@ -65,8 +65,12 @@ pub const REPLAYED_HEADER: &str = "idempotency-replayed";
 
 /// Set in the request extensions by the outermost idempotency step that applies to a request
 /// (a layer or middleware, or the attribute), so an inner one steps aside: the outer decides.
+/// `require_key` is the outer step's, so an inner `require_key` attribute sees a mismatch on
+/// any request, keyed or not.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Handled;
+pub(crate) struct Handled {
+    pub(crate) require_key: bool,
+}
 
 /// What the pipeline reads of a request's head.
 pub(crate) trait Head {
@@ -329,9 +333,13 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
         },
         endpoint: &effective,
     };
+    // Before the claim, so strict mode refuses a second memory store's request with nothing
+    // written.
+    if handle.watch().served(route) && handle.config().strict() {
+        return Err(refuse(handle, &misuse::misconfigured()));
+    }
     match M::begin(handle, &request).await {
         Begin::Run(held) => {
-            handle.watch().served(route);
             let context = IdempotencyContext::new(key.clone(), *scope.hash());
             Ok(claimed(held, Some(context)))
         }

@@ -1,7 +1,7 @@
 use axum::Router;
-use axum::http::Method;
 use axum::routing::post;
 use idempotent_runtime::axum::{IdempotencyLayer, idempotent};
+use idempotent_runtime::config::Methods;
 use idempotent_runtime::{EndpointConfig, IdempotencyContext, Idempotency};
 
 async fn plain(context: IdempotencyContext) -> String {
@@ -22,7 +22,7 @@ fn main() {
         .layer(
             IdempotencyLayer::new(store.clone())
                 .endpoint(EndpointConfig::REQUIRED)
-                .methods([Method::POST, Method::PUT]),
+                .methods(Methods::POST.with(Methods::PUT)),
         )
         .with_state(store);
 }
