@@ -370,6 +370,7 @@ impl IdempotentOperation {
         add(503, ProblemCode::StoreUnavailable);
         add(503, ProblemCode::StoreFull);
         add(500, ProblemCode::HandlerPanicked);
+        add(500, ProblemCode::Misconfigured);
         if self.enlisted {
             add(500, ProblemCode::NotRecorded);
             add(500, ProblemCode::StoreNotEnlistable);
@@ -762,6 +763,9 @@ fn example_detail(code: ProblemCode) -> &'static str {
             "the response could not be recorded, so the request's changes were rolled back"
         }
         ProblemCode::StoreNotEnlistable => "this endpoint needs the PostgreSQL store",
+        ProblemCode::Misconfigured => {
+            "idempotency is misconfigured on this server (strict mode); its log names the fix"
+        }
     }
 }
 

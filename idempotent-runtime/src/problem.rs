@@ -82,6 +82,7 @@ every_code!(
     HandlerPanicked,
     NotRecorded,
     StoreNotEnlistable,
+    Misconfigured,
 );
 
 impl ProblemCode {
