@@ -150,8 +150,8 @@ pub mod __private {
     pub use super::handler::handle_enlisted;
     pub use super::probe::{NotStreaming, Probe, Streaming};
     pub use crate::config::EndpointConfig as Endpoint;
-    pub use crate::config::Oversized;
     pub use crate::config::Methods;
+    pub use crate::config::Oversized;
     pub use crate::context::IdempotencyContext as Context;
     #[cfg(feature = "postgres")]
     pub use crate::enlisted::EnlistedTx;
