@@ -76,6 +76,7 @@
 //! The core modules know no web framework; the `axum` and `actix` features add the integrations.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 #[cfg(feature = "actix")]
 #[cfg_attr(docsrs, doc(cfg(feature = "actix")))]
