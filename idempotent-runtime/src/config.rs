@@ -464,6 +464,7 @@ impl EndpointConfig {
 /// Whether `#[idempotent]` applies to a request with this method: not to GET, HEAD, OPTIONS or
 /// TRACE, which are idempotent by HTTP semantics (DESIGN.md §8). Such a request passes through
 /// untouched, keyed or not, even under `require_key`, on both frameworks alike.
+#[cfg(any(feature = "axum", feature = "actix"))]
 pub(crate) fn attribute_applies_to(method: &str) -> bool {
     !matches!(method, "GET" | "HEAD" | "OPTIONS" | "TRACE")
 }
