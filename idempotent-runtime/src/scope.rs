@@ -1005,7 +1005,6 @@ mod tests {
                 }
             }
         }
-        // Joined at run time, so this file does not match itself.
         let old = [
             ["outside the", "idempotency"],
             ["inside the", "idempotency"],
@@ -1014,7 +1013,13 @@ mod tests {
         ]
         .map(|[a, b]| format!("{a} {b}"));
         for path in &files {
-            let text = words(&read(path));
+            let source = read(path);
+            // This file's tests name the old phrasings to refuse them; its code is still read.
+            let source = match source.split_once("\nmod tests {") {
+                Some((code, _)) if path.ends_with("scope.rs") => code.to_owned(),
+                _ => source,
+            };
+            let text = words(&source);
             for phrase in &old {
                 assert!(
                     !text.contains(phrase.as_str()),
@@ -1025,12 +1030,21 @@ mod tests {
             }
         }
         let wording = "before the idempotency step";
-        for path in ["../README.md", "README.md", "src/lib.rs", "src/axum/mod.rs", "src/actix/mod.rs"] {
+        for path in [
+            "../README.md",
+            "README.md",
+            "src/lib.rs",
+            "src/axum/mod.rs",
+            "src/actix/mod.rs",
+        ] {
             let text = words(&read(&crate_dir.join(path)));
             assert!(text.contains(wording), "{path} does not say \"{wording}\"");
         }
         let remedy = words(ScopeError::CredentialWithoutIdentity.remedy());
         assert!(remedy.contains(wording), "the log line's remedy: {remedy}");
-        assert!(remedy.contains("outer layer"), "the log line's remedy: {remedy}");
+        assert!(
+            remedy.contains("outer layer"),
+            "the log line's remedy: {remedy}"
+        );
     }
 }
