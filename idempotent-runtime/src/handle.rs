@@ -12,6 +12,7 @@ use crate::problem::{Problem, RefusalRenderer, RenderedRefusal};
 use crate::reservation::{Running, RunningGuard};
 use crate::scope::{RequestHead, Resolution, Resolver, ScopeHash};
 use crate::store::memory::MemoryStore;
+use crate::store::erased::DynStore;
 use crate::store::{RecordInfo, Store, StoreError};
 
 /// Rows (or entries) a sweep deletes per statement.
@@ -35,7 +36,7 @@ pub struct Idempotency {
 }
 
 struct Inner {
-    store: Arc<dyn Store>,
+    store: Arc<dyn DynStore>,
     config: Config,
     /// `None` for the default sink, which discards every event: the request path then skips
     /// building them (a key's SHA-256 each).
@@ -73,7 +74,7 @@ impl std::fmt::Debug for Idempotency {
 /// Builds an [`Idempotency`].
 #[must_use]
 pub struct Builder {
-    store: Arc<dyn Store>,
+    store: Arc<dyn DynStore>,
     config: Config,
     audit: Option<Arc<dyn AuditSink>>,
     contributor: Option<Arc<dyn FingerprintContributor>>,
@@ -154,13 +155,13 @@ impl Builder {
     /// The handle.
     pub fn build(self) -> Idempotency {
         let sweeper = (self.sweeper && tokio::runtime::Handle::try_current().is_ok()).then(|| {
-            crate::store::spawn_sweeper(
+            crate::store::sweeper(
                 Arc::downgrade(&self.store),
                 self.config.retention,
                 SWEEP_BATCH,
             )
         });
-        let watch = Watch::new(memory_id(&self.store));
+        let watch = Watch::new(self.store.process_local().map(|local| local.id()));
         Idempotency {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -212,7 +213,7 @@ impl Idempotency {
     }
 
     /// A builder over a store already behind an `Arc` (to keep a typed handle on it too).
-    pub fn builder_arc(store: Arc<dyn Store>) -> Builder {
+    pub fn builder_arc<S: Store>(store: Arc<S>) -> Builder {
         Builder {
             store,
             config: Config::default(),
@@ -231,7 +232,7 @@ impl Idempotency {
     }
 
     /// The store.
-    pub fn store(&self) -> &Arc<dyn Store> {
+    pub(crate) fn store(&self) -> &Arc<dyn DynStore> {
         &self.inner.store
     }
 
@@ -334,18 +335,18 @@ impl Idempotency {
     }
 
     /// Sets the gauges of [the contract](crate::design) §7 from their current values
-    /// (`idempotent_running_reservations`, `idempotent_buffered_bytes`, and for the in-memory
-    /// store `idempotent_memory_store_records` and `idempotent_memory_store_bytes`). Call it
+    /// (`idempotent_running_reservations`, `idempotent_buffered_bytes`, and for a store that
+    /// reports [gauges](Store::gauges), the in-memory one or a wrapper around it,
+    /// `idempotent_memory_store_records` and `idempotent_memory_store_bytes`). Call it
     /// before each scrape, or on a timer. A no-op without the `metrics` feature.
     pub fn report_gauges(&self) {
         #[cfg(feature = "metrics")]
         {
             metrics::gauge!("idempotent_running_reservations").set(self.running() as f64);
             metrics::gauge!("idempotent_buffered_bytes").set(self.buffered_bytes() as f64);
-            let store: &dyn std::any::Any = &**self.store();
-            if let Some(memory) = store.downcast_ref::<MemoryStore>() {
-                metrics::gauge!("idempotent_memory_store_records").set(memory.len() as f64);
-                metrics::gauge!("idempotent_memory_store_bytes").set(memory.bytes() as f64);
+            if let Some(gauges) = self.store().gauges() {
+                metrics::gauge!("idempotent_memory_store_records").set(gauges.records as f64);
+                metrics::gauge!("idempotent_memory_store_bytes").set(gauges.bytes as f64);
             }
         }
     }
@@ -358,13 +359,6 @@ impl Idempotency {
             .await
             .is_ok()
     }
-}
-
-/// The identity of an in-memory store, which protects only the handles that share it.
-fn memory_id(store: &Arc<dyn Store>) -> Option<usize> {
-    let any: &dyn std::any::Any = &**store;
-    any.is::<MemoryStore>()
-        .then(|| Arc::as_ptr(store).cast::<()>() as usize)
 }
 
 /// Whether a record belongs to `route` (a record without a known route matches any).
