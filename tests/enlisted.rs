@@ -736,7 +736,8 @@ mod wrapper {
 
     use idempotent_runtime::scope::ScopeHash;
     use idempotent_runtime::store::{
-        Claim, ClaimRequest, FencingToken, RecordInfo, RecordedResponse, Store, StoreError,
+        Claim, ClaimRequest, Enlisting, FencingToken, ProcessLocal, RecordInfo, RecordedResponse,
+        Store, StoreError, StoreGauges,
     };
 
     #[derive(Default)]
@@ -815,6 +816,16 @@ mod wrapper {
         }
         fn kind(&self) -> &'static str {
             self.inner.kind()
+        }
+        fn enlisting(&self) -> Option<Enlisting<'_>> {
+            self.calls.enlisting.fetch_add(1, Ordering::Relaxed);
+            self.inner.enlisting()
+        }
+        fn gauges(&self) -> Option<StoreGauges> {
+            self.inner.gauges()
+        }
+        fn process_local(&self) -> Option<ProcessLocal> {
+            self.inner.process_local()
         }
     }
 }
