@@ -779,7 +779,9 @@ mod wrapper {
             retention: Duration,
         ) -> Result<bool, StoreError> {
             self.other();
-            self.inner.complete(scope, key, token, response, retention).await
+            self.inner
+                .complete(scope, key, token, response, retention)
+                .await
         }
         async fn release(
             &self,

@@ -66,8 +66,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use sqlx::{Database, Transaction};
 use sqlx::postgres::{PgConnection, Postgres};
+use sqlx::{Database, Transaction};
 use tokio::sync::oneshot;
 
 use crate::config::Recording;

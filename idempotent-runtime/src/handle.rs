@@ -11,8 +11,8 @@ use crate::pipeline::Watch;
 use crate::problem::{Problem, RefusalRenderer, RenderedRefusal};
 use crate::reservation::{Running, RunningGuard};
 use crate::scope::{RequestHead, Resolution, Resolver, ScopeHash};
-use crate::store::memory::MemoryStore;
 use crate::store::erased::DynStore;
+use crate::store::memory::MemoryStore;
 use crate::store::{RecordInfo, Store, StoreError};
 
 /// Rows (or entries) a sweep deletes per statement.
@@ -404,7 +404,9 @@ mod tests {
             response: &RecordedResponse,
             retention: Duration,
         ) -> Result<bool, StoreError> {
-            self.0.complete(scope, key, token, response, retention).await
+            self.0
+                .complete(scope, key, token, response, retention)
+                .await
         }
         async fn release(
             &self,
@@ -469,10 +471,32 @@ mod tests {
 
     #[cfg(feature = "metrics")]
     impl metrics::Recorder for Gauges {
-        fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
-        fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
-        fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
-        fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn register_counter(
+            &self,
+            _: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Counter {
             metrics::Counter::noop()
         }
         fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
@@ -481,7 +505,11 @@ mod tests {
             gauges.push((key.name().to_owned(), Arc::clone(&value)));
             metrics::Gauge::from_arc(value)
         }
-        fn register_histogram(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+        fn register_histogram(
+            &self,
+            _: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Histogram {
             metrics::Histogram::noop()
         }
     }
@@ -502,7 +530,12 @@ mod tests {
             body: bytes::Bytes::from_static(b"done"),
         };
         let retention = Duration::from_secs(60);
-        assert!(store.complete(&scope, "k", req.token, &answer, retention).await.unwrap());
+        assert!(
+            store
+                .complete(&scope, "k", req.token, &answer, retention)
+                .await
+                .unwrap()
+        );
 
         let gauges = Gauges::default();
         metrics::with_local_recorder(&gauges, || handle.report_gauges());

@@ -122,8 +122,10 @@ mod joins {
 
         /// One statement on the open transaction, to learn whether it is still alive before
         /// the commit.
-        fn probe<'a>(&'a self, conn: &'a mut DB::Connection)
-        -> BoxFuture<'a, Result<(), StoreError>>;
+        fn probe<'a>(
+            &'a self,
+            conn: &'a mut DB::Connection,
+        ) -> BoxFuture<'a, Result<(), StoreError>>;
 
         /// Ends a transaction that decided not to run (a replay, a refusal).
         fn rollback<'a>(

@@ -20,10 +20,7 @@ use crate::scope::ScopeHash;
 pub(crate) trait DynStore: Send + Sync {
     /// What the runtime claims with: [`Store::claim_timed`] with the `metrics` feature,
     /// [`Store::claim`] without; one box either way.
-    fn claim<'a>(
-        &'a self,
-        req: &'a ClaimRequest<'_>,
-    ) -> BoxFuture<'a, Result<Claim, StoreError>>;
+    fn claim<'a>(&'a self, req: &'a ClaimRequest<'_>) -> BoxFuture<'a, Result<Claim, StoreError>>;
     fn reclaim<'a>(
         &'a self,
         req: &'a ClaimRequest<'_>,
@@ -71,10 +68,7 @@ pub(crate) trait DynStore: Send + Sync {
 }
 
 impl<S: Store> DynStore for S {
-    fn claim<'a>(
-        &'a self,
-        req: &'a ClaimRequest<'_>,
-    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest<'_>) -> BoxFuture<'a, Result<Claim, StoreError>> {
         #[cfg(feature = "metrics")]
         return Box::pin(Store::claim_timed(self, req));
         #[cfg(not(feature = "metrics"))]
@@ -95,7 +89,9 @@ impl<S: Store> DynStore for S {
         response: &'a RecordedResponse,
         retention: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(Store::complete(self, scope, key, token, response, retention))
+        Box::pin(Store::complete(
+            self, scope, key, token, response, retention,
+        ))
     }
     fn release<'a>(
         &'a self,

@@ -45,7 +45,6 @@ use crate::scope::ScopeHash;
 mod batch;
 mod enlisted;
 
-
 /// The versioned DDL shipped with the crate, in order. `{table}` is replaced by the quoted,
 /// qualified table name, `{name}` by the bare one and `{schema}` by the quoted schema and a dot
 /// (or nothing, for the connection's default schema). Never edit a shipped migration: add one.
