@@ -14,8 +14,9 @@ use futures_util::future::BoxFuture;
 
 use crate::config::{Config, Recording};
 use crate::fingerprint::Fingerprint;
+use crate::store::erased::DynStore;
 use crate::store::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
+    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, StoreError,
 };
 
 /// What a standing record means for a request with fingerprint `fp`.
@@ -105,15 +106,12 @@ pub trait ClaimOps: Send {
     ) -> BoxFuture<'a, Result<Claim, StoreError>>;
 }
 
-impl<S: Store + ?Sized> ClaimOps for &S {
+impl<S: DynStore + ?Sized> ClaimOps for &S {
     fn claim<'a>(
         &'a mut self,
         req: &'a ClaimRequest<'_>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        #[cfg(feature = "metrics")]
-        return Store::claim_timed(*self, req);
-        #[cfg(not(feature = "metrics"))]
-        Store::claim(*self, req)
+        DynStore::claim(*self, req)
     }
 
     fn reclaim<'a>(
@@ -124,11 +122,11 @@ impl<S: Store + ?Sized> ClaimOps for &S {
         #[cfg(feature = "metrics")]
         return Box::pin(crate::observe::timed(
             "reclaim",
-            self.kind(),
-            Store::reclaim(*self, req, stale),
+            DynStore::kind(*self),
+            DynStore::reclaim(*self, req, stale),
         ));
         #[cfg(not(feature = "metrics"))]
-        Store::reclaim(*self, req, stale)
+        DynStore::reclaim(*self, req, stale)
     }
 }
 
@@ -336,8 +334,7 @@ mod tests {
     /// request's own reservation when the statement is sent again.
     struct WrittenBeforeTheConnectionDied;
 
-    #[async_trait::async_trait]
-    impl Store for WrittenBeforeTheConnectionDied {
+    impl crate::store::Store for WrittenBeforeTheConnectionDied {
         async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
             Ok(Claim::Standing(Standing {
                 token: req.token,
