@@ -180,6 +180,7 @@ fn document_gets_the_key_header_and_the_refusals_on_post_and_patch() {
             example_codes(&responses["500"]),
             [
                 "IDEMPOTENCY_HANDLER_PANICKED",
+                "IDEMPOTENCY_MISCONFIGURED",
                 "IDEMPOTENCY_SCOPE_UNRESOLVED"
             ]
         );
@@ -262,6 +263,7 @@ fn settings_choose_the_header_name_and_the_statuses() {
         example_codes(&responses["500"]),
         [
             "IDEMPOTENCY_HANDLER_PANICKED",
+            "IDEMPOTENCY_MISCONFIGURED",
             "IDEMPOTENCY_NOT_RECORDED",
             "IDEMPOTENCY_SCOPE_UNRESOLVED",
             "IDEMPOTENCY_STORE_NOT_ENLISTABLE"
