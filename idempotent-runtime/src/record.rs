@@ -1,4 +1,4 @@
-//! The record's life ([the contract](crate::design) §3) as plain functions over a [`Store`]: what a standing record
+//! The record's life ([the contract](crate::design) §3) as plain functions over a [`Store`](crate::store::Store): what a standing record
 //! means for a new request, the claim loop that reclaims abandoned and expired records (the same
 //! loop for a detached claim and for one inside an enlisted transaction, through [`ClaimOps`]),
 //! and what part of a response is kept.
@@ -79,15 +79,15 @@ pub enum Claimed {
     KeyReused,
 }
 
-/// The two conditional writes the claim loop sends, with [`Store::claim`]'s and
-/// [`Store::reclaim`]'s meaning: every store has them (through `&store`), and so has an enlisted
+/// The two conditional writes the claim loop sends, with [`Store::claim`](crate::store::Store::claim)'s and
+/// [`Store::reclaim`](crate::store::Store::reclaim)'s meaning: every store has them (through `&store`), and so has an enlisted
 /// request's open transaction, so both claim through the one loop in [`claim`].
 ///
 /// A key that cannot be read because another transaction holds its row is reported as
 /// [`StandingState::Running`] with the request's own fingerprint and lease: the loop answers
 /// "in progress" and sends nothing more.
 ///
-/// The futures are boxed, as [`Store`]'s are, so a store's are passed on without another box:
+/// The futures are boxed, as [`Store`](crate::store::Store)'s are, so a store's are passed on without another box:
 /// with `impl Future + Send` instead, rustc cannot prove the framework pipelines' futures `Send`
 /// (a "higher-ranked lifetime error").
 pub trait ClaimOps: Send {
