@@ -14,7 +14,7 @@ use idempotent_runtime::store::{Claim, ClaimRequest, FencingToken, RecordedRespo
 use serde_json::Value;
 
 /// Records key `order-17` for acme/alice on `/orders`, completed with a 201.
-async fn seed(store: &dyn Store) {
+async fn seed(store: &impl Store) {
     let scope = Scope::from_identity(&Identity::subject("acme", "alice"), None).unwrap();
     let req = ClaimRequest {
         scope: scope.hash(),

@@ -16,7 +16,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::routing::post;
@@ -60,7 +59,6 @@ impl Spy {
 #[derive(Clone, Default)]
 struct SharedSpy(Arc<Spy>);
 
-#[async_trait]
 impl Store for SharedSpy {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         self.0.claims.fetch_add(1, Ordering::SeqCst);

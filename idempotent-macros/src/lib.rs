@@ -3,6 +3,7 @@
 //! Depend on `idempotent-runtime` and use `idempotent_runtime::idempotent` (or the
 //! framework-specific `idempotent_runtime::axum::idempotent`); this crate's API is not stable on
 //! its own, and the expansions name the runtime through its hidden `__private` module.
+#![forbid(unsafe_code)]
 
 use proc_macro::TokenStream;
 

@@ -182,10 +182,9 @@ fn main() {
         }
         let live = live + 2_000;
 
-        let dyn_store: Arc<dyn Store> = store.clone();
         let started = Instant::now();
         let cpu_at_start = on_cpu();
-        let sweeper = spawn_sweeper(Arc::downgrade(&dyn_store), Duration::from_secs(3600), 500);
+        let sweeper = spawn_sweeper(Arc::downgrade(&store), Duration::from_secs(3600), 500);
         let mut sweeping = Pauses::default();
         let mut last = (Instant::now(), on_cpu());
         let mut requests = 0;

@@ -23,8 +23,10 @@
 //! the first request's row lock. Once the first request committed, its record replays as usual
 //! (and a different body is 422).
 //!
-//! Enlisted handlers need the PostgreSQL store ([`PostgresStore`]) behind the
-//! [`Idempotency`]: with another store they answer 500 and log how to fix it. The
+//! Enlisted handlers need a store that can enlist in the transaction
+//! ([`Store::enlisting`](crate::store::Store::enlisting)) behind the [`Idempotency`]: the
+//! PostgreSQL store ([`PostgresStore`](crate::store::postgres::PostgresStore)), or a wrapper
+//! around it that forwards `enlisting`. With another store they answer 500 and log how to fix it. The
 //! handler's statements run on one of the store's connections, under its `lock_timeout` and
 //! `statement_timeout` (use `SET LOCAL` through the transaction to change them). A request
 //! without a key (where the key is optional) runs in a transaction too, committed or rolled
@@ -63,8 +65,9 @@ use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::Transaction;
+use futures_util::future::BoxFuture;
 use sqlx::postgres::{PgConnection, Postgres};
+use sqlx::{Database, Transaction};
 use tokio::sync::oneshot;
 
 use crate::config::Recording;
@@ -73,11 +76,13 @@ use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
 use crate::pipeline::{Begin, BeginRequest, ClaimMode, ClaimPlan};
 use crate::problem::{Problem, ProblemCode};
-use crate::record::{self, Claimed};
+use crate::record::{self, ClaimOps, Claimed};
 use crate::reservation::RunningGuard;
 use crate::scope::ScopeHash;
-use crate::store::postgres::{Glanced, PostgresStore};
-use crate::store::{FencingToken, RecordedResponse, Store, StoreError};
+use crate::store::erased::DynStore;
+use crate::store::{
+    Claim, ClaimRequest, Enlist, FencingToken, Glanced, Joinable, RecordedResponse, StoreError,
+};
 
 /// The transaction an enlisted handler writes through: take it as `tx: &mut EnlistedTx`.
 ///
@@ -196,7 +201,7 @@ pub(crate) struct Held {
 
 /// Settles an enlisted request's transaction once the handler answered.
 pub(crate) struct Settle {
-    store: Arc<dyn Store>,
+    store: Arc<dyn DynStore>,
     reserved: Option<Reserved>,
     retention: Duration,
     max_response: usize,
@@ -227,22 +232,63 @@ impl fmt::Debug for Held {
     }
 }
 
-/// The PostgreSQL store behind `handle`, if that is what it is.
-pub(crate) fn postgres(store: &Arc<dyn Store>) -> Option<&PostgresStore> {
-    let any: &dyn std::any::Any = &**store;
-    any.downcast_ref::<PostgresStore>().or_else(|| {
-        any.downcast_ref::<crate::store::cache::CachedStore<PostgresStore>>()
-            .map(|cached| cached.inner())
-    })
+/// What the store behind a handle offers enlisted requests on PostgreSQL, if it can join them
+/// ([`Store::enlisting`](crate::store::Store::enlisting): the PostgreSQL store, or any wrapper
+/// that forwards it).
+pub(crate) fn postgres(store: &dyn DynStore) -> Option<&dyn Enlist<Postgres>> {
+    store.enlisting().and_then(|e| Postgres::enlister(&e))
 }
 
-/// The refusal when the store is not PostgreSQL: a setup mistake, logged with its fix.
+/// The claim loop's writes, sent on an enlisted request's open transaction.
+struct InTransaction<'a, DB: Database> {
+    enlist: &'a dyn Enlist<DB>,
+    conn: &'a mut DB::Connection,
+}
+
+impl<DB: Database> ClaimOps for InTransaction<'_, DB> {
+    fn claim<'a>(
+        &'a mut self,
+        req: &'a ClaimRequest<'_>,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        self.enlist.claim(self.conn, req)
+    }
+
+    fn reclaim<'a>(
+        &'a mut self,
+        req: &'a ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        self.enlist.reclaim(self.conn, req, stale)
+    }
+}
+
+/// Claims `req` inside the open transaction on `conn`: the key's try-lock, then the record's
+/// claim loop through the transaction. `None` when the try-lock is held by another transaction
+/// (the key is in progress; this transaction holds nothing).
+async fn claim_in<DB: Database>(
+    enlist: &dyn Enlist<DB>,
+    conn: &mut DB::Connection,
+    req: &ClaimRequest<'_>,
+    same_request: impl Fn(&crate::fingerprint::Fingerprint) -> bool,
+) -> Result<Option<Claimed>, StoreError> {
+    if !enlist.lock(conn, req).await? {
+        // Another request's transaction holds this key: its reservation is not visible yet,
+        // so the only honest answer is "in progress", whatever this request's body.
+        return Ok(None);
+    }
+    record::claim(InTransaction { enlist, conn }, req, same_request)
+        .await
+        .map(Some)
+}
+
+/// The refusal when the store cannot enlist: a setup mistake, logged with its fix.
 pub(crate) fn not_postgres(route: &str) -> Problem {
     tracing::error!(
         route,
-        "#[idempotent(enlisted)] needs the PostgreSQL store: build the Idempotency over \
-         idempotent_runtime::store::postgres::PostgresStore, or remove `enlisted` to run this \
-         handler in detached mode"
+        "#[idempotent(enlisted)] needs a store that can enlist in a PostgreSQL transaction: build \
+         the Idempotency over idempotent_runtime::store::postgres::PostgresStore (a wrapper \
+         around it forwards Store::enlisting), or remove `enlisted` to run this handler in \
+         detached mode"
     );
     Problem::new(
         500,
@@ -264,7 +310,7 @@ fn unavailable(handle: &Idempotency, route: &str, error: &StoreError) -> Problem
 
 fn settle_for(
     handle: &Idempotency,
-    store: Arc<dyn Store>,
+    store: Arc<dyn DynStore>,
     reserved: Option<Reserved>,
     retention: Duration,
     max_response: usize,
@@ -288,11 +334,11 @@ fn settle_for(
 /// optional.
 pub(crate) async fn begin_unkeyed(handle: &Idempotency, route: &str) -> Result<Held, Problem> {
     let store = Arc::clone(handle.store());
-    let Some(pg) = postgres(&store) else {
+    let Some(pg) = postgres(&*store) else {
         return Err(not_postgres(route));
     };
     let tx = pg
-        .enlisted_begin()
+        .begin()
         .await
         .map_err(|e| unavailable(handle, route, &e))?;
     let config = handle.config();
@@ -358,7 +404,7 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
     let plan = ClaimPlan::new(req, handle.contributor());
     let route = plan.route;
     let store = Arc::clone(handle.store());
-    let Some(pg) = postgres(&store) else {
+    let Some(pg) = postgres(&*store) else {
         return Begin::Refuse(not_postgres(route));
     };
     let (scope, key) = (req.input.scope.hash(), req.key.as_str());
@@ -366,7 +412,7 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
     if in_flight.contains(scope, key) {
         return in_progress(handle, req, plan.claim.lease);
     }
-    match pg.enlisted_glance(&plan.claim).await {
+    match pg.glance(&plan.claim).await {
         Ok(Glanced::Completed {
             fingerprint,
             response,
@@ -386,14 +432,11 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
     let Some(guard) = in_flight.enter(scope, key) else {
         return in_progress(handle, req, plan.claim.lease);
     };
-    let mut tx = match pg.enlisted_begin().await {
+    let mut tx = match pg.begin().await {
         Ok(tx) => tx,
         Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
     };
-    let claimed = match pg
-        .enlisted_claim(&mut tx, &plan.claim, |f| plan.same_request(f))
-        .await
-    {
+    let claimed = match claim_in(pg, &mut tx, &plan.claim, |f| plan.same_request(f)).await {
         Ok(Some(claimed @ Claimed::Acquired { .. })) => claimed,
         // The try-lock failed: this transaction holds nothing, and dropping it rolls it back
         // as its connection returns to the pool, after the 409 is on its way.
@@ -403,7 +446,7 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
         // It holds the key's lock: end it before answering, or the client's next request
         // could still meet the lock and get a 409 for a key that is free.
         Ok(Some(decided)) => {
-            pg.enlisted_rollback(tx, route).await;
+            pg.rollback(tx, route).await;
             return handle.answer(req, decided, || {
                 unreachable!("only an acquired key is held")
             });
@@ -486,7 +529,7 @@ impl Settle {
             "a reservation commits only with its response"
         );
         let key = self.reserved.as_ref().map(|r| r.key.as_str());
-        let pg = postgres(&self.store).expect("a held transaction comes from PostgreSQL");
+        let pg = postgres(&*self.store).expect("a held transaction comes from an enlisting store");
         // A handler that swallowed a database error leaves the transaction aborted, and its
         // COMMIT would silently roll back: every statement sent now fails with 25P02 instead,
         // so it is caught before the commit (the completion is that statement for a keyed
@@ -496,16 +539,16 @@ impl Settle {
             Err(aborted_transaction(&route, key))
         };
         if self.reserved.is_none()
-            && let Err(error) = pg.enlisted_probe(&mut tx).await
+            && let Err(error) = pg.probe(&mut tx).await
         {
-            if PostgresStore::is_aborted(&error) {
+            if pg.is_aborted(&error) {
                 return aborted(tx).await;
             }
             return Err(failed("the transaction could not be checked", &error, key));
         }
         if let (Some(reserved), Some(response)) = (&self.reserved, response) {
             let completed = pg
-                .enlisted_complete(
+                .complete(
                     &mut tx,
                     &reserved.scope,
                     reserved.key.as_str(),
@@ -517,7 +560,7 @@ impl Settle {
             match completed {
                 Ok(true) => {}
                 Ok(false) => return Err(failed("the reservation was gone", &"fenced", key)),
-                Err(error) if PostgresStore::is_aborted(&error) => return aborted(tx).await,
+                Err(error) if pg.is_aborted(&error) => return aborted(tx).await,
                 Err(error) => return Err(failed("recording failed", &error, key)),
             }
         }

@@ -11,6 +11,7 @@ use crate::pipeline::Watch;
 use crate::problem::{Problem, RefusalRenderer, RenderedRefusal};
 use crate::reservation::{Running, RunningGuard};
 use crate::scope::{RequestHead, Resolution, Resolver, ScopeHash};
+use crate::store::erased::DynStore;
 use crate::store::memory::MemoryStore;
 use crate::store::{RecordInfo, Store, StoreError};
 
@@ -35,7 +36,7 @@ pub struct Idempotency {
 }
 
 struct Inner {
-    store: Arc<dyn Store>,
+    store: Arc<dyn DynStore>,
     config: Config,
     /// `None` for the default sink, which discards every event: the request path then skips
     /// building them (a key's SHA-256 each).
@@ -73,7 +74,7 @@ impl std::fmt::Debug for Idempotency {
 /// Builds an [`Idempotency`].
 #[must_use]
 pub struct Builder {
-    store: Arc<dyn Store>,
+    store: Arc<dyn DynStore>,
     config: Config,
     audit: Option<Arc<dyn AuditSink>>,
     contributor: Option<Arc<dyn FingerprintContributor>>,
@@ -154,15 +155,15 @@ impl Builder {
     /// The handle.
     pub fn build(self) -> Idempotency {
         let sweeper = (self.sweeper && tokio::runtime::Handle::try_current().is_ok()).then(|| {
-            crate::store::spawn_sweeper(
+            crate::store::sweeper(
                 Arc::downgrade(&self.store),
                 self.config.retention,
                 SWEEP_BATCH,
             )
         });
-        let memory = memory_id(&self.store);
+        let local = self.store.process_local();
         let store = self.store.kind();
-        if memory.is_some() {
+        if local.is_some() {
             // Said at startup: nothing fails when replicas each keep their own records, so
             // nothing would say it later.
             tracing::info!(
@@ -174,7 +175,7 @@ impl Builder {
         } else {
             tracing::info!(store, "idempotency on the {store} store");
         }
-        let watch = Watch::new(memory);
+        let watch = Watch::new(local.map(|local| local.id()));
         Idempotency {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -226,7 +227,7 @@ impl Idempotency {
     }
 
     /// A builder over a store already behind an `Arc` (to keep a typed handle on it too).
-    pub fn builder_arc(store: Arc<dyn Store>) -> Builder {
+    pub fn builder_arc<S: Store>(store: Arc<S>) -> Builder {
         Builder {
             store,
             config: Config::default(),
@@ -245,7 +246,7 @@ impl Idempotency {
     }
 
     /// The store.
-    pub fn store(&self) -> &Arc<dyn Store> {
+    pub(crate) fn store(&self) -> &Arc<dyn DynStore> {
         &self.inner.store
     }
 
@@ -348,18 +349,18 @@ impl Idempotency {
     }
 
     /// Sets the gauges of [the contract](crate::design) §7 from their current values
-    /// (`idempotent_running_reservations`, `idempotent_buffered_bytes`, and for the in-memory
-    /// store `idempotent_memory_store_records` and `idempotent_memory_store_bytes`). Call it
+    /// (`idempotent_running_reservations`, `idempotent_buffered_bytes`, and for a store that
+    /// reports [gauges](Store::gauges), the in-memory one or a wrapper around it,
+    /// `idempotent_memory_store_records` and `idempotent_memory_store_bytes`). Call it
     /// before each scrape, or on a timer. A no-op without the `metrics` feature.
     pub fn report_gauges(&self) {
         #[cfg(feature = "metrics")]
         {
             metrics::gauge!("idempotent_running_reservations").set(self.running() as f64);
             metrics::gauge!("idempotent_buffered_bytes").set(self.buffered_bytes() as f64);
-            let store: &dyn std::any::Any = &**self.store();
-            if let Some(memory) = store.downcast_ref::<MemoryStore>() {
-                metrics::gauge!("idempotent_memory_store_records").set(memory.len() as f64);
-                metrics::gauge!("idempotent_memory_store_bytes").set(memory.bytes() as f64);
+            if let Some(gauges) = self.store().gauges() {
+                metrics::gauge!("idempotent_memory_store_records").set(gauges.records as f64);
+                metrics::gauge!("idempotent_memory_store_bytes").set(gauges.bytes as f64);
             }
         }
     }
@@ -374,13 +375,6 @@ impl Idempotency {
     }
 }
 
-/// The identity of an in-memory store, which protects only the handles that share it.
-fn memory_id(store: &Arc<dyn Store>) -> Option<usize> {
-    let any: &dyn std::any::Any = &**store;
-    any.is::<MemoryStore>()
-        .then(|| Arc::as_ptr(store).cast::<()>() as usize)
-}
-
 /// Whether a record belongs to `route` (a record without a known route matches any).
 fn on_route(info: &RecordInfo, route: Option<&str>) -> bool {
     match (route, info.route.as_deref()) {
@@ -391,7 +385,16 @@ fn on_route(info: &RecordInfo, route: Option<&str>) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::Idempotency;
+    use crate::scope::ScopeHash;
+    use crate::store::memory::MemoryStore;
+    use crate::store::{
+        Claim, ClaimRequest, Enlisting, FencingToken, ProcessLocal, RecordInfo, RecordedResponse,
+        Store, StoreError, StoreGauges,
+    };
 
     #[test]
     fn building_the_handle_names_its_store_and_the_memory_store_says_it_protects_one_process() {
@@ -406,5 +409,198 @@ mod tests {
             .unwrap_or_default();
         assert!(line.contains("store=\"memory\""), "{text}");
         assert!(line.contains("protects this process only"), "{text}");
+    }
+
+    /// A user's wrapper: every method and capability forwarded to the store it wraps.
+    struct Wrapped<S>(S);
+
+    impl<S: Store> Store for Wrapped<S> {
+        async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            self.0.claim(req).await
+        }
+        async fn reclaim(
+            &self,
+            req: &ClaimRequest<'_>,
+            stale: FencingToken,
+        ) -> Result<Claim, StoreError> {
+            self.0.reclaim(req, stale).await
+        }
+        async fn complete(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            response: &RecordedResponse,
+            retention: Duration,
+        ) -> Result<bool, StoreError> {
+            self.0
+                .complete(scope, key, token, response, retention)
+                .await
+        }
+        async fn release(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+        ) -> Result<bool, StoreError> {
+            self.0.release(scope, key, token).await
+        }
+        async fn renew(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            token: FencingToken,
+            lease: Duration,
+        ) -> Result<bool, StoreError> {
+            self.0.renew(scope, key, token, lease).await
+        }
+        async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
+            self.0.sweep(batch).await
+        }
+        async fn inspect(
+            &self,
+            scope: &ScopeHash,
+            key: &str,
+            with_response: bool,
+        ) -> Result<Option<RecordInfo>, StoreError> {
+            self.0.inspect(scope, key, with_response).await
+        }
+        async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+            self.0.forget(scope, key).await
+        }
+        fn kind(&self) -> &'static str {
+            self.0.kind()
+        }
+        fn enlisting(&self) -> Option<Enlisting<'_>> {
+            self.0.enlisting()
+        }
+        fn gauges(&self) -> Option<StoreGauges> {
+            self.0.gauges()
+        }
+        fn process_local(&self) -> Option<ProcessLocal> {
+            self.0.process_local()
+        }
+    }
+
+    /// The gauges a handle reports, by name.
+    #[cfg(feature = "metrics")]
+    #[derive(Default)]
+    struct Gauges(std::sync::Mutex<Vec<(String, Arc<std::sync::atomic::AtomicU64>)>>);
+
+    #[cfg(feature = "metrics")]
+    impl Gauges {
+        fn get(&self, name: &str) -> Option<f64> {
+            let gauges = self.0.lock().expect("gauges");
+            let (_, value) = gauges.iter().find(|(n, _)| n == name)?;
+            Some(f64::from_bits(
+                value.load(std::sync::atomic::Ordering::Relaxed),
+            ))
+        }
+    }
+
+    #[cfg(feature = "metrics")]
+    impl metrics::Recorder for Gauges {
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn register_counter(
+            &self,
+            _: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Counter {
+            metrics::Counter::noop()
+        }
+        fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+            let value = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let mut gauges = self.0.lock().expect("gauges");
+            gauges.push((key.name().to_owned(), Arc::clone(&value)));
+            metrics::Gauge::from_arc(value)
+        }
+        fn register_histogram(
+            &self,
+            _: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Histogram {
+            metrics::Histogram::noop()
+        }
+    }
+
+    #[cfg(feature = "metrics")]
+    #[tokio::test]
+    async fn a_wrapper_around_the_memory_store_reports_its_gauges() {
+        let store = Arc::new(Wrapped(MemoryStore::default()));
+        let handle = Idempotency::builder_arc(Arc::clone(&store))
+            .sweeper(false)
+            .build();
+        let scope = [4; 32];
+        let req = crate::reservation::tests::request(&scope, "k", Duration::from_secs(60));
+        assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+        let answer = RecordedResponse {
+            status: 201,
+            headers: vec![],
+            body: bytes::Bytes::from_static(b"done"),
+        };
+        let retention = Duration::from_secs(60);
+        assert!(
+            store
+                .complete(&scope, "k", req.token, &answer, retention)
+                .await
+                .unwrap()
+        );
+
+        let gauges = Gauges::default();
+        metrics::with_local_recorder(&gauges, || handle.report_gauges());
+        assert_eq!(gauges.get("idempotent_memory_store_records"), Some(1.0));
+        assert_eq!(
+            gauges.get("idempotent_memory_store_bytes"),
+            Some(store.0.bytes() as f64)
+        );
+        assert!(store.0.bytes() > 0);
+    }
+
+    /// The misuse watch's error line for one route served by two process-local stores.
+    const SPLIT: &str = "two different in-memory idempotency stores serve this route";
+
+    #[test]
+    fn a_wrapper_around_the_memory_store_is_seen_as_process_local() {
+        let (logs, _guard) = crate::testlog::Logs::capture();
+        let shared = Arc::new(Wrapped(MemoryStore::default()));
+        let first = Idempotency::builder_arc(Arc::clone(&shared))
+            .sweeper(false)
+            .build();
+        let clone = Idempotency::builder_arc(shared).sweeper(false).build();
+        first.watch().served("/wrapped-local");
+        clone.watch().served("/wrapped-local");
+        assert!(
+            logs.errors().is_empty(),
+            "one store under two handles is fine: {:?}",
+            logs.errors()
+        );
+
+        let other = Idempotency::builder(Wrapped(MemoryStore::default()))
+            .sweeper(false)
+            .build();
+        other.watch().served("/wrapped-local");
+        let errors = logs.errors();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].contains(SPLIT), "{errors:?}");
     }
 }

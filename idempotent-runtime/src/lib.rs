@@ -51,6 +51,15 @@
 //! `Idempotency-Replayed: true`; a different body under that key is 422; a duplicate while the
 //! first runs is 409.
 //!
+//! # Where authentication goes
+//!
+//! Records are scoped by the caller's [`Identity`], which your authentication inserts into the
+//! request extensions. Authentication runs before the idempotency step, an outer layer in tower
+//! terms: on axum a layer added *after* the `axum::IdempotencyLayer` (so it wraps it), on
+//! actix-web a `wrap` registered after the `actix::IdempotencyMiddleware`, or, with the
+//! attribute, an extractor before the handler's last parameter. A request with an `Authorization` header and no
+//! published identity is refused (500 `IDEMPOTENCY_SCOPE_UNRESOLVED`), never scoped as anonymous.
+//!
 //! # Map
 //!
 //! - [`axum`] and [`actix`]: the attribute, the router-level layer / middleware (features
@@ -68,6 +77,7 @@
 //! The core modules know no web framework; the `axum` and `actix` features add the integrations.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 #[cfg(feature = "actix")]
 #[cfg_attr(docsrs, doc(cfg(feature = "actix")))]

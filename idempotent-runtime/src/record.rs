@@ -1,4 +1,4 @@
-//! The record's life ([the contract](crate::design) §3) as plain functions over a [`Store`]: what a standing record
+//! The record's life ([the contract](crate::design) §3) as plain functions over a [`Store`](crate::store::Store): what a standing record
 //! means for a new request, the claim loop that reclaims abandoned and expired records (the same
 //! loop for a detached claim and for one inside an enlisted transaction, through [`ClaimOps`]),
 //! and what part of a response is kept.
@@ -14,8 +14,9 @@ use futures_util::future::BoxFuture;
 
 use crate::config::{Config, Recording};
 use crate::fingerprint::Fingerprint;
+use crate::store::erased::DynStore;
 use crate::store::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store, StoreError,
+    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, StoreError,
 };
 
 /// What a standing record means for a request with fingerprint `fp`.
@@ -78,15 +79,15 @@ pub enum Claimed {
     KeyReused,
 }
 
-/// The two conditional writes the claim loop sends, with [`Store::claim`]'s and
-/// [`Store::reclaim`]'s meaning: every store has them (through `&store`), and so has an enlisted
+/// The two conditional writes the claim loop sends, with [`Store::claim`](crate::store::Store::claim)'s and
+/// [`Store::reclaim`](crate::store::Store::reclaim)'s meaning: every store has them (through `&store`), and so has an enlisted
 /// request's open transaction, so both claim through the one loop in [`claim`].
 ///
 /// A key that cannot be read because another transaction holds its row is reported as
 /// [`StandingState::Running`] with the request's own fingerprint and lease: the loop answers
 /// "in progress" and sends nothing more.
 ///
-/// The futures are boxed, as [`Store`]'s are, so a store's are passed on without another box:
+/// The futures are boxed, as [`Store`](crate::store::Store)'s are, so a store's are passed on without another box:
 /// with `impl Future + Send` instead, rustc cannot prove the framework pipelines' futures `Send`
 /// (a "higher-ranked lifetime error").
 pub trait ClaimOps: Send {
@@ -105,15 +106,12 @@ pub trait ClaimOps: Send {
     ) -> BoxFuture<'a, Result<Claim, StoreError>>;
 }
 
-impl<S: Store + ?Sized> ClaimOps for &S {
+impl<S: DynStore + ?Sized> ClaimOps for &S {
     fn claim<'a>(
         &'a mut self,
         req: &'a ClaimRequest<'_>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        #[cfg(feature = "metrics")]
-        return Store::claim_timed(*self, req);
-        #[cfg(not(feature = "metrics"))]
-        Store::claim(*self, req)
+        DynStore::claim(*self, req)
     }
 
     fn reclaim<'a>(
@@ -124,11 +122,11 @@ impl<S: Store + ?Sized> ClaimOps for &S {
         #[cfg(feature = "metrics")]
         return Box::pin(crate::observe::timed(
             "reclaim",
-            self.kind(),
-            Store::reclaim(*self, req, stale),
+            DynStore::kind(*self),
+            DynStore::reclaim(*self, req, stale),
         ));
         #[cfg(not(feature = "metrics"))]
-        Store::reclaim(*self, req, stale)
+        DynStore::reclaim(*self, req, stale)
     }
 }
 
@@ -336,8 +334,7 @@ mod tests {
     /// request's own reservation when the statement is sent again.
     struct WrittenBeforeTheConnectionDied;
 
-    #[async_trait::async_trait]
-    impl Store for WrittenBeforeTheConnectionDied {
+    impl crate::store::Store for WrittenBeforeTheConnectionDied {
         async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
             Ok(Claim::Standing(Standing {
                 token: req.token,

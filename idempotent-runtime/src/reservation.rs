@@ -15,7 +15,7 @@ use crate::config::Recording;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
 use crate::scope::ScopeHash;
-use crate::store::{FencingToken, RecordedResponse, Store, StoreError};
+use crate::store::{FencingToken, RecordedResponse, StoreError};
 
 /// A held key: run the handler through [`Reservation::run`], then [`complete`](Self::complete)
 /// or [`release`](Self::release) it. Dropped unsettled (a panic, a cancelled task), it releases
@@ -53,7 +53,7 @@ impl Renewal {
 
 #[derive(Debug)]
 struct Guard {
-    store: Arc<dyn Store>,
+    store: Arc<dyn crate::store::erased::DynStore>,
     scope: ScopeHash,
     key: IdempotencyKey,
     token: FencingToken,
@@ -97,7 +97,7 @@ impl Reservation {
     /// A reservation held in `store` by `token`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn held(
-        store: Arc<dyn Store>,
+        store: Arc<dyn crate::store::erased::DynStore>,
         scope: ScopeHash,
         key: IdempotencyKey,
         token: FencingToken,
@@ -402,7 +402,7 @@ pub(crate) mod tests {
     use super::*;
     use crate::fingerprint::Fingerprint;
     use crate::store::memory::MemoryStore;
-    use crate::store::{Claim, ClaimRequest, Standing, StandingState};
+    use crate::store::{Claim, ClaimRequest, Standing, StandingState, Store};
 
     /// The memory store behind switches: `down` fails every call as an unreachable database
     /// would, `hang_claims` writes a claim and then never answers (the connection stalls with
@@ -429,7 +429,6 @@ pub(crate) mod tests {
         }
     }
 
-    #[async_trait::async_trait]
     impl Store for Outage {
         async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
             self.check()?;
@@ -531,7 +530,7 @@ pub(crate) mod tests {
     fn held(store: &Arc<Outage>, req: &ClaimRequest<'_>) -> Reservation {
         let running = Running::default();
         Reservation::held(
-            Arc::clone(store) as Arc<dyn Store>,
+            Arc::clone(store) as Arc<dyn crate::store::erased::DynStore>,
             *req.scope,
             IdempotencyKey::new(req.key).unwrap(),
             req.token,

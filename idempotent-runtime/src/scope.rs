@@ -105,9 +105,12 @@ impl ScopeError {
         match self {
             Self::CredentialWithoutIdentity => {
                 "the request carries a credential header (Authorization or a configured \
-                 credential header) but no Identity was published: run the auth layer inside the \
-                 idempotency layer (or before the handler's last parameter) and insert an \
-                 idempotent_runtime::scope::Identity into the request extensions, or set a \
+                 credential header) but no Identity was published: authentication must run \
+                 before the idempotency step, an outer layer in tower terms (axum: a layer added \
+                 after the idempotency layer, so wrapping it, or an extractor before the \
+                 handler's last parameter; actix-web: a wrap registered after the idempotency \
+                 middleware, or such an extractor) and insert an \
+                 idempotent_runtime::scope::Identity into the request extensions; or set a \
                  resolver on the runtime"
             }
             Self::NoPeerAddress => {
@@ -965,5 +968,83 @@ mod tests {
                 prop_assert_eq!(got, Ok(ip("198.51.100.1")));
             }
         }
+    }
+
+    /// Where authentication goes has one wording everywhere a user reads it (issue 29 item 4):
+    /// it runs *before* the idempotency step, an outer layer in tower terms. "Outside" and
+    /// "inside" the idempotency layer were read both ways, and the log once said the opposite
+    /// of the README, so the old phrasings are refused here wherever they could come back.
+    #[test]
+    fn auth_placement_has_one_wording() {
+        let crate_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        // Words only, lowercased: comment markers, string continuations, quotes and line breaks
+        // must not hide a phrase that wraps across lines.
+        let words = |text: &str| {
+            text.split(|c: char| !(c.is_alphanumeric() || c == '\'' || c == '-'))
+                .filter(|w| !w.is_empty())
+                .map(str::to_lowercase)
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let read = |path: &std::path::Path| {
+            std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        };
+        let mut files = vec![
+            crate_dir.join("../README.md"),
+            crate_dir.join("README.md"),
+            crate_dir.join("docs/DESIGN.md"),
+        ];
+        let mut dirs = vec![crate_dir.join("src")];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    dirs.push(path);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    files.push(path);
+                }
+            }
+        }
+        let old = [
+            ["outside the", "idempotency"],
+            ["inside the", "idempotency"],
+            ["auth layer", "sits outside"],
+            ["authentication outside", "the route"],
+        ]
+        .map(|[a, b]| format!("{a} {b}"));
+        for path in &files {
+            let source = read(path);
+            // This file's tests name the old phrasings to refuse them; its code is still read.
+            let source = match source.split_once("\nmod tests {") {
+                Some((code, _)) if path.ends_with("scope.rs") => code.to_owned(),
+                _ => source,
+            };
+            let text = words(&source);
+            for phrase in &old {
+                assert!(
+                    !text.contains(phrase.as_str()),
+                    "{} says \"{phrase}\": say that authentication runs before the idempotency \
+                     step (an outer layer in tower terms)",
+                    path.display()
+                );
+            }
+        }
+        let wording = "before the idempotency step";
+        for path in [
+            "../README.md",
+            "README.md",
+            "src/lib.rs",
+            "src/axum/mod.rs",
+            "src/actix/mod.rs",
+        ] {
+            let text = words(&read(&crate_dir.join(path)));
+            assert!(text.contains(wording), "{path} does not say \"{wording}\"");
+        }
+        let remedy = words(ScopeError::CredentialWithoutIdentity.remedy());
+        assert!(remedy.contains(wording), "the log line's remedy: {remedy}");
+        assert!(
+            remedy.contains("outer layer"),
+            "the log line's remedy: {remedy}"
+        );
     }
 }

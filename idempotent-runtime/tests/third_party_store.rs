@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, Store, StoreError,
@@ -12,7 +11,6 @@ use idempotent_runtime::store::{
 /// Implements exactly the required methods, as a store written against 0.1.0 would.
 struct MinimalStore;
 
-#[async_trait]
 impl Store for MinimalStore {
     async fn claim(&self, _req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         Ok(Claim::Acquired)
@@ -63,7 +61,7 @@ impl Store for MinimalStore {
 
 #[tokio::test]
 async fn a_store_with_only_the_required_methods_gets_documented_defaults() {
-    let store: &dyn Store = &MinimalStore;
+    let store = &MinimalStore;
     let scope: ScopeHash = [1; 32];
 
     assert_eq!(store.kind(), "custom");

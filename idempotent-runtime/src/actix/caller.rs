@@ -21,8 +21,8 @@ use crate::scope::{Scope, ScopeHash};
 /// The [`Idempotency`](crate::Idempotency) handle is the one registered as application data,
 /// as `#[idempotent]` finds it. The extractor's error answers what the pipeline would answer
 /// the same request (500 `IDEMPOTENCY_SCOPE_UNRESOLVED`, or the resolver's own refusal),
-/// rendered by the handle's refusal renderer. Wrap the application's authentication outside
-/// the route, as for the idempotent routes.
+/// rendered by the handle's refusal renderer. As for the idempotent routes, authentication runs
+/// before it: a `wrap` around the route, registered after any other.
 ///
 /// ```
 /// use actix_web::{App, HttpResponse, delete, web};

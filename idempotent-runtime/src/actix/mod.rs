@@ -57,12 +57,13 @@
 //! # Identity
 //!
 //! The scope is built from an [`Identity`](crate::scope::Identity) in the request extensions
-//! (`req.extensions_mut().insert(identity)`), put there by your authentication middleware
-//! (wrapped outside the idempotency step: App-level `wrap` runs before a handler's attribute and
-//! before a scope's [`IdempotencyMiddleware`]) or, with the attribute, by an authentication
-//! extractor among the handler's parameters. A request that carries `Authorization` without a
-//! published identity is refused (500 `IDEMPOTENCY_SCOPE_UNRESOLVED`); anonymous callers are
-//! scoped by `peer_addr().ip()` (behind `trusted_proxies`, by `X-Forwarded-For`).
+//! (`req.extensions_mut().insert(identity)`). Authentication runs before the idempotency step,
+//! an outer layer in tower terms: a `wrap` registered *after* the scope's
+//! [`IdempotencyMiddleware`] (actix runs the last-registered `wrap` first), an App-level `wrap`
+//! around an attributed handler, or, with the attribute, an authentication extractor before the
+//! handler's last parameter. A request that carries `Authorization` without a published
+//! identity is refused (500 `IDEMPOTENCY_SCOPE_UNRESOLVED`); anonymous callers are scoped by
+//! `peer_addr().ip()` (behind `trusted_proxies`, by `X-Forwarded-For`).
 
 use std::future::{Ready, ready};
 

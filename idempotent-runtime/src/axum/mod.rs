@@ -4,9 +4,12 @@
 //! The store comes from the application state (`Idempotency: FromRef<AppState>`, checked
 //! at compile time), or from the request extensions when the handler takes an
 //! `Extension<Idempotency>` parameter. The caller's identity is an
-//! [`Identity`](crate::Identity) the application's auth middleware (or an earlier extractor)
-//! inserts into the request extensions; anonymous callers are scoped by their peer address, so
-//! serve with `into_make_service_with_connect_info::<SocketAddr>()`.
+//! [`Identity`](crate::Identity) the application's authentication inserts into the request
+//! extensions. Authentication runs before the idempotency step, an outer layer in tower terms: a
+//! layer added *after* the [`IdempotencyLayer`] (`.route_layer(idempotency).layer(auth)`, so it
+//! wraps it; any router layer around an attributed handler), or an extractor before the
+//! handler's last parameter. Anonymous callers are scoped by their peer address, so serve with
+//! `into_make_service_with_connect_info::<SocketAddr>()`.
 //!
 //! ```
 //! use axum::{Json, Router, extract::State, http::StatusCode, routing::post};

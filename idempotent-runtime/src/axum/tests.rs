@@ -201,7 +201,6 @@ fn down() -> crate::store::StoreError {
     crate::store::StoreError::unavailable("connection refused")
 }
 
-#[async_trait::async_trait]
 impl crate::store::Store for Flaky {
     async fn claim(
         &self,

@@ -133,7 +133,7 @@ impl ClaimMode for Detached {
 /// may have written under the request's own token, so the key does not stand at 409 for a
 /// whole lease. The token is fresh, so the release can free nothing but this claim's.
 struct InFlight<'a> {
-    store: &'a Arc<dyn crate::store::Store>,
+    store: &'a Arc<dyn crate::store::erased::DynStore>,
     claim: &'a ClaimRequest<'a>,
     armed: bool,
 }

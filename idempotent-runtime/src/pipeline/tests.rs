@@ -855,7 +855,7 @@ async fn a_claim_dropped_while_the_store_call_is_in_flight_leaves_the_key_free()
     use crate::reservation::tests::Outage;
 
     let store = Arc::new(Outage::default());
-    let handle = Idempotency::builder_arc(Arc::clone(&store) as Arc<dyn crate::store::Store>)
+    let handle = Idempotency::builder_arc(Arc::clone(&store))
         .sweeper(false)
         .build();
     let head = TestHead::keyed("k");

@@ -20,7 +20,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use hashbrown::{HashMap, HashTable};
 
@@ -378,7 +377,6 @@ impl<S: Store> CachedStore<S> {
     }
 }
 
-#[async_trait]
 impl<S: Store> Store for CachedStore<S> {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         self.claim_through(req, false).await
@@ -484,6 +482,20 @@ impl<S: Store> Store for CachedStore<S> {
     fn expires_by_itself(&self) -> bool {
         self.inner.expires_by_itself()
     }
+
+    /// The store's own: an enlisted request claims and completes in its transaction, past the
+    /// cache (whose copies are only of records completed through it).
+    fn enlisting(&self) -> Option<super::Enlisting<'_>> {
+        self.inner.enlisting()
+    }
+
+    fn gauges(&self) -> Option<super::StoreGauges> {
+        self.inner.gauges()
+    }
+
+    fn process_local(&self) -> Option<super::ProcessLocal> {
+        self.inner.process_local()
+    }
 }
 
 #[cfg(test)]
@@ -547,7 +559,6 @@ mod tests {
         claims: AtomicUsize,
     }
 
-    #[async_trait]
     impl Store for Counting {
         async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
             self.claims.fetch_add(1, Ordering::Relaxed);
@@ -847,7 +858,6 @@ mod tests {
         }
     }
 
-    #[async_trait]
     impl Store for Interleaved {
         async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
             let read = self.inner.claim(req).await;

@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use hashbrown::{HashMap, HashTable};
 
@@ -578,7 +577,6 @@ fn matches<'a>(hash: u64, scope: &'a ScopeHash, key: &'a str) -> impl Fn(&Slot) 
     move |s| s.hash == hash && s.record.scope == *scope && s.record.key() == key
 }
 
-#[async_trait]
 impl Store for MemoryStore {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let now = self.clock.monotonic_millis();
@@ -789,6 +787,15 @@ impl Store for MemoryStore {
 
     fn kind(&self) -> &'static str {
         "memory"
+    }
+
+    fn gauges(&self) -> Option<super::StoreGauges> {
+        Some(super::StoreGauges::new(self.len(), self.bytes()))
+    }
+
+    /// Its records live in this process: it protects only the handles that share it.
+    fn process_local(&self) -> Option<super::ProcessLocal> {
+        Some(super::ProcessLocal::of(self))
     }
 }
 
@@ -1383,9 +1390,8 @@ mod sweep_tests {
         let clock = ManualClock::new();
         let store = Arc::new(store_with(&clock, 5_000, 10).await);
         clock.advance(Duration::from_secs(3));
-        let dyn_store: Arc<dyn Store> = store.clone();
         let _sweeper =
-            super::super::spawn_sweeper(Arc::downgrade(&dyn_store), Duration::from_secs(1), 500);
+            super::super::spawn_sweeper(Arc::downgrade(&store), Duration::from_secs(1), 500);
         // On one thread, this task runs only when the sweeper yields: it must see the store
         // part-swept, not only before and after.
         let mut seen = std::collections::BTreeSet::new();
@@ -1398,7 +1404,6 @@ mod sweep_tests {
             part_swept >= 5,
             "the sweeper held the thread through its batches: saw only {seen:?}"
         );
-        drop(dyn_store);
     }
 }
 

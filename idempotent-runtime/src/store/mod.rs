@@ -6,16 +6,18 @@
 //! by an injectable [`Clock`](crate::clock::Clock), the SQL stores by the database's.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 
 pub mod cache;
+mod enlist;
+pub(crate) mod erased;
 pub mod memory;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
@@ -36,6 +38,9 @@ pub mod contract;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "sqlite"))))]
 pub use crate::sql::{InvalidName, Migration, Migrations};
+pub use enlist::Enlisting;
+#[cfg(feature = "postgres")]
+pub(crate) use enlist::{Enlist, Glanced, Joinable};
 
 /// A fencing token: fresh for every claim and reclaim. Completing, releasing and renewing are
 /// conditional on it, so a holder whose lease lapsed can never touch its successor's record.
@@ -386,9 +391,9 @@ impl std::error::Error for StoreError {
 /// A backend that keeps idempotency records.
 ///
 /// Every method is one conditional write (or read) decided by the backend atomically; the
-/// contract suite (`store::contract`, feature `testing`) checks an implementation. (`Any` lets the
-/// enlisted mode find the PostgreSQL store behind an `Arc<dyn Store>`; every `'static` type is
-/// `Any`, so it asks nothing of an implementation.)
+/// contract suite (`store::contract`, feature `testing`) checks an implementation. Write the
+/// methods as plain `async fn`s: the trait declares each one's future `Send`, so no macro is
+/// needed, and the runtime boxes each call once, where it holds the store behind its handle.
 ///
 /// The request path needs the required methods (claim, reclaim, complete, release, renew,
 /// sweep). The rest have defaults, and every operation added in a later version will come with
@@ -396,54 +401,129 @@ impl std::error::Error for StoreError {
 /// exists without the backend (the operator's [`inspect`](Self::inspect) and
 /// [`forget`](Self::forget)), the default fails with [`StoreError::Unsupported`] naming the
 /// operation, rather than pretending nothing is stored.
-#[async_trait]
-pub trait Store: std::any::Any + Send + Sync {
+///
+/// # Capabilities
+///
+/// What a store can do beyond the required methods is stated by methods with defaults, never
+/// found out from its type: [`enlisting`](Self::enlisting) (it can claim and record inside a
+/// database transaction, for enlisted endpoints), [`gauges`](Self::gauges) (its records and
+/// bytes, for [`Idempotency::report_gauges`](crate::Idempotency::report_gauges)) and
+/// [`process_local`](Self::process_local) (it protects only the handles of this process that
+/// share it). A wrapper around a store (metrics, retries, the [cache](cache::CachedStore)) keeps
+/// every capability of the store it wraps by forwarding each one in a line:
+///
+/// ```
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use std::time::Duration;
+///
+/// use idempotent_runtime::scope::ScopeHash;
+/// use idempotent_runtime::store::{
+///     Claim, ClaimRequest, Enlisting, FencingToken, ProcessLocal, RecordInfo, RecordedResponse,
+///     Store, StoreError, StoreGauges,
+/// };
+///
+/// /// Counts the claims that reach the store it wraps.
+/// struct Counted<S> {
+///     inner: S,
+///     claims: AtomicU64,
+/// }
+///
+/// impl<S: Store> Store for Counted<S> {
+///     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+///         self.claims.fetch_add(1, Ordering::Relaxed);
+///         self.inner.claim(req).await
+///     }
+///     async fn reclaim(&self, req: &ClaimRequest<'_>, stale: FencingToken)
+///         -> Result<Claim, StoreError> {
+///         self.inner.reclaim(req, stale).await
+///     }
+///     async fn complete(&self, scope: &ScopeHash, key: &str, token: FencingToken,
+///         response: &RecordedResponse, retention: Duration) -> Result<bool, StoreError> {
+///         self.inner.complete(scope, key, token, response, retention).await
+///     }
+///     async fn release(&self, scope: &ScopeHash, key: &str, token: FencingToken)
+///         -> Result<bool, StoreError> {
+///         self.inner.release(scope, key, token).await
+///     }
+///     async fn renew(&self, scope: &ScopeHash, key: &str, token: FencingToken, lease: Duration)
+///         -> Result<bool, StoreError> {
+///         self.inner.renew(scope, key, token, lease).await
+///     }
+///     async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
+///         self.inner.sweep(batch).await
+///     }
+///     async fn inspect(&self, scope: &ScopeHash, key: &str, with_response: bool)
+///         -> Result<Option<RecordInfo>, StoreError> {
+///         self.inner.inspect(scope, key, with_response).await
+///     }
+///     async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+///         self.inner.forget(scope, key).await
+///     }
+///
+///     // What the wrapped store is and can do, forwarded: without these lines the wrapper would
+///     // be a `custom` store that cannot enlist, reports no gauges, and is not process-local.
+///     fn kind(&self) -> &'static str { self.inner.kind() }
+///     fn expires_by_itself(&self) -> bool { self.inner.expires_by_itself() }
+///     fn enlisting(&self) -> Option<Enlisting<'_>> { self.inner.enlisting() }
+///     fn gauges(&self) -> Option<StoreGauges> { self.inner.gauges() }
+///     fn process_local(&self) -> Option<ProcessLocal> { self.inner.process_local() }
+/// }
+///
+/// # use idempotent_runtime::store::memory::MemoryStore;
+/// let store = Counted { inner: MemoryStore::default(), claims: AtomicU64::new(0) };
+/// assert_eq!(store.kind(), "memory");
+/// assert!(store.process_local().is_some(), "a wrapped memory store is still process-local");
+/// ```
+pub trait Store: Send + Sync + 'static {
     /// Installs `req.token` under `(scope, key)` if nothing live stands there; otherwise reports
     /// what stands. An expired record is either taken over here (reported as
     /// [`Claim::Acquired`]) or reported as [`StandingState::Expired`] for a [`reclaim`](Self::reclaim).
-    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError>;
+    fn claim(
+        &self,
+        req: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
     /// Takes over a record held by `stale` that is expired, or abandoned (lease lapsed): installs
     /// `req.token`, `req.fingerprint` and a new lease. If `stale` no longer holds the key, or the
     /// record is no longer takeable, reports what stands instead (or acquires, if nothing does).
-    async fn reclaim(
+    fn reclaim(
         &self,
         req: &ClaimRequest<'_>,
         stale: FencingToken,
-    ) -> Result<Claim, StoreError>;
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
     /// Turns the reservation held by `token` into a completed record kept for `retention`.
     /// `Ok(false)` when `token` no longer holds the key (fenced).
-    async fn complete(
+    fn complete(
         &self,
         scope: &ScopeHash,
         key: &str,
         token: FencingToken,
         response: &RecordedResponse,
         retention: Duration,
-    ) -> Result<bool, StoreError>;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Deletes the reservation held by `token`. `Ok(false)` when `token` no longer holds it.
-    async fn release(
+    fn release(
         &self,
         scope: &ScopeHash,
         key: &str,
         token: FencingToken,
-    ) -> Result<bool, StoreError>;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Extends the lease held by `token` to `lease` from now. `Ok(false)` when fenced or
     /// already completed.
-    async fn renew(
+    fn renew(
         &self,
         scope: &ScopeHash,
         key: &str,
         token: FencingToken,
         lease: Duration,
-    ) -> Result<bool, StoreError>;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Deletes up to `batch` expired records, re-checking expiry in the delete itself. Returns
     /// how many were deleted; a full batch means more may remain.
-    async fn sweep(&self, batch: usize) -> Result<usize, StoreError>;
+    fn sweep(&self, batch: usize) -> impl Future<Output = Result<usize, StoreError>> + Send;
 
     /// Reads the record under `(scope, key)` for an operator, whatever its state (expired ones
     /// not yet swept included), without changing it. `with_response` asks for the recorded
@@ -451,16 +531,16 @@ pub trait Store: std::any::Any + Send + Sync {
     /// the body. `Ok(None)` when there is no record.
     ///
     /// Default: [`StoreError::Unsupported`] (`operation: "inspect"`).
-    async fn inspect(
+    fn inspect(
         &self,
         scope: &ScopeHash,
         key: &str,
         with_response: bool,
-    ) -> Result<Option<RecordInfo>, StoreError> {
+    ) -> impl Future<Output = Result<Option<RecordInfo>, StoreError>> + Send {
         let _ = (scope, key, with_response);
-        Err(StoreError::Unsupported {
+        std::future::ready(Err(StoreError::Unsupported {
             operation: "inspect",
-        })
+        }))
     }
 
     /// Deletes the record under `(scope, key)` whatever its state and token, for an operator
@@ -468,11 +548,15 @@ pub trait Store: std::any::Any + Send + Sync {
     /// running under a forgotten reservation is fenced: its completion finds no record.
     ///
     /// Default: [`StoreError::Unsupported`] (`operation: "forget"`); nothing is deleted.
-    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
+    fn forget(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let _ = (scope, key);
-        Err(StoreError::Unsupported {
+        std::future::ready(Err(StoreError::Unsupported {
             operation: "forget",
-        })
+        }))
     }
 
     /// [`claim`](Self::claim), timed into the store latency histogram
@@ -482,8 +566,11 @@ pub trait Store: std::any::Any + Send + Sync {
     /// overrides it: what it answers is timed under its own label, and the rest goes to its
     /// store's `claim_timed`, so that a shared store's histogram counts only the claims that
     /// reached it. Any other wrapper may forward it or leave the default.
-    async fn claim_timed(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        crate::observe::timed("claim", self.kind(), self.claim(req)).await
+    fn claim_timed(
+        &self,
+        req: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        crate::observe::timed("claim", self.kind(), self.claim(req))
     }
 
     /// A short name for metrics labels (`memory`, `postgres`, `sqlite`, …); default `custom`.
@@ -496,11 +583,65 @@ pub trait Store: std::any::Any + Send + Sync {
     fn expires_by_itself(&self) -> bool {
         false
     }
+
+    /// The database transactions this store can claim and record in, for enlisted endpoints
+    /// ([`enlisted`](crate::enlisted)); default `None`: an enlisted endpoint over it answers
+    /// 500 `IDEMPOTENCY_STORE_NOT_ENLISTABLE`. The PostgreSQL store answers its own; a wrapper
+    /// forwards the store it wraps (`self.inner.enlisting()`), and then claims and completions
+    /// of enlisted requests go to that store inside the request's transaction, not through the
+    /// wrapper's [`claim`](Self::claim) and [`complete`](Self::complete).
+    fn enlisting(&self) -> Option<Enlisting<'_>> {
+        None
+    }
+
+    /// What the store holds now, for [`Idempotency::report_gauges`](crate::Idempotency::report_gauges)
+    /// (the `idempotent_memory_store_records` and `idempotent_memory_store_bytes` gauges of
+    /// [the contract](crate::design) §7); default `None`, for a store whose size lives elsewhere
+    /// (the SQL stores, Redis). The memory store reports its own.
+    fn gauges(&self) -> Option<StoreGauges> {
+        None
+    }
+
+    /// `Some` when the store keeps its records in this process (the memory store), so that it
+    /// protects only the handles that share it: the runtime then warns when two different
+    /// process-local stores serve one route (a duplicate reaching the other one would run
+    /// again). Default `None`, for a store shared through a server.
+    fn process_local(&self) -> Option<ProcessLocal> {
+        None
+    }
 }
 
-impl fmt::Debug for dyn Store {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("dyn Store")
+/// What a store holds, as [`Store::gauges`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StoreGauges {
+    /// Records kept (reservations and completed).
+    pub records: usize,
+    /// Bytes they take, as the store counts them against its bounds.
+    pub bytes: usize,
+}
+
+impl StoreGauges {
+    /// `records` records taking `bytes` bytes.
+    pub fn new(records: usize, bytes: usize) -> Self {
+        Self { records, bytes }
+    }
+}
+
+/// A process-local store's identity ([`Store::process_local`]): two handles whose stores report
+/// the same one share their records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ProcessLocal(usize);
+
+impl ProcessLocal {
+    /// The identity of the store at `store`'s address: call it with `self` from
+    /// [`Store::process_local`] (the address stays the store's while a handle holds it).
+    pub fn of<T>(store: &T) -> Self {
+        Self(std::ptr::from_ref(store).addr())
+    }
+
+    pub(crate) fn id(self) -> usize {
+        self.0
     }
 }
 
@@ -509,8 +650,17 @@ impl fmt::Debug for dyn Store {
 /// suspends, like the in-memory one, would otherwise hold a worker thread until the last batch).
 /// The task holds the store weakly and ends when the store is dropped (or when the returned
 /// handle is aborted). Must be called inside a Tokio runtime.
-pub fn spawn_sweeper(
-    store: std::sync::Weak<dyn Store>,
+pub fn spawn_sweeper<S: Store>(
+    store: std::sync::Weak<S>,
+    retention: Duration,
+    batch: usize,
+) -> tokio::task::JoinHandle<()> {
+    sweeper(store, retention, batch)
+}
+
+/// [`spawn_sweeper`] over the store behind a handle.
+pub(crate) fn sweeper(
+    store: std::sync::Weak<dyn erased::DynStore>,
     retention: Duration,
     batch: usize,
 ) -> tokio::task::JoinHandle<()> {
@@ -616,8 +766,7 @@ mod tests {
         assert_eq!(store.claim(&live).await.unwrap(), Claim::Acquired);
         clock.advance(Duration::from_secs(3));
 
-        let dyn_store: Arc<dyn Store> = store.clone();
-        let sweeper = spawn_sweeper(Arc::downgrade(&dyn_store), Duration::from_secs(1), 500);
+        let sweeper = spawn_sweeper(Arc::downgrade(&store), Duration::from_secs(1), 500);
         // One cadence: the first tick sweeps 500, 500, then 200 without waiting for more ticks.
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         assert_eq!(
@@ -626,7 +775,6 @@ mod tests {
             "the expired records are gone, the live one stays"
         );
 
-        drop(dyn_store);
         drop(store);
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert!(sweeper.is_finished(), "the sweeper outlived its store");

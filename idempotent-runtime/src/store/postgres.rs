@@ -31,7 +31,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -46,8 +45,6 @@ use crate::sql::{self, InvalidName, Migrations, Pg, STORE_NAMES, Step, TableName
 
 mod batch;
 mod enlisted;
-
-pub(crate) use enlisted::Glanced;
 
 /// The versioned DDL shipped with the crate, in order. `{table}` is replaced by the quoted,
 /// qualified table name, `{name}` by the bare one and `{schema}` by the quoted schema and a dot
@@ -1289,7 +1286,6 @@ fn still_running(req: &ClaimRequest<'_>) -> Claim {
     Claim::Standing(busy(req.fingerprint, req.lease))
 }
 
-#[async_trait]
 impl Store for PostgresStore {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         self.claim_on(&mut On::Pool, req).await
@@ -1399,6 +1395,11 @@ impl Store for PostgresStore {
 
     fn kind(&self) -> &'static str {
         "postgres"
+    }
+
+    /// Joins PostgreSQL transactions ([enlisted mode](crate::enlisted)).
+    fn enlisting(&self) -> Option<crate::store::Enlisting<'_>> {
+        Some(crate::store::Enlisting::postgres(self))
     }
 }
 

@@ -45,7 +45,6 @@ use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClient;
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::{ErrorKind, RedisError, Script, ScriptInvocation, ServerErrorKind, Value};
-use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::{
@@ -767,7 +766,6 @@ fn flag(reply: &Value) -> Result<bool, StoreError> {
     }
 }
 
-#[async_trait]
 impl Store for RedisStore {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         self.claim_script(req, None).await

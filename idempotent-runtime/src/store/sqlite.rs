@@ -26,7 +26,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
@@ -443,7 +442,6 @@ fn still_running(req: &ClaimRequest<'_>) -> Claim {
     })
 }
 
-#[async_trait]
 impl Store for SqliteStore {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         // Optimistic read: a replay or an in-progress answer costs this one statement.

@@ -18,9 +18,10 @@ use sqlx::{AssertSqlSafe, Row as _, Transaction};
 
 use super::{On, PostgresStore, corrupt, millis_i64, now, unavailable};
 use crate::fingerprint::Fingerprint;
-use crate::record::{self, ClaimOps, Claimed};
 use crate::scope::ScopeHash;
-use crate::store::{Claim, ClaimRequest, FencingToken, RecordedResponse, StoreError};
+use crate::store::{
+    Claim, ClaimRequest, Enlist, FencingToken, Glanced, RecordedResponse, StoreError,
+};
 
 /// Default size of the pool kept apart for [`PostgresStore::enlisted_glance`].
 pub(super) const RESERVED_CONNECTIONS: u32 = 2;
@@ -63,20 +64,6 @@ impl Glance {
             pool: OnceLock::new(),
         }
     }
-}
-
-/// What the read before the transaction found.
-#[derive(Debug)]
-pub(crate) enum Glanced {
-    /// A completed, unexpired record: replay it (or refuse a different request).
-    Completed {
-        fingerprint: Fingerprint,
-        response: Arc<RecordedResponse>,
-    },
-    /// Another transaction (on any replica) holds the key's try-lock: it is in progress.
-    Held,
-    /// Neither: begin the transaction and claim.
-    Open,
 }
 
 impl PostgresStore {
@@ -159,17 +146,15 @@ impl PostgresStore {
         i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
     }
 
-    /// Claims `req` inside the open transaction on `conn`: the try-lock, then [`record::claim`]
-    /// with the same conditional insert (and token-conditional takeover) as a detached claim.
-    /// `None` when the try-lock is held by another transaction (the key is in progress; this
-    /// transaction holds nothing). Anything but [`Claimed::Acquired`] leaves the transaction to
-    /// be rolled back, and it holds the key's lock until it is.
-    pub(crate) async fn enlisted_claim(
+    /// Takes the key's transaction-scoped try-lock in the open transaction on `conn`. `false`
+    /// when another transaction holds it (the key is in progress; this transaction holds
+    /// nothing). Whatever the claim then decides, anything but an acquired key leaves the
+    /// transaction to be rolled back, and it holds the key's lock until it is.
+    pub(crate) async fn enlisted_lock(
         &self,
         conn: &mut PgConnection,
         req: &ClaimRequest<'_>,
-        same_request: impl Fn(&Fingerprint) -> bool,
-    ) -> Result<Option<Claimed>, StoreError> {
+    ) -> Result<bool, StoreError> {
         self.count();
         // The table's OID joins the key: two schemas (or databases' search paths) with a table of
         // the same name must never share a lock, or one's request is another's false 409.
@@ -177,20 +162,11 @@ impl PostgresStore {
             "SELECT pg_try_advisory_xact_lock($1 # '{}'::regclass::oid::bigint)",
             self.table.qualified
         );
-        let locked: bool = sqlx::query_scalar(AssertSqlSafe(sql))
+        sqlx::query_scalar(AssertSqlSafe(sql))
             .bind(self.enlisted_lock_key(req.scope, req.key))
             .fetch_one(&mut *conn)
             .await
-            .map_err(unavailable)?;
-        if !locked {
-            // Another request's transaction holds this key: its reservation is not visible
-            // yet, so the only honest answer is "in progress", whatever this request's body.
-            return Ok(None);
-        }
-        // A row locked by a detached request past `lock_timeout` aborts the transaction and
-        // reads as running: the loop answers "in progress" without another statement.
-        let claimed = record::claim(InTransaction { store: self, conn }, req, same_request).await?;
-        Ok(Some(claimed))
+            .map_err(unavailable)
     }
 
     /// Ends a transaction that decided not to run (a replay, a refusal) before the answer goes
@@ -257,31 +233,74 @@ impl PostgresStore {
     }
 }
 
-/// The claim loop's writes, sent on an enlisted request's open transaction.
-struct InTransaction<'a> {
-    store: &'a PostgresStore,
-    conn: &'a mut PgConnection,
-}
+/// The PostgreSQL store's part in enlisted requests. A row locked by a detached request past
+/// `lock_timeout` aborts the transaction and reads as running: the claim loop answers "in
+/// progress" without another statement.
+impl Enlist<Postgres> for PostgresStore {
+    fn glance<'a>(
+        &'a self,
+        req: &'a ClaimRequest<'_>,
+    ) -> BoxFuture<'a, Result<Glanced, StoreError>> {
+        Box::pin(self.enlisted_glance(req))
+    }
 
-impl ClaimOps for InTransaction<'_> {
+    fn begin(&self) -> BoxFuture<'_, Result<Transaction<'static, Postgres>, StoreError>> {
+        Box::pin(self.enlisted_begin())
+    }
+
+    fn lock<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        req: &'a ClaimRequest<'_>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(self.enlisted_lock(conn, req))
+    }
+
     fn claim<'a>(
-        &'a mut self,
+        &'a self,
+        conn: &'a mut PgConnection,
         req: &'a ClaimRequest<'_>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(async move {
-            let mut on = On::Transaction(&mut *self.conn);
-            self.store.claim_on(&mut on, req).await
-        })
+        Box::pin(async move { self.claim_on(&mut On::Transaction(conn), req).await })
     }
 
     fn reclaim<'a>(
-        &'a mut self,
+        &'a self,
+        conn: &'a mut PgConnection,
         req: &'a ClaimRequest<'_>,
         stale: FencingToken,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
-            let mut on = On::Transaction(&mut *self.conn);
-            self.store.reclaim_on(&mut on, req, stale).await
+            self.reclaim_on(&mut On::Transaction(conn), req, stale)
+                .await
         })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        scope: &'a ScopeHash,
+        key: &'a str,
+        token: FencingToken,
+        response: &'a RecordedResponse,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(self.enlisted_complete(conn, scope, key, token, response, retention))
+    }
+
+    fn probe<'a>(&'a self, conn: &'a mut PgConnection) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.enlisted_probe(conn))
+    }
+
+    fn rollback<'a>(
+        &'a self,
+        tx: Transaction<'static, Postgres>,
+        route: &'a str,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(self.enlisted_rollback(tx, route))
+    }
+
+    fn is_aborted(&self, error: &StoreError) -> bool {
+        Self::is_aborted(error)
     }
 }
