@@ -107,7 +107,7 @@ pub mod problem;
 pub mod record;
 pub mod reservation;
 pub mod scope;
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod sql;
 pub mod store;
 

@@ -4,8 +4,9 @@
 //!
 //! A dialect says how to open the migration's transaction so that concurrent migrators of the
 //! same tables queue behind each other (PostgreSQL: a transaction-scoped advisory lock derived
-//! from the table's name; SQLite: `BEGIN IMMEDIATE`, the database's write lock), and the few
-//! column types and parameters that differ. Adding a database is one more `impl Dialect`.
+//! from the table's name; SQLite: `BEGIN IMMEDIATE`, the database's write lock; MySQL/MariaDB: a
+//! named `GET_LOCK` held by the migrating session), and the few column types, parameters and
+//! identifier quotes that differ. Adding a database is one more `impl Dialect`.
 
 use std::fmt;
 
@@ -106,13 +107,28 @@ pub(crate) struct TableName {
     pub(crate) versions: String,
     /// `"schema".` or nothing: what qualifies the table's indexes.
     pub(crate) prefix: String,
+    /// The identifier quote: `"` (PostgreSQL, SQLite) or `` ` `` (MySQL, whose sessions do not
+    /// set `ANSI_QUOTES`).
+    quote: char,
 }
 
 impl TableName {
+    // Only the PostgreSQL and SQLite stores quote with `"`.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     pub(crate) fn new(
         rules: NameRules,
         schema: Option<&str>,
         name: &str,
+    ) -> Result<Self, InvalidName> {
+        Self::quoted_with(rules, schema, name, '"')
+    }
+
+    /// [`new`](Self::new) with identifiers quoted by `quote` (MySQL's backtick).
+    pub(crate) fn quoted_with(
+        rules: NameRules,
+        schema: Option<&str>,
+        name: &str,
+        quote: char,
     ) -> Result<Self, InvalidName> {
         let check = |kind: &'static str, ident: &str, max: usize| {
             let mut chars = ident.chars();
@@ -140,13 +156,15 @@ impl TableName {
         if let Some(schema) = schema {
             check("schema", schema, rules.max_schema)?;
         }
-        let prefix = schema.map_or_else(String::new, |s| format!("\"{s}\"."));
+        let q = quote;
+        let prefix = schema.map_or_else(String::new, |s| format!("{q}{s}{q}."));
         Ok(Self {
-            qualified: format!("{prefix}\"{name}\""),
-            versions: format!("{prefix}\"{name}_migrations\""),
+            qualified: format!("{prefix}{q}{name}{q}"),
+            versions: format!("{prefix}{q}{name}_migrations{q}"),
             prefix,
             schema: schema.map(str::to_owned),
             name: name.to_owned(),
+            quote,
         })
     }
 
@@ -171,8 +189,16 @@ impl TableName {
                     sql: self.render(s.template),
                 })
                 .collect(),
-            schema: self.schema.clone(),
-            sqlx_table: format!("{}\"{}_sqlx_migrations\"", self.prefix, self.name),
+            schema: self
+                .schema
+                .as_ref()
+                .map(|s| format!("{q}{s}{q}", q = self.quote)),
+            sqlx_table: format!(
+                "{}{q}{}_sqlx_migrations{q}",
+                self.prefix,
+                self.name,
+                q = self.quote
+            ),
         }
     }
 }
@@ -209,6 +235,7 @@ pub struct Migration {
 #[derive(Debug, Clone)]
 pub struct Migrations {
     items: Vec<Migration>,
+    /// The quoted schema, if one is configured.
     schema: Option<String>,
     sqlx_table: String,
 }
@@ -240,7 +267,7 @@ impl Migrations {
         );
         m.dangerous_set_table_name(self.sqlx_table.clone());
         if let Some(schema) = &self.schema {
-            m.create_schema(format!("\"{schema}\""));
+            m.create_schema(schema.clone());
         }
         m
     }
@@ -279,6 +306,21 @@ pub(crate) trait Dialect {
     /// Statements run first in the transaction: the lock that queues concurrent migrators of
     /// this table, and whatever must exist before the version table (its schema).
     fn prelude(table: &TableName) -> Vec<String>;
+
+    /// A query of one `bigint` run after the prelude that must answer 1: a lock that can also
+    /// be refused (MySQL's `GET_LOCK` gives up after its timeout), so that migrators never run
+    /// unserialised. Default: none.
+    fn lock(_table: &TableName) -> Option<String> {
+        None
+    }
+
+    /// Statements run on the migrating connection once the transaction has ended, committed
+    /// or not: the release of a session-scoped lock the prelude took (MySQL's `GET_LOCK`
+    /// outlives transactions). If they fail, the connection is closed rather than pooled, which
+    /// releases such a lock too. Default: none.
+    fn finish(_table: &TableName) -> Vec<String> {
+        Vec::new()
+    }
 
     /// The version table, created if missing (with the columns earlier releases created).
     fn versions_ddl(table: &TableName) -> String;
@@ -382,6 +424,93 @@ impl Dialect for Lite {
     }
 }
 
+/// MySQL and MariaDB: DDL commits implicitly, so a transaction cannot serialise migrators.
+/// They queue instead on a named lock (`GET_LOCK`, up to 60 s) derived from the table's name
+/// and held by the migrating session across the implicit commits; [`Dialect::finish`]
+/// releases it (and a session that dies releases it too). The shipped DDL is idempotent
+/// (`CREATE TABLE IF NOT EXISTS`), so a step interrupted between its DDL and its version row
+/// is applied again harmlessly.
+#[cfg(feature = "mysql")]
+pub(crate) struct My;
+
+#[cfg(feature = "mysql")]
+impl My {
+    /// The lock's name: at most 64 characters, whatever the table's.
+    fn lock_name(table: &TableName) -> String {
+        let digest = Sha256::digest(format!("idempotent-migrate:{}", table.versions));
+        let hex: String = digest[..12].iter().map(|b| format!("{b:02x}")).collect();
+        format!("idempotent-migrate-{hex}")
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl Dialect for My {
+    type Db = sqlx::MySql;
+    const BEGIN: &'static str = "BEGIN";
+    const BLOB: &'static str = "VARBINARY(32)";
+    const NOW: &'static str = "NOW(3)";
+
+    fn prelude(table: &TableName) -> Vec<String> {
+        let mut sql = vec![
+            // Migrating replicas queue behind each other; a store's short lock waits are for
+            // claims, not for DDL waiting on a table's metadata lock. The session's own values
+            // come back in `finish`: the connection returns to a store's pool.
+            "SET @idempotent_lwt = @@SESSION.lock_wait_timeout, \
+                 @idempotent_ilwt = @@SESSION.innodb_lock_wait_timeout"
+                .to_owned(),
+            "SET SESSION lock_wait_timeout = 60, innodb_lock_wait_timeout = 60".to_owned(),
+        ];
+        if let Some(schema) = &table.schema {
+            sql.push(format!("CREATE DATABASE IF NOT EXISTS `{schema}`"));
+        }
+        sql
+    }
+
+    fn lock(table: &TableName) -> Option<String> {
+        Some(format!(
+            "SELECT CAST(COALESCE(GET_LOCK('{}', 60), 0) AS SIGNED)",
+            Self::lock_name(table)
+        ))
+    }
+
+    fn finish(table: &TableName) -> Vec<String> {
+        vec![
+            format!("DO RELEASE_LOCK('{}')", Self::lock_name(table)),
+            "SET SESSION lock_wait_timeout = @idempotent_lwt, \
+                 innodb_lock_wait_timeout = @idempotent_ilwt"
+                .to_owned(),
+        ]
+    }
+
+    fn versions_ddl(table: &TableName) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} (\
+                 version BIGINT NOT NULL PRIMARY KEY, \
+                 description TEXT NOT NULL, \
+                 applied_at DATETIME(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3), \
+                 checksum VARBINARY(32)) ENGINE = InnoDB",
+            table.versions
+        )
+    }
+
+    fn has_checksum(table: &TableName) -> String {
+        let schema = table
+            .schema
+            .as_ref()
+            .map_or_else(|| "DATABASE()".to_owned(), |s| format!("'{s}'"));
+        format!(
+            "SELECT CAST(COUNT(*) AS SIGNED) FROM information_schema.columns \
+             WHERE table_schema = {schema} AND table_name = '{}_migrations' \
+               AND column_name = 'checksum'",
+            table.name
+        )
+    }
+
+    fn param(_: usize) -> String {
+        "?".to_owned()
+    }
+}
+
 /// The checksum recorded for a rendered migration.
 fn checksum(sql: &str) -> Vec<u8> {
     Sha256::digest(sql).to_vec()
@@ -411,9 +540,51 @@ where
     (i64,): for<'r> FromRow<'r, <D::Db as Database>::Row>,
     (i64, Option<Vec<u8>>): for<'r> FromRow<'r, <D::Db as Database>::Row>,
 {
-    let mut tx = pool.begin_with(D::BEGIN).await?;
+    let mut conn = pool.acquire().await?;
+    let migrated = migrate_on::<D>(&mut conn, table, steps).await;
+    for sql in D::finish(table) {
+        if let Err(e) = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await {
+            tracing::warn!(table = %table.qualified, error = %e, "could not end the migration's lock");
+            conn.close_on_drop();
+            break;
+        }
+    }
+    migrated
+}
+
+/// [`migrate`]'s transaction, on one connection.
+async fn migrate_on<D: Dialect>(
+    conn: &mut <D::Db as Database>::Connection,
+    table: &TableName,
+    steps: &[Step],
+) -> Result<(), sqlx::Error>
+where
+    for<'c> &'c mut <D::Db as Database>::Connection: Executor<'c, Database = D::Db>,
+    <D::Db as Database>::Arguments: IntoArguments<D::Db>,
+    i64: Type<D::Db> + for<'q> Encode<'q, D::Db> + for<'r> Decode<'r, D::Db>,
+    String: Type<D::Db> + for<'q> Encode<'q, D::Db>,
+    Vec<u8>: Type<D::Db> + for<'q> Encode<'q, D::Db>,
+    (i64,): for<'r> FromRow<'r, <D::Db as Database>::Row>,
+    (i64, Option<Vec<u8>>): for<'r> FromRow<'r, <D::Db as Database>::Row>,
+{
+    use sqlx::Connection as _;
+    let mut tx = conn.begin_with(AssertSqlSafe(D::BEGIN.to_owned())).await?;
     for sql in D::prelude(table) {
         sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
+    }
+    if let Some(lock) = D::lock(table) {
+        let got: i64 = sqlx::query_scalar(AssertSqlSafe(lock))
+            .fetch_one(&mut *tx)
+            .await?;
+        if got != 1 {
+            return Err(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "another migrator of {} held its lock for 60 s; nothing was applied",
+                    table.qualified
+                ),
+            )));
+        }
     }
     sqlx::raw_sql(AssertSqlSafe(D::versions_ddl(table)))
         .execute(&mut *tx)

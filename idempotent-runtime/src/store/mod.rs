@@ -19,6 +19,9 @@ pub mod cache;
 mod enlist;
 pub(crate) mod erased;
 pub mod memory;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
@@ -35,8 +38,11 @@ pub mod sqlite;
 pub mod contract;
 
 /// The SQL stores' (and the inbox's) shared naming error and DDL for users' own migration tools.
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "sqlite"))))]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
+)]
 pub use crate::sql::{InvalidName, Migration, Migrations};
 pub use enlist::Enlisting;
 #[cfg(feature = "postgres")]
@@ -287,7 +293,7 @@ pub fn time_from_millis(ms: i64) -> SystemTime {
 
 /// What an SQL store's inspect statement read, column by column (times in ms by the database's
 /// clock), before it is what an operator sees.
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 pub(crate) struct InspectedRow {
     pub(crate) completed: bool,
     pub(crate) status: Option<i64>,
@@ -302,7 +308,7 @@ pub(crate) struct InspectedRow {
     pub(crate) body: Option<Vec<u8>>,
 }
 
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 impl InspectedRow {
     /// The record as an operator sees it; `Err` when its stored headers do not decode.
     pub(crate) fn into_info(self) -> Result<RecordInfo, StoreError> {
