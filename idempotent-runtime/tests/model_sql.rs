@@ -1,6 +1,7 @@
 //! Model-based checks of every store (DESIGN.md §3): random operation sequences, concurrent
-//! claims among them, run against SQLite (with a manual clock), PostgreSQL (with its test clock
-//! offset) and the memory store, each compared step by step with `contract::model`'s reference.
+//! claims among them, run against SQLite (with a manual clock), PostgreSQL and MySQL/MariaDB
+//! (with their test clock offsets) and the memory store, each compared step by step with
+//! `contract::model`'s reference.
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
@@ -10,7 +11,8 @@
 //! `IDEMPOTENT_MODEL_CASES` sets the number of random sequences per store (default 256, what CI
 //! runs); a failure is shrunk to a minimal sequence, printed, and its seed persisted in
 //! `tests/model_sql.proptest-regressions` (commit it: every later run replays it first). PostgreSQL tests read
-//! `DATABASE_URL` and skip with a message when it is unset, unless `IDEMPOTENT_REQUIRE_DB=1`.
+//! `DATABASE_URL` and skip with a message when it is unset, unless `IDEMPOTENT_REQUIRE_DB=1`;
+//! the MySQL one reads `MYSQL_URL` (`IDEMPOTENT_REQUIRE_MYSQL=1`).
 
 mod support;
 
@@ -175,6 +177,53 @@ fn postgres_store_agrees_with_the_model() {
             .connect(&url)
             .await
             .expect("connect to DATABASE_URL");
+        store.migrate().await.expect("migrate");
+        Arc::new(store)
+    });
+    let clock = Arc::clone(&store);
+    run_model(&rt, store, move |d| clock.advance_clock_for_tests(d));
+}
+
+#[cfg(feature = "mysql")]
+#[test]
+fn mysql_store_agrees_with_the_model() {
+    use idempotent_runtime::store::mysql::MySqlStore;
+    use sqlx::ConnectOptions as _;
+
+    let Some(url) = support::mysql_url() else {
+        return;
+    };
+    let database = format!("idem_model_{:016x}", FencingToken::mint().0);
+
+    /// Drops the test's database when the test ends, panicking or not.
+    struct DropDatabase<'a>(&'a tokio::runtime::Runtime, &'a str, &'a str);
+    impl Drop for DropDatabase<'_> {
+        fn drop(&mut self) {
+            let sql = format!("DROP DATABASE IF EXISTS `{}`", self.2);
+            self.0.block_on(async {
+                use sqlx::Connection;
+                let Ok(options) = self.1.parse::<sqlx::mysql::MySqlConnectOptions>() else {
+                    return;
+                };
+                if let Ok(mut conn) = options.connect().await {
+                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                        .execute(&mut conn)
+                        .await;
+                    let _ = conn.close().await;
+                }
+            });
+        }
+    }
+
+    let rt = runtime();
+    let _drop = DropDatabase(&rt, &url, &database);
+    let store = rt.block_on(async {
+        let store = MySqlStore::builder()
+            .database(&database)
+            .table("records")
+            .connect(&url)
+            .await
+            .expect("connect to MYSQL_URL");
         store.migrate().await.expect("migrate");
         Arc::new(store)
     });

@@ -408,6 +408,8 @@ async fn replays_write_no_redo() {
             .await
             .unwrap()
     );
+    // Background work (the purge of the completion's undo) settles first.
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let l1 = lsn(&db).await;
     let started = Instant::now();
     for _ in 0..1_000 {
@@ -426,7 +428,9 @@ async fn replays_write_no_redo() {
         l2 - l1,
         elapsed / 1_000
     );
-    assert_eq!(l2, l1, "a replay wrote to the redo log");
+    // Any row, undo or lock-table write a statement made would be tens of bytes; what the
+    // server's background threads write meanwhile is far less than a byte a replay.
+    assert!(l2 - l1 < 1_000, "1,000 replays wrote {} bytes of redo", l2 - l1);
 }
 
 #[tokio::test]
