@@ -26,6 +26,8 @@ pub enum StoreKind {
     Sqlite,
     /// Redis or Valkey (several replicas may share it).
     Redis,
+    /// MySQL or MariaDB (several replicas may share it).
+    Mysql,
 }
 
 /// Command-line options of a conformance server.
@@ -84,7 +86,7 @@ impl Default for Options {
     }
 }
 
-const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite|redis --database-url URL --redis-prefix PREFIX \
+const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite|redis|mysql --database-url URL --redis-prefix PREFIX \
 --lease SECS --retention SECS --max-body BYTES --max-response BYTES --body-timeout SECS \
 --reuse-status 422|409 \
 --missing-status 400|428 --trusted-proxy CIDR (repeatable) --key-header NAME \
@@ -124,6 +126,7 @@ impl Options {
                         "postgres" => StoreKind::Postgres,
                         "sqlite" => StoreKind::Sqlite,
                         "redis" => StoreKind::Redis,
+                        "mysql" => StoreKind::Mysql,
                         _ => return Err(bad("unknown store")),
                     }
                 }
@@ -289,9 +292,29 @@ impl Options {
                     .resolver(Self::resolver)
                     .build())
             }
+            #[cfg(feature = "mysql")]
+            StoreKind::Mysql => {
+                // `mysql://user@host:3306/DB`; several replicas may start at once: `migrate()`
+                // serialises them. A test isolates itself through the URL's database.
+                let url = self
+                    .database_url
+                    .as_deref()
+                    .ok_or("--store mysql needs --database-url mysql://USER@HOST:PORT/DB")?;
+                let store = idempotent_runtime::store::mysql::MySqlStore::connect(url).await?;
+                store.migrate().await?;
+                let builder = if self.local_cache {
+                    Idempotency::builder(idempotent_runtime::store::cache::CachedStore::new(store))
+                } else {
+                    Idempotency::builder(store)
+                };
+                Ok(builder
+                    .config(self.config())
+                    .resolver(Self::resolver)
+                    .build())
+            }
             #[allow(unreachable_patterns)]
-            StoreKind::Postgres | StoreKind::Sqlite | StoreKind::Redis => {
-                Err("this build has no support for the selected store (cargo features postgres, sqlite, redis)".into())
+            StoreKind::Postgres | StoreKind::Sqlite | StoreKind::Redis | StoreKind::Mysql => {
+                Err("this build has no support for the selected store (cargo features postgres, sqlite, redis, mysql)".into())
             }
         }
     }
@@ -575,6 +598,17 @@ mod tests {
         )
         .unwrap();
         assert_eq!(redis.store, StoreKind::Redis);
+        let mysql = Options::parse(
+            "--store mysql --database-url mysql://root@127.0.0.1:3306/test"
+                .split(' ')
+                .map(String::from),
+        )
+        .unwrap();
+        assert_eq!(mysql.store, StoreKind::Mysql);
+        assert_eq!(
+            mysql.database_url.as_deref(),
+            Some("mysql://root@127.0.0.1:3306/test")
+        );
         assert_eq!(redis.redis_prefix, "t1");
         assert!(Options::parse(["--store".into(), "mongodb".into()]).is_err());
         assert!(Options::parse(["--bogus".into(), "1".into()]).is_err());

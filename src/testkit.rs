@@ -131,3 +131,94 @@ pub fn example_binary(name: &str) -> PathBuf {
     }
     profile_dir.join("examples").join(name)
 }
+
+/// `MYSQL_URL`, or `None` after saying the test skips. With `IDEMPOTENT_REQUIRE_MYSQL=1` (CI) a
+/// missing URL fails the test instead, so MySQL tests cannot silently skip there.
+pub fn mysql_url() -> Option<String> {
+    match std::env::var("MYSQL_URL") {
+        Ok(url) => Some(url),
+        Err(_) if std::env::var("IDEMPOTENT_REQUIRE_MYSQL").as_deref() == Ok("1") => {
+            panic!("IDEMPOTENT_REQUIRE_MYSQL=1 but MYSQL_URL is unset")
+        }
+        Err(_) => {
+            eprintln!("MYSQL_URL is unset: skipping this MySQL/MariaDB test");
+            None
+        }
+    }
+}
+
+/// A MySQL/MariaDB database of the test's own (`idem_<prefix>_<random>`), dropped with it.
+/// Created and dropped from a thread of its own, so it works inside and outside a runtime.
+#[cfg(feature = "mysql")]
+pub struct MysqlDatabase {
+    base: String,
+    name: String,
+}
+
+#[cfg(feature = "mysql")]
+impl MysqlDatabase {
+    /// Creates the database on the server `base` (a `mysql://` URL) names.
+    pub fn new(base: &str, prefix: &str) -> Self {
+        let name = format!(
+            "idem_{prefix}_{:016x}",
+            idempotent_runtime::store::FencingToken::mint().0
+        );
+        mysql_admin(base, format!("CREATE DATABASE `{name}`")).expect("create database");
+        Self {
+            base: base.to_owned(),
+            name,
+        }
+    }
+
+    /// The database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `base` with this database as its path (`mysql://user@host:port/<name>?…`).
+    pub fn url(&self) -> String {
+        let (scheme, rest) = self.base.split_once("://").expect("a mysql:// URL");
+        let (authority, tail) = rest.split_once('/').unwrap_or((rest, ""));
+        let query = tail.split_once('?').map(|(_, q)| format!("?{q}"));
+        format!(
+            "{scheme}://{authority}/{}{}",
+            self.name,
+            query.unwrap_or_default()
+        )
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl Drop for MysqlDatabase {
+    fn drop(&mut self) {
+        let _ = mysql_admin(
+            &self.base,
+            format!("DROP DATABASE IF EXISTS `{}`", self.name),
+        );
+    }
+}
+
+/// Runs one statement on the server `url` names, from a thread and runtime of its own.
+#[cfg(feature = "mysql")]
+fn mysql_admin(url: &str, sql: String) -> Result<(), String> {
+    let url = url.to_owned();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        rt.block_on(async move {
+            let mut conn = sqlx::MySqlConnection::connect(&url)
+                .await
+                .map_err(|e| e.to_string())?;
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&mut conn)
+                .await
+                .map_err(|e| e.to_string())?;
+            let _ = conn.close().await;
+            Ok(())
+        })
+    })
+    .join()
+    .map_err(|_| "the admin thread panicked".to_owned())?
+}

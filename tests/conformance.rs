@@ -41,6 +41,24 @@ macro_rules! conformance {
                 }
             )*
         }
+
+        /// The same cases with every server on `--store mysql` (`MYSQL_URL`, each server in a
+        /// database of its own; skipped when it is unset, unless `IDEMPOTENT_REQUIRE_MYSQL=1`).
+        /// A case that picks its own store keeps it.
+        #[cfg(feature = "mysql")]
+        mod on_mysql {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let Some(url) = idempotent_examples::testkit::mysql_url() else { return };
+                    for server in harness::SERVERS {
+                        eprintln!("{} against {server} on MySQL", stringify!($case));
+                        harness::on_mysql(url.clone(), cases::$case(server)).await;
+                    }
+                }
+            )*
+        }
     };
 }
 

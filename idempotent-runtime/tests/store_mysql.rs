@@ -379,7 +379,19 @@ async fn first_request_costs_two_round_trips_and_a_replay_two_that_write_nothing
     assert_eq!(store.statements_executed() - before, 2);
 }
 
-/// What a replay writes to the redo log, measured alone (the LSN is server-wide):
+/// The binary log's position (file, offset), `None` when the server keeps none.
+async fn binlog(db: &TestDb) -> Option<(String, u64)> {
+    use sqlx::Row;
+    let row = sqlx::query("SHOW MASTER STATUS")
+        .fetch_optional(&db.admin)
+        .await
+        .unwrap()?;
+    Some((row.get::<String, _>(0), row.get::<u64, _>(1)))
+}
+
+/// What a replay writes to the redo log and the binary log, measured alone (both are
+/// server-wide; a server started with `--log-bin --binlog-format=STATEMENT` is the worst case
+/// for the binary log):
 ///
 /// ```text
 /// MYSQL_URL=mysql://root@127.0.0.1:3306/test cargo test --all-features -p idempotent-runtime \
@@ -395,7 +407,7 @@ async fn replays_write_no_redo() {
     let scope = contract::fresh_scope();
     let first = req(&scope, "k", Duration::from_secs(30));
     assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
-    let l0 = lsn(&db).await;
+    let (l0, b0) = (lsn(&db).await, binlog(&db).await);
     assert!(
         store
             .complete(
@@ -410,7 +422,7 @@ async fn replays_write_no_redo() {
     );
     // Background work (the purge of the completion's undo) settles first.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let l1 = lsn(&db).await;
+    let (l1, b1) = (lsn(&db).await, binlog(&db).await);
     let started = Instant::now();
     for _ in 0..1_000 {
         assert!(matches!(
@@ -421,7 +433,22 @@ async fn replays_write_no_redo() {
         ));
     }
     let elapsed = started.elapsed();
-    let l2 = lsn(&db).await;
+    let (l2, b2) = (lsn(&db).await, binlog(&db).await);
+    match (&b0, &b1, &b2) {
+        (Some(b0), Some(b1), Some(b2)) => {
+            eprintln!(
+                "binary log ({}): the completion wrote {} bytes, 1,000 replays {}",
+                sqlx::query_scalar::<_, String>("SELECT @@binlog_format")
+                    .fetch_one(&db.admin)
+                    .await
+                    .unwrap(),
+                b1.1.saturating_sub(b0.1),
+                b2.1 - b1.1
+            );
+            assert_eq!(b2, b1, "a replay wrote to the binary log");
+        }
+        _ => eprintln!("the server keeps no binary log"),
+    }
     eprintln!(
         "one completion wrote {} bytes of redo; 1,000 replays wrote {} ({:?} a replay)",
         l1 - l0,
@@ -430,7 +457,11 @@ async fn replays_write_no_redo() {
     );
     // Any row, undo or lock-table write a statement made would be tens of bytes; what the
     // server's background threads write meanwhile is far less than a byte a replay.
-    assert!(l2 - l1 < 1_000, "1,000 replays wrote {} bytes of redo", l2 - l1);
+    assert!(
+        l2 - l1 < 1_000,
+        "1,000 replays wrote {} bytes of redo",
+        l2 - l1
+    );
 }
 
 #[tokio::test]

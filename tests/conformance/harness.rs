@@ -21,18 +21,42 @@ tokio::task_local! {
     static REDIS: String;
 }
 
+#[cfg(feature = "mysql")]
+tokio::task_local! {
+    /// The MySQL/MariaDB server every server a case starts is given a database of its own on,
+    /// unless the case picks a store itself (see [`on_mysql`]).
+    static MYSQL: String;
+}
+
+/// Runs `case` with every server it starts on the MySQL/MariaDB at `url` (`MYSQL_URL`), each in
+/// a database of its own, dropped with the server.
+#[cfg(feature = "mysql")]
+pub async fn on_mysql<F: std::future::Future>(url: String, case: F) -> F::Output {
+    MYSQL.scope(url, case).await
+}
+
 /// Runs `case` with every server it starts on the Redis at `url`, each under a key prefix of its
 /// own (so the two frameworks' runs of one case never meet each other's records).
 pub async fn on_redis<F: std::future::Future>(url: String, case: F) -> F::Output {
     REDIS.scope(url, case).await
 }
 
-/// The store options for a server started now: none (memory), or Redis under a fresh prefix.
-fn store_options(options: &[&str]) -> Vec<String> {
+/// The store options for a server started now: none (memory), Redis under a fresh prefix, or
+/// MySQL in a fresh database (kept alive by the returned guard).
+fn store_options(options: &[&str]) -> (Vec<String>, Option<Box<dyn std::any::Any>>) {
     if options.contains(&"--store") {
-        return Vec::new();
+        return (Vec::new(), None);
     }
-    REDIS
+    #[cfg(feature = "mysql")]
+    if let Ok(db) =
+        MYSQL.try_with(|url| idempotent_examples::testkit::MysqlDatabase::new(url, "conformance"))
+    {
+        let options = ["--store", "mysql", "--database-url", &db.url()]
+            .map(String::from)
+            .to_vec();
+        return (options, Some(Box::new(db)));
+    }
+    let options = REDIS
         .try_with(|url| {
             let prefix = format!(
                 "conformance-{:016x}",
@@ -49,7 +73,8 @@ fn store_options(options: &[&str]) -> Vec<String> {
             .map(String::from)
             .to_vec()
         })
-        .unwrap_or_default()
+        .unwrap_or_default();
+    (options, None)
 }
 
 /// A running server, killed on drop.
@@ -58,15 +83,18 @@ pub struct Server {
     pub addr: SocketAddr,
     child: Child,
     client: reqwest::Client,
+    /// What the server's store needs while it runs (a database of its own), dropped after it.
+    _store: Option<Box<dyn std::any::Any>>,
 }
 
 impl Server {
     /// Starts `name` on a free port with extra options and waits for its `listening on` line.
     pub fn start(name: &'static str, options: &[&str]) -> Self {
+        let (store, guard) = store_options(options);
         let mut child = Command::new(idempotent_examples::testkit::example_binary(name))
             .args(["--addr", "127.0.0.1:0"])
             .args(options)
-            .args(store_options(options))
+            .args(store)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -93,6 +121,7 @@ impl Server {
             addr,
             child,
             client: reqwest::Client::new(),
+            _store: guard,
         }
     }
 
