@@ -692,6 +692,25 @@ mod tests {
         }
     }
 
+    #[test]
+    fn mysql_names_are_quoted_with_backticks_everywhere() {
+        let t = TableName::quoted_with(STORE_NAMES, Some("app"), "r", '`').unwrap();
+        assert_eq!(t.qualified, "`app`.`r`");
+        assert_eq!(t.versions, "`app`.`r_migrations`");
+        let steps = [Step {
+            version: 1,
+            description: "one",
+            template: "CREATE INDEX `{name}_i` ON {table}",
+        }];
+        let m = t.migrations(&steps);
+        assert_eq!(
+            m.iter().next().unwrap().sql,
+            "CREATE INDEX `r_i` ON `app`.`r`"
+        );
+        assert_eq!(m.migrator().table_name, "`app`.`r_sqlx_migrations`");
+        assert!(TableName::quoted_with(STORE_NAMES, None, "a`b", '`').is_err());
+    }
+
     #[cfg(feature = "postgres")]
     #[test]
     fn inbox_names_are_lowercase_and_may_be_longer() {

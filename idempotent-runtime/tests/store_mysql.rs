@@ -251,6 +251,80 @@ async fn migrate_is_idempotent_and_safe_from_several_replicas_at_once() {
     );
 }
 
+/// A shipped migration recorded with other SQL is refused before anything runs, and a migrator
+/// queues behind another session holding the table's migration lock instead of running beside
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_refuse_changed_sql_and_queue_behind_the_lock() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let store = db.store().await;
+    let name = &db.name;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "UPDATE `{name}`.records_migrations SET checksum = 'not this' WHERE version = 1"
+    )))
+    .execute(&db.admin)
+    .await
+    .unwrap();
+    match store.migrate().await {
+        Err(sqlx::Error::Migrate(e))
+            if matches!(*e, sqlx::migrate::MigrateError::VersionMismatch(1)) => {}
+        other => panic!("a changed migration was not refused: {other:?}"),
+    }
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "UPDATE `{name}`.records_migrations SET checksum = NULL WHERE version = 1"
+    )))
+    .execute(&db.admin)
+    .await
+    .unwrap();
+    store
+        .migrate()
+        .await
+        .expect("a step recorded without a checksum is adopted");
+    let adopted = db
+        .scalar_i64(&format!(
+            "SELECT COUNT(*) FROM `{name}`.records_migrations WHERE checksum IS NOT NULL"
+        ))
+        .await;
+    assert_eq!(adopted, 1, "its checksum is filled in");
+
+    // Another session holds every lock this database's migrators could be using.
+    let mut holder = db.admin.acquire().await.unwrap();
+    let locks: Vec<String> = sqlx::query_scalar(
+        "SELECT CONCAT('idempotent-migrate-', LEFT(SHA2(CONCAT('idempotent-migrate:',              '`records_migrations`'), 256), 24))",
+    )
+    .fetch_all(&mut *holder)
+    .await
+    .unwrap();
+    let got: i64 = sqlx::query_scalar("SELECT CAST(GET_LOCK(?, 5) AS SIGNED)")
+        .bind(&locks[0])
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    assert_eq!(got, 1);
+    let store = Arc::new(store);
+    let waiting = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move { store.migrate().await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a migration ran beside another session's lock"
+    );
+    sqlx::query("DO RELEASE_LOCK(?)")
+        .bind(&locks[0])
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the migration never took the lock once it was free")
+        .unwrap()
+        .expect("migrate");
+}
+
 /// A table in another database than the connection's: `database(…)` qualifies every
 /// statement, and `migrate()` creates the database.
 #[tokio::test]
@@ -826,4 +900,67 @@ async fn sweep_frees_expired_rows_in_batches_and_keeps_live_ones() {
         .scalar_i64(&format!("SELECT COUNT(*) FROM `{}`.records", db.name))
         .await;
     assert_eq!(left, 1, "the live reservation stays");
+}
+
+/// Whether group commit would pay here: first-request claims (each its own commit) from 1 and
+/// from 16 concurrent tasks, with the log writes and fsyncs InnoDB made for them. Measured, not
+/// asserted (the counters are server-wide):
+///
+/// ```text
+/// MYSQL_URL=mysql://root@127.0.0.1:3306/test cargo test --release --all-features \
+///     -p idempotent-runtime --test store_mysql -- --ignored --nocapture innodb_groups
+/// ```
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "a measurement: run alone on a quiet server"]
+async fn innodb_groups_the_log_flushes_of_concurrent_claims() {
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let store = Arc::new(db.store_with(db.builder().max_connections(16)).await);
+    let status = |name: &'static str| {
+        let admin = db.admin.clone();
+        async move {
+            let (_, v): (String, String) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SHOW GLOBAL STATUS LIKE '{name}'"
+            )))
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+            v.parse::<u64>().unwrap()
+        }
+    };
+    for tasks in [1usize, 16] {
+        let scope = contract::fresh_scope();
+        let claims = 2_000;
+        let (writes, fsyncs) = (
+            status("Innodb_log_writes").await,
+            status("Innodb_data_fsyncs").await,
+        );
+        let started = Instant::now();
+        let workers: Vec<_> = (0..tasks)
+            .map(|t| {
+                let store = Arc::clone(&store);
+                tokio::spawn(async move {
+                    for i in (t..claims).step_by(tasks) {
+                        let key = format!("k{i}");
+                        let r = req(&scope, &key, Duration::from_secs(60));
+                        assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired);
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.await.unwrap();
+        }
+        let elapsed = started.elapsed();
+        let writes = status("Innodb_log_writes").await - writes;
+        let fsyncs = status("Innodb_data_fsyncs").await - fsyncs;
+        eprintln!(
+            "{tasks:>2} tasks: {claims} claims in {elapsed:?} ({:.0}/s); {:.2} log writes and \
+             {:.2} fsyncs a claim",
+            claims as f64 / elapsed.as_secs_f64(),
+            writes as f64 / claims as f64,
+            fsyncs as f64 / claims as f64
+        );
+    }
 }
