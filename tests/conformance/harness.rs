@@ -43,7 +43,7 @@ pub async fn on_redis<F: std::future::Future>(url: String, case: F) -> F::Output
 
 /// The store options for a server started now: none (memory), Redis under a fresh prefix, or
 /// MySQL in a fresh database (kept alive by the returned guard).
-fn store_options(options: &[&str]) -> (Vec<String>, Option<Box<dyn std::any::Any>>) {
+fn store_options(options: &[&str]) -> (Vec<String>, Option<Box<dyn std::any::Any + Send + Sync>>) {
     if options.contains(&"--store") {
         return (Vec::new(), None);
     }
@@ -84,7 +84,7 @@ pub struct Server {
     child: Child,
     client: reqwest::Client,
     /// What the server's store needs while it runs (a database of its own), dropped after it.
-    _store: Option<Box<dyn std::any::Any>>,
+    _store: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Server {
