@@ -9,19 +9,21 @@
 //!
 //! - a first request costs two round trips (claim, complete), as on PostgreSQL;
 //! - a replay or an in-progress answer costs two statements, and **writes nothing**: the
-//!   failed `INSERT` changes no row, writes no undo or redo (measured: the InnoDB log sequence
-//!   number did not move over 1,000 replays), and an erroring statement is never written to the
-//!   binary log, in any `binlog_format`. It holds one shared lock on the standing row for the
-//!   statement's duration (InnoDB's duplicate check), which only a writer of that same row
-//!   (its sweep or forget) could meet.
+//!   failed `INSERT` changes no row and writes no undo or redo, and a statement that fails is
+//!   never written to the binary log, in any `binlog_format`. It holds a shared lock on the
+//!   standing row for the statement's duration (InnoDB's duplicate check), which only a writer
+//!   of that same row (its sweep or forget) could meet.
 //!
-//! Why not the other shapes: `INSERT IGNORE` turns every error into a warning (a truncated
-//! key or route would be stored silently) and, being a successful statement, is written to a
-//! statement-format binary log on every replay; `INSERT … ON DUPLICATE KEY UPDATE` takes an
-//! exclusive lock on the standing row even when its assignments change nothing, and sqlx
-//! connects with `CLIENT_FOUND_ROWS`, under which its `ROW_COUNT()` cannot tell a no-op from an
-//! insert. A read before the insert would make a replay one statement but every first request
-//! three.
+//! Measured on MariaDB 10.11 with `--log-bin --binlog-format=STATEMENT` (the worst case for the
+//! binary log), over replays of one completed key: this claim wrote 0 bytes of redo and 0 bytes
+//! of binary log in 1,000 replays; in 100 replays of the same row, `INSERT IGNORE` wrote 19,200
+//! bytes of binary log (192 a replay) and `INSERT … ON DUPLICATE KEY UPDATE token = token` 22,300,
+//! and with another session holding a shared lock on the row the plain `INSERT` answered at once
+//! while `ON DUPLICATE KEY UPDATE` waited out its lock wait timeout (it takes an exclusive lock
+//! even when its assignments change nothing). `INSERT IGNORE` also turns errors into warnings
+//! (a truncated value would be stored silently), and sqlx connects with `CLIENT_FOUND_ROWS`,
+//! under which `ROW_COUNT()` cannot tell a no-op duplicate from an insert. A read before the
+//! insert would make a replay one statement but every first request three.
 //!
 //! Taking over an expired record, or an abandoned one with the same fingerprint, is one more
 //! token-conditional `UPDATE` ([`Store::reclaim`]). Completing, releasing and renewing are
@@ -39,10 +41,11 @@
 //! (`UTC_TIMESTAMP(3)`, whatever the session's time zone), so replicas never disagree about a
 //! lease.
 //!
-//! **Group commit** is not done here, unlike PostgreSQL: InnoDB already merges the log flushes of
-//! concurrent commits into one (its own group commit, with `innodb_flush_log_at_trx_commit = 1`),
-//! and MySQL has no statement that inserts many rows and answers, row by row, which of them
-//! conflicted and with what: a batched claim would cost a second statement to find out, the
+//! **Group commit** is not done here, unlike PostgreSQL: InnoDB already merges the log flushes
+//! of concurrent commits (measured with `innodb_flush_log_at_trx_commit = 1`: 2,000 first-request
+//! claims made 1.04 fsyncs a claim from one task, 175 a second, and 0.17 from 16 tasks, 6,000 a
+//! second), and MySQL has no statement that inserts many rows and answers, row by row, which of
+//! them conflicted and with what: a batched claim would need a second statement to find out, the
 //! round trip it was meant to save.
 //!
 //! The schema ships with the crate and is applied by [`MySqlStore::migrate`], which keeps its
