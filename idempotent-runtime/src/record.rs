@@ -199,11 +199,7 @@ pub fn without_body(status: u16, mut headers: Vec<(String, Bytes)>) -> RecordedR
         REPLAY_HEADER.to_owned(),
         Bytes::from_static(BODY_OMITTED.as_bytes()),
     ));
-    RecordedResponse {
-        status,
-        headers,
-        body: Bytes::new(),
-    }
+    RecordedResponse::new(status, headers, Bytes::new())
 }
 
 /// The headers a record keeps: the allowlisted ones, in order, never [`REPLAY_HEADER`] (the
@@ -257,11 +253,11 @@ mod tests {
     }
 
     fn response() -> Arc<RecordedResponse> {
-        Arc::new(RecordedResponse {
-            status: 201,
-            headers: vec![],
-            body: Bytes::from_static(b"{}"),
-        })
+        Arc::new(RecordedResponse::new(
+            201,
+            vec![],
+            Bytes::from_static(b"{}"),
+        ))
     }
 
     #[test]

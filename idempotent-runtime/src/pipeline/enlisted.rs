@@ -114,11 +114,7 @@ pub(crate) async fn settle_enlisted<R: Reply>(
             return refuse(handle, &enlisted::not_recordable(&route));
         }
     };
-    let recorded = RecordedResponse {
-        status,
-        headers,
-        body: bytes,
-    };
+    let recorded = RecordedResponse::new(status, headers, bytes);
     match settle.commit(tx, Some(&recorded)).await {
         Ok(()) => R::recorded(head, recorded.body, drained),
         Err(problem) => refuse(handle, &problem),

@@ -576,11 +576,7 @@ pub(crate) async fn settle<R: Reply>(
     let collected = reservation.renewing(body::collect_response(handle.budget(), body, cap));
     match collected.await {
         (Collected::Complete { bytes, drained }, _permit) => {
-            let recorded = RecordedResponse {
-                status,
-                headers,
-                body: bytes,
-            };
+            let recorded = RecordedResponse::new(status, headers, bytes);
             reservation.complete(&recorded).await;
             R::recorded(head, recorded.body, drained)
         }

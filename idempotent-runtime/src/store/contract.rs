@@ -106,17 +106,17 @@ fn req<'a>(
 }
 
 fn response(body: &'static str) -> RecordedResponse {
-    RecordedResponse {
-        status: 201,
-        headers: vec![
+    RecordedResponse::new(
+        201,
+        vec![
             (
                 "content-type".into(),
                 Bytes::from_static(b"application/json"),
             ),
             ("location".into(), Bytes::from_static(b"/orders/1")),
         ],
-        body: Bytes::from_static(body.as_bytes()),
-    }
+        Bytes::from_static(body.as_bytes()),
+    )
 }
 
 async fn claim<S: Store + ?Sized>(s: &S, r: &ClaimRequest<'_>) -> Claim {
@@ -710,11 +710,11 @@ pub mod model {
     const RETENTION_S: u64 = 2;
 
     fn response(id: u8) -> RecordedResponse {
-        RecordedResponse {
-            status: 200,
-            headers: vec![("etag".into(), Bytes::from(vec![id]))],
-            body: Bytes::from(vec![id; 3]),
-        }
+        RecordedResponse::new(
+            200,
+            vec![("etag".into(), Bytes::from(vec![id]))],
+            Bytes::from(vec![id; 3]),
+        )
     }
 
     /// Runs `ops` against `store` and the model; panics at the first disagreement.

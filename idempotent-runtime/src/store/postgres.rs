@@ -655,11 +655,11 @@ fn standing(row: &PgRow) -> Result<Standing, StoreError> {
                 .ok_or_else(|| corrupt("completed without a status"))?;
             let headers = RecordedResponse::decode_headers(headers.as_deref().unwrap_or_default())
                 .ok_or_else(|| corrupt("headers do not decode"))?;
-            StandingState::Completed(Arc::new(RecordedResponse {
+            StandingState::Completed(Arc::new(RecordedResponse::new(
                 status,
                 headers,
-                body: Bytes::from(body.unwrap_or_default()),
-            }))
+                Bytes::from(body.unwrap_or_default()),
+            )))
         }
         _ => StandingState::Expired,
     };
@@ -1419,6 +1419,7 @@ fn record_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
         header_bytes: row.try_get(8).map_err(unavailable)?,
         headers: row.try_get(9).map_err(unavailable)?,
         body: row.try_get(10).map_err(unavailable)?,
+        trailers: None,
     }
     .into_info()
 }

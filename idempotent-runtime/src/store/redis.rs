@@ -559,12 +559,12 @@ impl Record {
                 return Err(corrupt("headers overrun the record"));
             }
             let (headers, body) = rest.split_at(headers_len);
-            Some(RecordedResponse {
+            Some(RecordedResponse::new(
                 status,
-                headers: RecordedResponse::decode_headers(headers)
+                RecordedResponse::decode_headers(headers)
                     .ok_or_else(|| corrupt("headers do not decode"))?,
-                body: Bytes::copy_from_slice(body),
-            })
+                Bytes::copy_from_slice(body),
+            ))
         } else {
             None
         };
@@ -931,11 +931,11 @@ mod tests {
 
     #[test]
     fn completed_records_decode_from_their_layout() {
-        let response = RecordedResponse {
-            status: 201,
-            headers: vec![("location".into(), Bytes::from_static(b"/o/1"))],
-            body: Bytes::from_static(b"{}"),
-        };
+        let response = RecordedResponse::new(
+            201,
+            vec![("location".into(), Bytes::from_static(b"/o/1"))],
+            Bytes::from_static(b"{}"),
+        );
         let mut raw = vec![FORMAT, 1];
         raw.extend_from_slice(&7u64.to_be_bytes());
         raw.extend_from_slice(&1_000u64.to_be_bytes());

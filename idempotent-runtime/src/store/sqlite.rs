@@ -292,14 +292,14 @@ fn standing(row: &SqliteRow, now: i64) -> Result<Standing, StoreError> {
         let status: Option<i64> = row.try_get(6).map_err(unavailable)?;
         let headers: Option<Vec<u8>> = row.try_get(7).map_err(unavailable)?;
         let body: Option<Vec<u8>> = row.try_get(8).map_err(unavailable)?;
-        StandingState::Completed(Arc::new(RecordedResponse {
-            status: status
+        StandingState::Completed(Arc::new(RecordedResponse::new(
+            status
                 .and_then(|s| u16::try_from(s).ok())
                 .ok_or_else(|| corrupt("completed without a status"))?,
-            headers: RecordedResponse::decode_headers(headers.as_deref().unwrap_or_default())
+            RecordedResponse::decode_headers(headers.as_deref().unwrap_or_default())
                 .ok_or_else(|| corrupt("headers do not decode"))?,
-            body: Bytes::from(body.unwrap_or_default()),
-        }))
+            Bytes::from(body.unwrap_or_default()),
+        )))
     } else if now < lease_until {
         StandingState::Running {
             lease_left: Duration::from_millis((lease_until - now) as u64),
@@ -618,6 +618,7 @@ fn record_info(row: &SqliteRow, now: i64) -> Result<RecordInfo, StoreError> {
         header_bytes: get(7)?,
         headers: row.try_get(8).map_err(unavailable)?,
         body: row.try_get(9).map_err(unavailable)?,
+        trailers: None,
     }
     .into_info()
 }

@@ -117,11 +117,11 @@ impl PostgresStore {
             .ok_or_else(|| corrupt("headers do not decode"))?;
         Ok(Glanced::Completed {
             fingerprint,
-            response: Arc::new(RecordedResponse {
+            response: Arc::new(RecordedResponse::new(
                 status,
                 headers,
-                body: Bytes::from(body.unwrap_or_default()),
-            }),
+                Bytes::from(body.unwrap_or_default()),
+            )),
         })
     }
 
