@@ -252,7 +252,7 @@ async fn migrate_is_idempotent_and_safe_from_several_replicas_at_once() {
             "SELECT count(*) FROM \"{schema}\".records_migrations"
         ))
         .await,
-        3,
+        4,
         "each version is applied and recorded once"
     );
     let tables: Vec<String> = sqlx::query_scalar(
