@@ -108,7 +108,7 @@ async fn migrate_is_idempotent_and_keeps_its_own_version_table() {
         .fetch_one(a.writer())
         .await
         .unwrap();
-    assert_eq!(versions, 2);
+    assert_eq!(versions, 3);
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(a.writer())
         .await
