@@ -994,6 +994,16 @@ mod tests {
         assert!(store.quotas.iter().all(|q| lock(q).is_empty()));
     }
 
+    #[test]
+    fn trailers_make_a_packed_answer_no_larger() {
+        // `status` and `tail` share one word: a packed answer is a word, a length and its bytes,
+        // as it was before trailers were kept.
+        assert_eq!(
+            std::mem::size_of::<Packed>(),
+            2 * std::mem::size_of::<usize>() + std::mem::size_of::<Bytes>()
+        );
+    }
+
     fn answer(bytes: usize) -> RecordedResponse {
         RecordedResponse::new(200, vec![], bytes::Bytes::from(vec![b'a'; bytes]))
     }
