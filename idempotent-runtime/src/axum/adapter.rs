@@ -132,7 +132,7 @@ impl pipeline::Chunks for Body {
     fn poll_chunk_keeping(
         &mut self,
         cx: &mut Context<'_>,
-        trailers: &mut pipeline::Trailers,
+        trailers: &mut Vec<(String, Bytes)>,
     ) -> Poll<Option<Result<Bytes, Self::Error>>> {
         loop {
             match ready!(Pin::new(&mut *self).poll_frame(cx)) {

@@ -38,7 +38,7 @@ use std::task::Poll;
 
 use bytes::Bytes;
 
-pub(crate) use body::{BodyError, Chunks, Collected, Trailers};
+pub(crate) use body::{BodyError, Chunks, Collected};
 #[cfg(feature = "postgres")]
 pub(crate) use claim::ClaimPlan;
 pub use claim::{Begin, BeginRequest};
