@@ -31,11 +31,11 @@ async fn seed(store: &impl Store) {
         response_room: 0,
     };
     assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
-    let response = RecordedResponse {
-        status: 201,
-        headers: vec![("content-type".into(), "application/json".into())],
-        body: r#"{"id":17}"#.into(),
-    };
+    let response = RecordedResponse::new(
+        201,
+        vec![("content-type".into(), "application/json".into())],
+        r#"{"id":17}"#.into(),
+    );
     let recorded = store.complete(
         scope.hash(),
         "order-17",

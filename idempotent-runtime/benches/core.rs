@@ -61,14 +61,14 @@ fn memory_store(c: &mut Criterion) {
     let scope = Scope::from_identity(&Identity::subject("acme", "alice"), None).unwrap();
     let body = vec![b'x'; 1024];
     let endpoint: Effective = EndpointConfig::REQUIRED.resolve(handle.config());
-    let response = RecordedResponse {
-        status: 201,
-        headers: vec![(
+    let response = RecordedResponse::new(
+        201,
+        vec![(
             "content-type".into(),
             Bytes::from_static(b"application/json"),
         )],
-        body: Bytes::from(vec![b'y'; 200]),
-    };
+        Bytes::from(vec![b'y'; 200]),
+    );
     let mut group = c.benchmark_group("memory_store");
     let mut n = 0u64;
     group.bench_function("first_request_claim_complete", |b| {

@@ -48,14 +48,14 @@ async fn fill(store: &MemoryStore, records: usize) {
         let key = format!("{:08x}-0000-4000-8000-{:012x}", i, i);
         let req = request(&scope, &key);
         assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
-        let response = RecordedResponse {
-            status: 201,
-            headers: vec![(
+        let response = RecordedResponse::new(
+            201,
+            vec![(
                 "content-type".into(),
                 Bytes::from_static(b"application/json"),
             )],
-            body: Bytes::from(vec![b'x'; 200]),
-        };
+            Bytes::from(vec![b'x'; 200]),
+        );
         assert!(
             store
                 .complete(

@@ -81,11 +81,7 @@ async fn record(
 ) {
     let req = request(scope, key, retention);
     assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
-    let response = RecordedResponse {
-        status: 201,
-        headers: vec![],
-        body,
-    };
+    let response = RecordedResponse::new(201, vec![], body);
     assert!(
         store
             .complete(scope, key, req.token, &response, retention)

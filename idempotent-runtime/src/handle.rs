@@ -553,11 +553,7 @@ mod tests {
         let scope = [4; 32];
         let req = crate::reservation::tests::request(&scope, "k", Duration::from_secs(60));
         assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
-        let answer = RecordedResponse {
-            status: 201,
-            headers: vec![],
-            body: bytes::Bytes::from_static(b"done"),
-        };
+        let answer = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"done"));
         let retention = Duration::from_secs(60);
         assert!(
             store

@@ -199,11 +199,7 @@ pub fn without_body(status: u16, mut headers: Vec<(String, Bytes)>) -> RecordedR
         REPLAY_HEADER.to_owned(),
         Bytes::from_static(BODY_OMITTED.as_bytes()),
     ));
-    RecordedResponse {
-        status,
-        headers,
-        body: Bytes::new(),
-    }
+    RecordedResponse::new(status, headers, Bytes::new())
 }
 
 /// The headers a record keeps: the allowlisted ones, in order, never [`REPLAY_HEADER`] (the
@@ -236,6 +232,29 @@ pub fn recorded_headers_for<'a>(
     Some(kept)
 }
 
+/// Trailers a record keeps whatever the allowlist says: gRPC's status ([the
+/// contract](crate::design) §3, "What a record holds"), without which a replayed gRPC answer
+/// would have no outcome.
+const ALWAYS_RECORDED_TRAILERS: [&str; 2] = ["grpc-status", "grpc-message"];
+
+/// The trailers a record keeps, in order: `grpc-status` and `grpc-message` always, any other
+/// through the same allowlist as the headers ([`recorded_headers_for`]: the endpoint's list,
+/// else the configured one; the never-recorded names never), [`REPLAY_HEADER`] never.
+pub(crate) fn recorded_trailers_for(
+    config: &Config,
+    recording: &Recording,
+    trailers: &[(String, Bytes)],
+) -> Vec<(String, Bytes)> {
+    trailers
+        .iter()
+        .filter(|(name, _)| {
+            ALWAYS_RECORDED_TRAILERS.contains(&name.as_str())
+                || (recording.records_header(config, name) && name != REPLAY_HEADER)
+        })
+        .cloned()
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,11 +276,11 @@ mod tests {
     }
 
     fn response() -> Arc<RecordedResponse> {
-        Arc::new(RecordedResponse {
-            status: 201,
-            headers: vec![],
-            body: Bytes::from_static(b"{}"),
-        })
+        Arc::new(RecordedResponse::new(
+            201,
+            vec![],
+            Bytes::from_static(b"{}"),
+        ))
     }
 
     #[test]
@@ -437,5 +456,33 @@ mod tests {
             .recorded_headers(["content-type", "content-encoding"])
             .build();
         assert!(recorded_headers(&allow, [("content-encoding", b"gzip".as_slice())]).is_some());
+    }
+
+    #[test]
+    fn trailers_go_through_the_header_allowlist_and_grpc_status_always() {
+        let config = Config::builder()
+            .recorded_headers(["content-type", "x-checksum"])
+            .build();
+        let t = |n: &str, v: &'static [u8]| (n.to_owned(), Bytes::from_static(v));
+        let sent = [
+            t("x-secret", b"s"),
+            t("grpc-status", b"0"),
+            t("x-checksum", b"c"),
+            t("grpc-message", b""),
+            t("idempotency-replay", b"x"),
+        ];
+        assert_eq!(
+            recorded_trailers_for(&config, &Recording::default(), &sent),
+            [sent[1].clone(), sent[2].clone(), sent[3].clone()]
+        );
+        let route = Recording {
+            recorded_headers: Some(&["x-secret"]),
+            ..Recording::default()
+        };
+        assert_eq!(
+            recorded_trailers_for(&config, &route, &sent),
+            [sent[0].clone(), sent[1].clone(), sent[3].clone()],
+            "the endpoint's own list"
+        );
     }
 }

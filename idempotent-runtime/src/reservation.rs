@@ -598,11 +598,7 @@ pub(crate) mod tests {
         let req = request(&scope, "k", Duration::from_secs(60));
         store.claim(&req).await.unwrap();
         store.full.store(true, Ordering::SeqCst);
-        let answer = RecordedResponse {
-            status: 201,
-            headers: vec![],
-            body: bytes::Bytes::from_static(b"done"),
-        };
+        let answer = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"done"));
         held(&store, &req).complete(&answer).await;
         // Not a 409 for a whole lease after the answer was sent: the retry may run.
         let retry = request(&scope, "k", Duration::from_secs(60));

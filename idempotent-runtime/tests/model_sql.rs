@@ -283,11 +283,7 @@ fn token_conditional_writes_survive_connections_the_database_dropped() {
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
              WHERE application_name = '{schema}'"
         );
-        let response = RecordedResponse {
-            status: 201,
-            headers: vec![],
-            body: "{}".into(),
-        };
+        let response = RecordedResponse::new(201, vec![], "{}".into());
 
         let killed: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(terminate.clone()))
             .fetch_one(&mut admin)

@@ -83,11 +83,11 @@ mod with_tls {
         let scope: [u8; 32] = scope.try_into().expect("32 bytes");
         let first = claim(&scope, "order-1");
         assert_eq!(store.claim(&first).await.expect("claim"), Claim::Acquired);
-        let response = RecordedResponse {
-            status: 201,
-            headers: vec![("content-type".into(), "application/json".into())],
-            body: r#"{"id":1}"#.into(),
-        };
+        let response = RecordedResponse::new(
+            201,
+            vec![("content-type".into(), "application/json".into())],
+            r#"{"id":1}"#.into(),
+        );
         let completed = store
             .complete(&scope, "order-1", first.token, &response, first.retention)
             .await

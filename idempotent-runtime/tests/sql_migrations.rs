@@ -9,10 +9,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use idempotent_runtime::clock::ManualClock;
+use idempotent_runtime::fingerprint::Fingerprint;
 use idempotent_runtime::inbox::{PgInbox, Processed};
 use idempotent_runtime::store::postgres::PostgresStore;
 use idempotent_runtime::store::sqlite::SqliteStore;
-use idempotent_runtime::store::{FencingToken, InvalidName, contract};
+use idempotent_runtime::store::{
+    Claim, ClaimRequest, FencingToken, InvalidName, RecordedResponse, StandingState, Store,
+    contract,
+};
 use sha2::{Digest, Sha256};
 use sqlx::migrate::MigrateError;
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -131,7 +135,7 @@ async fn two_replicas_migrate_a_fresh_schema_at_once_and_record_each_version_wit
     rb.unwrap().expect("the other at once");
     let expected =
         expected_checksums(&PostgresStore::migrations(Some(&db.schema), "records").unwrap());
-    assert_eq!(expected.len(), 3);
+    assert_eq!(expected.len(), 4);
     assert_eq!(db.versions("records_migrations").await, expected);
 
     let inbox = || {
@@ -447,8 +451,8 @@ async fn sqlite_checksums_are_recorded_adopted_and_checked() {
         .open(&db.0)
         .await
         .unwrap();
-    // The version table as earlier releases left it: no checksum column.
-    for m in &SqliteStore::migrations("records").unwrap() {
+    // The version table as earlier releases left it: no checksum column, versions 1-2 applied.
+    for m in SqliteStore::migrations("records").unwrap().iter().take(2) {
         sqlx::raw_sql(sqlx::AssertSqlSafe(m.sql.clone()))
             .execute(store.writer())
             .await
@@ -484,4 +488,129 @@ async fn sqlite_checksums_are_recorded_adopted_and_checked() {
         .unwrap();
     let e = store.migrate().await.expect_err("a changed migration");
     assert!(is_version_mismatch(&e, 1), "{e:?}");
+}
+
+/// The answer rows of releases before trailers hold, and the claim that finds one.
+fn old_answer() -> RecordedResponse {
+    RecordedResponse::new(
+        201,
+        vec![("location".into(), "/orders/1".into())],
+        "{}".into(),
+    )
+}
+
+async fn replayed_from_an_old_row<S: Store>(store: &S) -> RecordedResponse {
+    let req = ClaimRequest {
+        scope: &[1; 32],
+        key: "old",
+        quota_bucket: 1,
+        fingerprint: Fingerprint {
+            version: 1,
+            digest: [2; 32],
+        },
+        token: FencingToken::mint(),
+        lease: std::time::Duration::from_secs(30),
+        retention: std::time::Duration::from_secs(30),
+        route: "/orders",
+        response_room: 0,
+    };
+    match store.claim(&req).await.expect("claim") {
+        Claim::Standing(st) => match st.state {
+            StandingState::Completed(r) => (*r).clone(),
+            other => panic!("the old row stands as {other:?}"),
+        },
+        Claim::Acquired => panic!("the old row was not found"),
+    }
+}
+
+/// A row completed before the trailers migration (version 3) reads back, once migrated, as the
+/// answer it was, with no trailers.
+#[tokio::test]
+async fn a_sqlite_row_written_before_trailers_reads_back_with_none() {
+    let db = TempDb::new();
+    let store = SqliteStore::builder()
+        .table("records")
+        .open(&db.0)
+        .await
+        .unwrap();
+    let migrations = SqliteStore::migrations("records").unwrap();
+    assert_eq!(migrations.iter().nth(2).map(|m| m.version), Some(3));
+    for m in migrations.iter().take(2) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(m.sql.clone()))
+            .execute(store.writer())
+            .await
+            .unwrap();
+    }
+    sqlx::raw_sql(
+        "CREATE TABLE records_migrations (version INTEGER PRIMARY KEY, description TEXT NOT NULL, \
+             applied_at INTEGER NOT NULL); \
+         INSERT INTO records_migrations VALUES (1, 'a', 0), (2, 'b', 0)",
+    )
+    .execute(store.writer())
+    .await
+    .unwrap();
+    let old = old_answer();
+    sqlx::query(
+        "INSERT INTO records (scope, key, token, fingerprint, fp_version, state, lease_until, \
+                              expires_at, status, headers, body, route, created_at) \
+         VALUES (?1, 'old', 7, ?2, 1, 1, 0, 4102444800000, 201, ?3, ?4, '/orders', 0)",
+    )
+    .bind(&[1u8; 32][..])
+    .bind(&[2u8; 32][..])
+    .bind(old.encode_headers())
+    .bind(&old.body[..])
+    .execute(store.writer())
+    .await
+    .unwrap();
+    store.migrate().await.expect("migrates to trailers");
+    let replayed = replayed_from_an_old_row(&store).await;
+    assert_eq!(replayed, old);
+    assert!(replayed.trailers.is_empty());
+}
+
+/// [`a_sqlite_row_written_before_trailers_reads_back_with_none`] on PostgreSQL (migration 4).
+#[tokio::test]
+async fn a_postgres_row_written_before_trailers_reads_back_with_none() {
+    let Some(db) = Db::new().await else {
+        return;
+    };
+    let store = PostgresStore::builder()
+        .schema(&db.schema)
+        .table("records")
+        .build(db.pool.clone())
+        .unwrap();
+    let migrations = PostgresStore::migrations(Some(&db.schema), "records").unwrap();
+    assert_eq!(migrations.iter().nth(3).map(|m| m.version), Some(4));
+    db.exec(&format!("CREATE SCHEMA \"{}\"", db.schema)).await;
+    for m in migrations.iter().take(3) {
+        db.exec(&m.sql).await;
+    }
+    db.exec(&format!(
+        "CREATE TABLE \"{s}\".records_migrations (version bigint PRIMARY KEY, \
+             description text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now()); \
+         INSERT INTO \"{s}\".records_migrations (version, description) VALUES (1, 'a'), (2, 'b'), (3, 'c')",
+        s = db.schema
+    ))
+    .await;
+    let old = old_answer();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".records (scope, key, token, fingerprint, fp_version, state, \
+                                     lease_until, expires_at, status, headers, body, route, \
+                                     created_at, sweep_after) \
+         VALUES ($1, 'old', 7, $2, 1, 1, now(), now() + interval '1 hour', 201, $3, $4, \
+                 '/orders', now(), now() + interval '1 hour')",
+        db.schema
+    )))
+    .bind(&[1u8; 32][..])
+    .bind(&[2u8; 32][..])
+    .bind(old.encode_headers())
+    .bind(&old.body[..])
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    store.migrate().await.expect("migrates to trailers");
+    let replayed = replayed_from_an_old_row(&store).await;
+    assert_eq!(replayed, old);
+    assert!(replayed.trailers.is_empty());
+    db.drop_schema().await;
 }

@@ -87,11 +87,11 @@ fn req<'a>(scope: &'a ScopeHash, key: &'a str, lease: Duration) -> ClaimRequest<
 }
 
 fn response(body: &str) -> RecordedResponse {
-    RecordedResponse {
-        status: 201,
-        headers: vec![("content-type".into(), "application/json".into())],
-        body: body.to_owned().into(),
-    }
+    RecordedResponse::new(
+        201,
+        vec![("content-type".into(), "application/json".into())],
+        body.to_owned().into(),
+    )
 }
 
 fn cases() -> u32 {
@@ -262,14 +262,14 @@ async fn records_round_trip_byte_for_byte_in_their_compact_layout_with_a_ttl() {
         "a reservation lives lease + retention: {ttl} ms"
     );
 
-    let recorded = RecordedResponse {
-        status: 409,
-        headers: vec![
+    let recorded = RecordedResponse::new(
+        409,
+        vec![
             ("content-type".into(), "application/octet-stream".into()),
             ("etag".into(), "".into()),
         ],
-        body: (0..=255u8).collect::<Vec<_>>().into(),
-    };
+        (0..=255u8).collect::<Vec<_>>().into(),
+    );
     assert!(
         store
             .complete(&scope, "k", r.token, &recorded, Duration::from_secs(60))
@@ -722,11 +722,11 @@ async fn at_maxmemory_a_claimed_answer_is_never_refused_and_refusals_come_at_the
             other => panic!("claim of {key}: {other:?}"),
         }
     }
-    let answer = RecordedResponse {
-        status: 200,
-        headers: vec![("content-type".into(), "application/octet-stream".into())],
-        body: vec![b'a'; ANSWER].into(),
-    };
+    let answer = RecordedResponse::new(
+        200,
+        vec![("content-type".into(), "application/octet-stream".into())],
+        vec![b'a'; ANSWER].into(),
+    );
     for (completed, r) in acquired.iter().enumerate() {
         let done = store
             .complete(&scope, r.key, r.token, &answer, Duration::from_secs(600))

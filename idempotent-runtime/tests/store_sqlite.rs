@@ -61,11 +61,11 @@ fn req<'a>(scope: &'a ScopeHash, key: &'a str, lease: Duration) -> ClaimRequest<
 }
 
 fn response(body: &str) -> RecordedResponse {
-    RecordedResponse {
-        status: 201,
-        headers: vec![("content-type".into(), "application/json".into())],
-        body: body.to_owned().into(),
-    }
+    RecordedResponse::new(
+        201,
+        vec![("content-type".into(), "application/json".into())],
+        body.to_owned().into(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -108,7 +108,7 @@ async fn migrate_is_idempotent_and_keeps_its_own_version_table() {
         .fetch_one(a.writer())
         .await
         .unwrap();
-    assert_eq!(versions, 2);
+    assert_eq!(versions, 3);
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(a.writer())
         .await
@@ -202,14 +202,14 @@ async fn recorded_responses_round_trip_byte_for_byte() {
     let scope = contract::fresh_scope();
     let r = req(&scope, "k", Duration::from_secs(30));
     assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired);
-    let recorded = RecordedResponse {
-        status: 409,
-        headers: vec![
+    let recorded = RecordedResponse::new(
+        409,
+        vec![
             ("content-type".into(), "application/octet-stream".into()),
             ("etag".into(), "".into()),
         ],
-        body: (0..=255u8).collect::<Vec<_>>().into(),
-    };
+        (0..=255u8).collect::<Vec<_>>().into(),
+    );
     assert!(
         store
             .complete(&scope, "k", r.token, &recorded, Duration::from_secs(60))

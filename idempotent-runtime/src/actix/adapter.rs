@@ -82,6 +82,8 @@ impl Chunks for dev::Payload {
     }
 }
 
+/// actix-web's response bodies have no trailers: the default `poll_chunk_keeping` keeps none, so
+/// an actix answer is recorded and replayed without any.
 impl Chunks for BoxBody {
     type Error = Box<dyn StdError>;
 

@@ -13,8 +13,8 @@ use axum::response::Response;
 use bytes::Bytes;
 use futures_util::{FutureExt as _, StreamExt as _};
 use http::request::Parts;
-use http::{HeaderName, HeaderValue, StatusCode};
-use http_body::Body as _;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use http_body::{Body as _, Frame, SizeHint};
 use tracing::Instrument as _;
 
 use crate::config::EndpointConfig;
@@ -128,6 +128,71 @@ impl pipeline::Chunks for Body {
             }
         }
     }
+
+    fn poll_chunk_keeping(
+        &mut self,
+        cx: &mut Context<'_>,
+        trailers: &mut Vec<(String, Bytes)>,
+    ) -> Poll<Option<Result<Bytes, Self::Error>>> {
+        loop {
+            match ready!(Pin::new(&mut *self).poll_frame(cx)) {
+                None => return Poll::Ready(None),
+                Some(Err(error)) => return Poll::Ready(Some(Err(error))),
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) if !data.is_empty() => return Poll::Ready(Some(Ok(data))),
+                    Ok(_empty) => {}
+                    Err(frame) => {
+                        if let Ok(map) = frame.into_trailers() {
+                            trailers.extend(map.iter().map(|(name, value)| {
+                                let value = Bytes::copy_from_slice(value.as_bytes());
+                                (name.as_str().to_owned(), value)
+                            }));
+                        }
+                    }
+                },
+            }
+        }
+    }
+}
+
+/// A body, then its trailers as a last frame: how a response with trailers is rebuilt after
+/// its body was read (to record it) or replayed.
+struct Trailing {
+    body: Body,
+    trailers: Option<HeaderMap>,
+}
+
+impl http_body::Body for Trailing {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = &mut *self;
+        match ready!(Pin::new(&mut this.body).poll_frame(cx)) {
+            Some(frame) => Poll::Ready(Some(frame)),
+            None => Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.trailers.is_none() && self.body.is_end_stream()
+    }
+
+    /// Never exact while trailers are to come: a server sends an HTTP/1.1 body of known length
+    /// with `content-length`, which leaves no place for trailers.
+    fn size_hint(&self) -> SizeHint {
+        match self.trailers {
+            None => self.body.size_hint(),
+            Some(_) => {
+                let mut hint = SizeHint::new();
+                hint.set_lower(self.body.size_hint().lower());
+                hint
+            }
+        }
+    }
 }
 
 impl Reply for Response {
@@ -157,10 +222,32 @@ impl Reply for Response {
     }
 
     fn resumed(head: Self::Head, read: Bytes, error: Option<axum::Error>, rest: Body) -> Self {
-        let read = futures_util::stream::iter([Ok(read)]);
+        let read = futures_util::stream::iter([Ok(Frame::data(read))]);
         let error = futures_util::stream::iter(error.map(Err));
-        let stream = read.chain(error).chain(rest.into_data_stream());
-        Response::from_parts(head, Body::from_stream(stream))
+        // Frames, not data: the rest's trailers go on too.
+        let rest = http_body_util::BodyStream::new(rest);
+        let frames = http_body_util::StreamBody::new(read.chain(error).chain(rest));
+        Response::from_parts(head, Body::new(frames))
+    }
+
+    fn with_trailers(self, trailers: &[(String, Bytes)]) -> Self {
+        if trailers.is_empty() {
+            return self;
+        }
+        let mut map = HeaderMap::with_capacity(trailers.len());
+        for (name, value) in trailers {
+            let name = HeaderName::from_bytes(name.as_bytes());
+            let value = HeaderValue::from_bytes(value);
+            if let (Ok(name), Ok(value)) = (name, value) {
+                map.append(name, value);
+            }
+        }
+        let (head, body) = Response::into_parts(self);
+        let body = Trailing {
+            body,
+            trailers: Some(map),
+        };
+        Response::from_parts(head, Body::new(body))
     }
 
     fn mark_replayed(mut self) -> Self {

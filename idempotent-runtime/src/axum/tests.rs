@@ -863,3 +863,130 @@ async fn the_attribute_applies_to_its_methods_post_and_patch_by_default() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 6);
 }
+
+/// An answer whose body streams its data, then trailers: gRPC's status (always recorded), one
+/// the allowlist keeps (`x-checksum`) and one it does not (`x-secret`).
+async fn trailed(State(app): State<App>) -> Response {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+    trailers.insert("x-checksum", format!("c{n}").parse().unwrap());
+    trailers.insert("x-secret", http::HeaderValue::from_static("s"));
+    let frames = futures_util::stream::iter([
+        Ok::<_, std::convert::Infallible>(http_body::Frame::data(bytes::Bytes::from(format!(
+            "run {n}"
+        )))),
+        Ok(http_body::Frame::trailers(trailers)),
+    ]);
+    Response::builder()
+        .header("content-type", "text/plain")
+        .body(Body::new(http_body_util::StreamBody::new(frames)))
+        .unwrap()
+}
+
+#[idempotent(crate = crate, require_key)]
+async fn trailed_by_attribute(state: State<App>) -> Response {
+    trailed(state).await
+}
+
+/// A handle whose allowlist keeps `x-checksum` and whose answers may record `max_response`
+/// bytes.
+fn trailers_handle(max_response: usize) -> Idempotency {
+    let config = crate::Config::builder()
+        .recorded_headers(["content-type", "x-checksum"])
+        .max_response(max_response)
+        .build();
+    Idempotency::builder(crate::store::memory::MemoryStore::default())
+        .config(config)
+        .build()
+}
+
+/// The routers under test: the attribute's and the layer's, each with its run counter.
+fn trailed_routers(store: &Idempotency) -> [(&'static str, Router, Arc<AtomicUsize>); 2] {
+    let state = |runs: &Arc<AtomicUsize>| App {
+        store: store.clone(),
+        runs: Arc::clone(runs),
+    };
+    let (a, b) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let attribute = Router::new()
+        .route("/t", post(trailed_by_attribute))
+        .with_state(state(&a))
+        .layer(peer());
+    let layer = Router::new()
+        .route("/t", post(trailed))
+        .route_layer(IdempotencyLayer::new(store.clone()).require_key())
+        .with_state(state(&b))
+        .layer(peer());
+    [("attribute", attribute, a), ("layer", layer, b)]
+}
+
+/// [`call`], with the trailers the body ended with.
+async fn call_trailed(
+    router: &Router,
+    request: Request,
+) -> (http::HeaderMap, String, Option<http::HeaderMap>) {
+    let response: Response = router.clone().call(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let collected = body.collect().await.unwrap();
+    let trailers = collected.trailers().cloned();
+    let body = collected.to_bytes();
+    (
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+        trailers,
+    )
+}
+
+#[tokio::test]
+async fn an_answer_with_trailers_is_recorded_and_replayed_with_them() {
+    // One store, a key of each router's own.
+    let store = trailers_handle(1 << 20);
+    for (what, router, runs) in trailed_routers(&store) {
+        let (_, body, trailers) = call_trailed(&router, post_with_key("/t", what, "x")).await;
+        assert_eq!(body, "run 1", "{what}");
+        let trailers = trailers.unwrap_or_else(|| panic!("{what}: the first answer's trailers"));
+        // The first answer carries every trailer its handler sent.
+        assert_eq!(trailers["grpc-status"], "0", "{what}");
+        assert_eq!(trailers["x-checksum"], "c1", "{what}");
+        assert_eq!(trailers["x-secret"], "s", "{what}");
+
+        let (headers, body, trailers) = call_trailed(&router, post_with_key("/t", what, "x")).await;
+        assert_eq!(body, "run 1", "{what}: replayed");
+        assert_eq!(headers["idempotency-replayed"], "true", "{what}");
+        let trailers = trailers.unwrap_or_else(|| panic!("{what}: the replay's trailers"));
+        // The replay carries the recorded trailers.
+        assert_eq!(trailers["grpc-status"], "0", "{what}");
+        assert_eq!(trailers["x-checksum"], "c1", "{what}");
+        assert_eq!(
+            trailers.get("x-secret"),
+            None,
+            "{what}: a trailer off the allowlist is not recorded"
+        );
+        assert_eq!(trailers.len(), 2, "{what}: {trailers:?}");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "{what}: the handler ran once"
+        );
+    }
+}
+
+/// An answer over `max_response` is sent on unrecorded, its trailers included.
+#[tokio::test]
+async fn an_answer_too_large_to_record_still_ends_with_its_trailers() {
+    let store = trailers_handle(2);
+    for (what, router, runs) in trailed_routers(&store) {
+        for n in 1..=2 {
+            let (_, body, trailers) = call_trailed(&router, post_with_key("/t", what, "x")).await;
+            assert_eq!(
+                body,
+                format!("run {n}"),
+                "{what}: not recorded, so run again"
+            );
+            let trailers = trailers.unwrap_or_else(|| panic!("{what}: the answer's trailers"));
+            assert_eq!(trailers["x-checksum"], format!("c{n}"), "{what}");
+            assert_eq!(trailers["x-secret"], "s", "{what}");
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "{what}");
+    }
+}

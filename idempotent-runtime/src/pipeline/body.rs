@@ -10,8 +10,13 @@ use bytes::{Bytes, BytesMut};
 
 use crate::budget::{BufferBudget, BufferPermit};
 
+/// Fields a body sends after its data (HTTP trailers, gRPC's status): lowercase names and
+/// values, in the order sent.
+pub(crate) type Trailers = Vec<(String, Bytes)>;
+
 /// A body as the pipeline reads it: data chunks, then the end or an error. Each framework
-/// implements it for its request and response bodies (trailers and empty chunks skipped).
+/// implements it for its request and response bodies (empty chunks skipped; trailers skipped by
+/// [`poll_chunk`](Self::poll_chunk), kept by [`poll_chunk_keeping`](Self::poll_chunk_keeping)).
 pub(crate) trait Chunks: Unpin {
     /// What a broken body reports.
     type Error;
@@ -21,6 +26,18 @@ pub(crate) trait Chunks: Unpin {
 
     /// The next data chunk; `None` at the end.
     fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, Self::Error>>>;
+
+    /// [`poll_chunk`](Self::poll_chunk), appending the trailers the body sends to `trailers`
+    /// instead of skipping them: how a response body is read to be recorded. The default keeps
+    /// none, for a framework whose bodies have no trailers (actix-web's responses).
+    fn poll_chunk_keeping(
+        &mut self,
+        cx: &mut Context<'_>,
+        trailers: &mut Trailers,
+    ) -> Poll<Option<Result<Bytes, Self::Error>>> {
+        let _ = trailers;
+        self.poll_chunk(cx)
+    }
 }
 
 async fn next_chunk<B: Chunks>(body: &mut B) -> Option<Result<Bytes, B::Error>> {
@@ -106,8 +123,13 @@ pub(crate) async fn read_request<B: Chunks>(
 
 /// A response body read to be recorded.
 pub(crate) enum Collected<B: Chunks> {
-    /// It ended within the cap: `bytes` is all of it, `drained` the body read to its end.
-    Complete { bytes: Bytes, drained: B },
+    /// It ended within the cap: `bytes` is all of it, `drained` the body read to its end,
+    /// `trailers` every trailer it sent (none where the framework has none).
+    Complete {
+        bytes: Bytes,
+        drained: B,
+        trailers: Trailers,
+    },
     /// Past the cap or the budget, or broken: what was read, the error if reading failed, and
     /// the rest of the stream, to be sent as it comes, unrecorded.
     Partial {
@@ -133,14 +155,16 @@ pub(crate) async fn collect_response<B: Chunks>(
         permit.charge(len as usize);
     }
     let mut joined = Joined::default();
+    let mut trailers = Trailers::new();
     loop {
-        let chunk = match next_chunk(&mut body).await {
+        let chunk = match poll_fn(|cx| body.poll_chunk_keeping(cx, &mut trailers)).await {
             None => {
                 let bytes = joined.freeze();
                 return (
                     Collected::Complete {
                         bytes,
                         drained: body,
+                        trailers,
                     },
                     permit,
                 );

@@ -94,8 +94,12 @@ pub(crate) async fn settle_enlisted<R: Reply>(
         };
     }
     let (collected, permit) = body::collect_response(handle.budget(), body, cap).await;
-    let (bytes, drained) = match collected {
-        Collected::Complete { bytes, drained } => (bytes, drained),
+    let (bytes, drained, trailers) = match collected {
+        Collected::Complete {
+            bytes,
+            drained,
+            trailers,
+        } => (bytes, drained, trailers),
         // Streamed past the cap: kept without its body, committed before the answer goes on.
         Collected::Partial {
             read,
@@ -114,13 +118,10 @@ pub(crate) async fn settle_enlisted<R: Reply>(
             return refuse(handle, &enlisted::not_recordable(&route));
         }
     };
-    let recorded = RecordedResponse {
-        status,
-        headers,
-        body: bytes,
-    };
+    let recorded = RecordedResponse::new(status, headers, bytes)
+        .with_trailers(record::recorded_trailers_for(config, &recording, &trailers));
     match settle.commit(tx, Some(&recorded)).await {
-        Ok(()) => R::recorded(head, recorded.body, drained),
+        Ok(()) => R::recorded(head, recorded.body, drained).with_trailers(&trailers),
         Err(problem) => refuse(handle, &problem),
     }
 }

@@ -138,10 +138,19 @@ pub(crate) trait Reply: Sized {
     /// for parsing it).
     fn mark_replayed(self) -> Self;
 
-    /// A recorded response, marked with [`REPLAYED_HEADER`].
+    /// This response with `trailers` sent after its body (unchanged when there are none). The
+    /// default drops them, for a framework whose responses have no trailers (actix-web).
+    fn with_trailers(self, trailers: &[(String, Bytes)]) -> Self {
+        let _ = trailers;
+        self
+    }
+
+    /// A recorded response, marked with [`REPLAYED_HEADER`], its trailers after its body.
     fn replay(recorded: &RecordedResponse) -> Self {
         let headers = recorded.headers.iter().map(|(n, v)| (n.as_str(), &v[..]));
-        Self::build(recorded.status, headers, recorded.body.clone()).mark_replayed()
+        Self::build(recorded.status, headers, recorded.body.clone())
+            .with_trailers(&recorded.trailers)
+            .mark_replayed()
     }
 
     /// A plain 500 for a setup mistake the log line explains.
@@ -575,14 +584,20 @@ pub(crate) async fn settle<R: Reply>(
     // Still renewed while the body streams: a slow answer must not lose its key to a duplicate.
     let collected = reservation.renewing(body::collect_response(handle.budget(), body, cap));
     match collected.await {
-        (Collected::Complete { bytes, drained }, _permit) => {
-            let recorded = RecordedResponse {
-                status,
-                headers,
-                body: bytes,
-            };
+        (
+            Collected::Complete {
+                bytes,
+                drained,
+                trailers,
+            },
+            _permit,
+        ) => {
+            let recorded = RecordedResponse::new(status, headers, bytes).with_trailers(
+                crate::record::recorded_trailers_for(config, &recording, &trailers),
+            );
             reservation.complete(&recorded).await;
-            R::recorded(head, recorded.body, drained)
+            // The first answer carries every trailer its handler sent; the record, those kept.
+            R::recorded(head, recorded.body, drained).with_trailers(&trailers)
         }
         (Collected::Partial { read, error, rest }, permit) => {
             drop(permit);

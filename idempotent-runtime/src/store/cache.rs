@@ -324,11 +324,12 @@ impl<S> CachedStore<S> {
 /// in 2 KiB); a copy kept for minutes must not keep that buffer alive, or the cache would hold
 /// more than the `max_bytes` it counts.
 fn detached(response: &RecordedResponse) -> RecordedResponse {
-    RecordedResponse {
-        status: response.status,
-        headers: response.headers.clone(),
-        body: Bytes::copy_from_slice(&response.body),
-    }
+    RecordedResponse::new(
+        response.status,
+        response.headers.clone(),
+        Bytes::copy_from_slice(&response.body),
+    )
+    .with_trailers(response.trailers.clone())
 }
 
 /// The `store` label of the claims the cache answers itself.
@@ -546,11 +547,7 @@ mod tests {
     }
 
     fn response(body: &'static [u8]) -> RecordedResponse {
-        RecordedResponse {
-            status: 201,
-            headers: vec![],
-            body: bytes::Bytes::from_static(body),
-        }
+        RecordedResponse::new(201, vec![], bytes::Bytes::from_static(body))
     }
 
     /// Counts the claims that reach the store behind the cache.

@@ -56,6 +56,7 @@ async fn run_shared_cases<S: Store + ?Sized>(
     first_claim_acquires_and_a_second_sees_it_running(s).await;
     completed_record_is_reported_with_its_response(s).await;
     a_record_without_body_keeps_its_headers_and_an_empty_body(s).await;
+    trailers_replay_exactly_and_an_answer_without_them_replays_none(s).await;
     a_resent_completion_that_finds_its_own_record_succeeds(s).await;
     wrong_token_can_neither_complete_release_nor_renew(s).await;
     release_frees_the_key(s).await;
@@ -106,17 +107,17 @@ fn req<'a>(
 }
 
 fn response(body: &'static str) -> RecordedResponse {
-    RecordedResponse {
-        status: 201,
-        headers: vec![
+    RecordedResponse::new(
+        201,
+        vec![
             (
                 "content-type".into(),
                 Bytes::from_static(b"application/json"),
             ),
             ("location".into(), Bytes::from_static(b"/orders/1")),
         ],
-        body: Bytes::from_static(body.as_bytes()),
-    }
+        Bytes::from_static(body.as_bytes()),
+    )
 }
 
 async fn claim<S: Store + ?Sized>(s: &S, r: &ClaimRequest<'_>) -> Claim {
@@ -244,6 +245,55 @@ async fn a_record_without_body_keeps_its_headers_and_an_empty_body<S: Store + ?S
             assert_eq!(st.state, StandingState::Completed(Arc::new(recorded)));
         }
         Claim::Acquired => panic!("a completed key was acquired again"),
+    }
+}
+
+/// An answer's trailers (HTTP trailers, gRPC's status) come back exactly: every name and value
+/// in the order sent, repeated names, empty and non-UTF-8 values included; an answer without
+/// trailers comes back with none. A resent completion with the same trailers succeeds, and one
+/// whose trailers differ is another answer, refused like any other.
+async fn trailers_replay_exactly_and_an_answer_without_them_replays_none<S: Store + ?Sized>(s: &S) {
+    let scope = fresh_scope();
+    let with = response(r#"{"id":3}"#).with_trailers(vec![
+        ("grpc-status".into(), Bytes::from_static(b"0")),
+        ("x-checksum".into(), Bytes::from_static(b"\x00\xffsha")),
+        ("grpc-message".into(), Bytes::new()),
+        ("x-checksum".into(), Bytes::from_static(b"second")),
+    ]);
+    let without = response(r#"{"id":4}"#);
+    for (key, recorded) in [("k-trailers", &with), ("k-no-trailers", &without)] {
+        let first = req(&scope, key, 1, 30 * SECOND);
+        assert_eq!(claim(s, &first).await, Claim::Acquired);
+        for attempt in 0..2 {
+            let done = s
+                .complete(&scope, key, first.token, recorded, 10 * SECOND)
+                .await;
+            assert!(done.unwrap(), "{key}: completion {attempt} refused");
+        }
+        let mut other = recorded.clone();
+        other.trailers = vec![("grpc-status".into(), Bytes::from_static(b"13"))];
+        assert!(
+            !s.complete(&scope, key, first.token, &other, 10 * SECOND)
+                .await
+                .unwrap(),
+            "{key}: a completion with other trailers found the record its own"
+        );
+        match claim(s, &req(&scope, key, 1, 30 * SECOND)).await {
+            Claim::Standing(st) => match &st.state {
+                StandingState::Completed(replayed) => {
+                    assert_eq!(replayed.trailers, recorded.trailers, "{key}: trailers");
+                    assert_eq!(**replayed, *recorded, "{key}: the whole answer");
+                }
+                other => panic!("{key}: a completed record stands as {other:?}"),
+            },
+            Claim::Acquired => panic!("{key}: a completed key was acquired again"),
+        }
+        let info = inspect(s, &scope, key, true).await.expect("a record");
+        assert_eq!(
+            info.response.as_deref(),
+            Some(recorded),
+            "{key}: inspect's response"
+        );
     }
 }
 
@@ -709,12 +759,20 @@ pub mod model {
 
     const RETENTION_S: u64 = 2;
 
+    /// An answer told apart by `id`; odd ones carry trailers, so replays of both kinds are
+    /// checked against the model.
     fn response(id: u8) -> RecordedResponse {
-        RecordedResponse {
-            status: 200,
-            headers: vec![("etag".into(), Bytes::from(vec![id]))],
-            body: Bytes::from(vec![id; 3]),
-        }
+        let trailers = if id % 2 == 1 {
+            vec![("grpc-status".into(), Bytes::from(vec![b'0' + id % 10]))]
+        } else {
+            Vec::new()
+        };
+        RecordedResponse::new(
+            200,
+            vec![("etag".into(), Bytes::from(vec![id]))],
+            Bytes::from(vec![id; 3]),
+        )
+        .with_trailers(trailers)
     }
 
     /// Runs `ops` against `store` and the model; panics at the first disagreement.

@@ -121,50 +121,71 @@ enum EntryState {
 }
 
 /// A recorded answer as the store keeps it: its headers (in
-/// [`RecordedResponse::encode_headers`]' form) and its body in one buffer of exactly their size.
+/// [`RecordedResponse::encode_headers`]' form), its body and its trailers (in the same form) in
+/// one buffer of exactly their size.
 ///
 /// The runtime hands an answer over as up to nine allocations: the body's buffer with whatever
 /// slack its serializer grew (a 1.1 KiB JSON body sits in 2 KiB), the buffer's shared count, each
 /// header's name and value, their list. A record holds its answer for the whole retention, so it
 /// keeps one allocation of the exact size, and its key and route one more: 596 B resident a
 /// record in `examples/memory_footprint`, against 780 B kept as handed over (one machine, one
-/// sitting). A replay unpacks it: the headers are copied, the body is shared.
+/// sitting). A replay unpacks it: the headers and trailers are copied, the body is shared.
+///
+/// The buffer never leaves the process, so its layout needs no version: a record is always
+/// read by the code that wrote it.
 struct Packed {
     status: u16,
+    /// Bytes of the encoded trailers, at the end of the buffer (in the padding beside
+    /// `status`, so a record is no larger for them). An answer whose trailers take 4 GiB or
+    /// more is refused at completion.
+    tail: u32,
     head: usize,
     bytes: Bytes,
 }
 
 impl Packed {
-    fn new(response: &RecordedResponse) -> Self {
+    /// `None` when the trailers' encoding does not fit `tail`.
+    fn new(response: &RecordedResponse) -> Option<Self> {
         let head = header_bytes(&response.headers);
-        let mut buf = Vec::with_capacity(head + response.body.len());
+        let tail = header_bytes(&response.trailers);
+        let mut buf = Vec::with_capacity(head + response.body.len() + tail);
         response.encode_headers_into(&mut buf);
         debug_assert_eq!(buf.len(), head);
         buf.extend_from_slice(&response.body);
-        Self {
+        super::encode_fields_into(&response.trailers, &mut buf);
+        Some(Self {
             status: response.status,
+            tail: u32::try_from(tail).ok()?,
             head,
             bytes: Bytes::from(buf),
-        }
+        })
+    }
+
+    fn body_end(&self) -> usize {
+        self.bytes.len() - self.tail as usize
     }
 
     fn unpack(&self) -> RecordedResponse {
-        RecordedResponse {
-            status: self.status,
-            headers: RecordedResponse::decode_headers(&self.bytes[..self.head])
-                .expect("headers the store encoded itself"),
-            body: self.bytes.slice(self.head..),
-        }
+        let fields = |raw: &[u8]| {
+            RecordedResponse::decode_headers(raw).expect("fields the store encoded itself")
+        };
+        RecordedResponse::new(
+            self.status,
+            fields(&self.bytes[..self.head]),
+            self.bytes.slice(self.head..self.body_end()),
+        )
+        .with_trailers(fields(&self.bytes[self.body_end()..]))
     }
 
     /// Whether `response` is the answer packed here.
     fn holds(&self, response: &RecordedResponse) -> bool {
+        let fields = |raw: &[u8]| RecordedResponse::decode_headers(raw);
         self.status == response.status
-            && self.bytes[self.head..] == response.body[..]
+            && self.bytes[self.head..self.body_end()] == response.body[..]
             && header_bytes(&response.headers) == self.head
-            && RecordedResponse::decode_headers(&self.bytes[..self.head]).as_ref()
-                == Some(&response.headers)
+            && header_bytes(&response.trailers) == self.tail as usize
+            && fields(&self.bytes[..self.head]).as_ref() == Some(&response.headers)
+            && fields(&self.bytes[self.body_end()..]).as_ref() == Some(&response.trailers)
     }
 }
 
@@ -640,9 +661,10 @@ impl Store for MemoryStore {
         }
         // Within the headroom set aside at the claim this only shrinks; an answer larger than
         // the headroom may be refused here, and the runtime then releases the key.
+        let packed = Packed::new(response).ok_or(StoreError::Full)?;
         self.recharge(entry.quota_bucket, entry.weight, weight)?;
         entry.weight = weight;
-        entry.state = EntryState::Completed(Packed::new(response));
+        entry.state = EntryState::Completed(packed);
         entry.expires_at = now.saturating_add(millis(retention));
         entry.completed_at = now;
         let expires_at = entry.expires_at;
@@ -764,7 +786,7 @@ impl Store for MemoryStore {
             completed_at: response.map(|_| wall(e.completed_at)),
             lease_until: lease_until.map(wall),
             expires_at: wall(e.expires_at),
-            body_bytes: response.map_or(0, |p| p.bytes.len() - p.head),
+            body_bytes: response.map_or(0, |p| p.body_end() - p.head),
             header_bytes: response.map_or(0, |p| p.head),
             response: response
                 .filter(|_| with_response)
@@ -958,11 +980,7 @@ mod tests {
         let b = claim_req(&scope, "b", 6);
         store.claim(&a).await.unwrap();
         store.claim(&b).await.unwrap();
-        let resp = RecordedResponse {
-            status: 200,
-            headers: vec![],
-            body: bytes::Bytes::from(vec![b'x'; 1000]),
-        };
+        let resp = RecordedResponse::new(200, vec![], bytes::Bytes::from(vec![b'x'; 1000]));
         assert!(
             store
                 .complete(&scope, "a", a.token, &resp, Duration::from_secs(1))
@@ -976,12 +994,18 @@ mod tests {
         assert!(store.quotas.iter().all(|q| lock(q).is_empty()));
     }
 
+    #[test]
+    fn trailers_make_a_packed_answer_no_larger() {
+        // `status` and `tail` share one word: a packed answer is a word, a length and its bytes,
+        // as it was before trailers were kept.
+        assert_eq!(
+            std::mem::size_of::<Packed>(),
+            2 * std::mem::size_of::<usize>() + std::mem::size_of::<Bytes>()
+        );
+    }
+
     fn answer(bytes: usize) -> RecordedResponse {
-        RecordedResponse {
-            status: 200,
-            headers: vec![],
-            body: bytes::Bytes::from(vec![b'a'; bytes]),
-        }
+        RecordedResponse::new(200, vec![], bytes::Bytes::from(vec![b'a'; bytes]))
     }
 
     #[tokio::test]
@@ -1187,15 +1211,15 @@ mod tests {
             ..claim_req(&scope, "key-1", 14)
         };
         assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
-        let recorded = RecordedResponse {
-            status: 207,
-            headers: vec![
+        let recorded = RecordedResponse::new(
+            207,
+            vec![
                 ("location".into(), Bytes::from_static(b"/orders/9")),
                 ("x-empty".into(), Bytes::new()),
                 ("location".into(), Bytes::from_static(b"/orders/10")),
             ],
-            body: (0..=255u8).collect::<Vec<u8>>().into(),
-        };
+            (0..=255u8).collect::<Vec<u8>>().into(),
+        );
         let retention = Duration::from_secs(60);
         assert!(
             store
@@ -1279,11 +1303,7 @@ mod sweep_tests {
             })
             .build();
         let scope = [9; 32];
-        let resp = RecordedResponse {
-            status: 201,
-            headers: vec![],
-            body: bytes::Bytes::from_static(b"{}"),
-        };
+        let resp = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"{}"));
         for i in 0..expiring + live {
             let key = format!("k{i}");
             let secs = if i < expiring { 1 } else { 3600 };

@@ -88,7 +88,11 @@ impl fmt::Debug for FencingToken {
 }
 
 /// The response kept for replay.
+///
+/// Built with [`new`](Self::new) (and [`with_trailers`](Self::with_trailers)), so that a later
+/// version can add a part of the answer without breaking the stores and tests that build one.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RecordedResponse {
     /// Final status code.
     pub status: u16,
@@ -96,17 +100,38 @@ pub struct RecordedResponse {
     pub headers: Vec<(String, Bytes)>,
     /// The complete body.
     pub body: Bytes,
+    /// Allowlisted trailers (the fields sent after the body: HTTP trailers, gRPC's
+    /// `grpc-status` and `grpc-message`), lowercase names, in the order they were sent; empty
+    /// when the answer had none. A replay sends them after the body.
+    pub trailers: Vec<(String, Bytes)>,
 }
 
 impl RecordedResponse {
-    /// Bytes this record occupies beyond its struct: headers and body.
+    /// An answer of `status`, these recorded headers and `body`, without trailers.
+    pub fn new(status: u16, headers: Vec<(String, Bytes)>, body: Bytes) -> Self {
+        Self {
+            status,
+            headers,
+            body,
+            trailers: Vec::new(),
+        }
+    }
+
+    /// This answer with these recorded trailers (lowercase names, in the order sent).
+    #[must_use]
+    pub fn with_trailers(mut self, trailers: Vec<(String, Bytes)>) -> Self {
+        self.trailers = trailers;
+        self
+    }
+
+    /// Bytes this record occupies beyond its struct: headers, body and trailers.
     pub fn weight(&self) -> usize {
-        self.body.len()
-            + self
-                .headers
-                .iter()
+        let fields = |list: &[(String, Bytes)]| {
+            list.iter()
                 .map(|(n, v)| n.len() + v.len() + 16)
                 .sum::<usize>()
+        };
+        self.body.len() + fields(&self.headers) + fields(&self.trailers)
     }
 
     /// Headers in a compact length-prefixed encoding, for SQL `bytea`/`blob` columns.
@@ -118,15 +143,19 @@ impl RecordedResponse {
 
     /// [`encode_headers`](Self::encode_headers), appended to `out`.
     pub(crate) fn encode_headers_into(&self, out: &mut Vec<u8>) {
-        for (name, value) in &self.headers {
-            out.extend_from_slice(&(name.len() as u32).to_be_bytes());
-            out.extend_from_slice(name.as_bytes());
-            out.extend_from_slice(&(value.len() as u32).to_be_bytes());
-            out.extend_from_slice(value);
-        }
+        encode_fields_into(&self.headers, out);
     }
 
-    /// Inverse of [`encode_headers`](Self::encode_headers); `None` on corrupt input.
+    /// Trailers in the encoding of [`encode_headers`](Self::encode_headers) (and decoded by
+    /// [`decode_headers`](Self::decode_headers)); empty when there are none.
+    pub fn encode_trailers(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(header_bytes(&self.trailers));
+        encode_fields_into(&self.trailers, &mut out);
+        out
+    }
+
+    /// Inverse of [`encode_headers`](Self::encode_headers) (and of
+    /// [`encode_trailers`](Self::encode_trailers)); `None` on corrupt input.
     pub fn decode_headers(mut raw: &[u8]) -> Option<Vec<(String, Bytes)>> {
         fn take<'a>(raw: &mut &'a [u8]) -> Option<&'a [u8]> {
             let (len, rest) = raw.split_first_chunk::<4>()?;
@@ -306,6 +335,9 @@ pub(crate) struct InspectedRow {
     pub(crate) header_bytes: i64,
     pub(crate) headers: Option<Vec<u8>>,
     pub(crate) body: Option<Vec<u8>>,
+    /// The encoded trailers; `None` for a record without any (and rows written before
+    /// trailers were kept).
+    pub(crate) trailers: Option<Vec<u8>>,
 }
 
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
@@ -314,13 +346,20 @@ impl InspectedRow {
     pub(crate) fn into_info(self) -> Result<RecordInfo, StoreError> {
         let status = self.status.and_then(|s| u16::try_from(s).ok());
         let response = match (self.completed, status, self.headers) {
-            (true, Some(status), Some(headers)) => Some(Arc::new(RecordedResponse {
-                status,
-                headers: RecordedResponse::decode_headers(&headers).ok_or_else(|| {
-                    StoreError::unavailable("corrupt idempotency record: headers do not decode")
-                })?,
-                body: Bytes::from(self.body.unwrap_or_default()),
-            })),
+            (true, Some(status), Some(headers)) => {
+                let corrupt = |what: &str| {
+                    StoreError::unavailable(format!("corrupt idempotency record: {what}"))
+                };
+                let headers = RecordedResponse::decode_headers(&headers)
+                    .ok_or_else(|| corrupt("headers do not decode"))?;
+                let trailers =
+                    RecordedResponse::decode_headers(self.trailers.as_deref().unwrap_or_default())
+                        .ok_or_else(|| corrupt("trailers do not decode"))?;
+                let body = Bytes::from(self.body.unwrap_or_default());
+                Some(Arc::new(
+                    RecordedResponse::new(status, headers, body).with_trailers(trailers),
+                ))
+            }
             _ => None,
         };
         let (lease, expires) = (time_from_millis(self.lease), time_from_millis(self.expires));
@@ -343,6 +382,17 @@ impl InspectedRow {
 /// their [stored encoding](RecordedResponse::encode_headers).
 pub fn header_bytes(headers: &[(String, Bytes)]) -> usize {
     headers.iter().map(|(n, v)| 8 + n.len() + v.len()).sum()
+}
+
+/// Fields (headers or trailers) in [`RecordedResponse::encode_headers`]' encoding, appended to
+/// `out`: each name and value as a 4-byte big-endian length and its bytes.
+pub(crate) fn encode_fields_into(fields: &[(String, Bytes)], out: &mut Vec<u8>) {
+    for (name, value) in fields {
+        out.extend_from_slice(&(name.len() as u32).to_be_bytes());
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        out.extend_from_slice(value);
+    }
 }
 
 /// Why a store operation failed.
@@ -704,14 +754,29 @@ mod tests {
 
     #[test]
     fn headers_round_trip_through_their_encoding() {
-        let r = RecordedResponse {
-            status: 201,
-            headers: vec![
+        let r = RecordedResponse::new(
+            201,
+            vec![
                 ("location".into(), Bytes::from_static(b"/orders/1")),
                 ("etag".into(), Bytes::from_static(b"")),
             ],
-            body: Bytes::new(),
-        };
+            Bytes::new(),
+        )
+        .with_trailers(vec![
+            ("grpc-status".into(), Bytes::from_static(b"0")),
+            ("x-checksum".into(), Bytes::from_static(b"\x00\xff")),
+        ]);
+        assert_eq!(
+            RecordedResponse::decode_headers(&r.encode_trailers()),
+            Some(r.trailers.clone())
+        );
+        assert_eq!(
+            RecordedResponse::decode_headers(
+                &RecordedResponse::new(200, vec![], Bytes::new()).encode_trailers()
+            ),
+            Some(vec![]),
+            "no trailers encode as nothing"
+        );
         assert_eq!(
             RecordedResponse::decode_headers(&r.encode_headers()),
             Some(r.headers)

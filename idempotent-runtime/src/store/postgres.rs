@@ -65,6 +65,11 @@ const MIGRATIONS: &[Step] = &[
         description: "heap-only completions",
         template: include_str!("../../migrations/postgres/0003_heap_only_completions.sql"),
     },
+    Step {
+        version: 4,
+        description: "record trailers",
+        template: include_str!("../../migrations/postgres/0004_record_trailers.sql"),
+    },
 ];
 
 /// SQLSTATE `lock_not_available`: `lock_timeout` elapsed.
@@ -79,7 +84,7 @@ pub const DEFAULT_TABLE: &str = "idempotency_records";
 /// Group commit's defaults: up to 32 requests a statement, one statement out at once (more only
 /// while it is stalled). Measured in `scripts/bench`'s pinned setup, one statement out made the
 /// largest batches and cost the database the least: a commit's WAL flush dominates.
-/// A completion batch binds 7 parameters a row; PostgreSQL takes at most 65,535.
+/// A completion batch binds 8 parameters a row; PostgreSQL takes at most 65,535.
 const MAX_BATCH_ROWS: usize = 128;
 
 const DEFAULT_BATCH: batch::Limits = batch::Limits {
@@ -278,10 +283,11 @@ const STANDING_COLUMNS: &str = "r.token, r.fingerprint, r.fp_version, \
           ELSE 1 END::smallint, \
      GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.lease_until - clock.now)) * 1000))::bigint, \
      r.status, r.headers, r.body, \
-     GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - clock.now)) * 1000))::bigint";
+     GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - clock.now)) * 1000))::bigint, \
+     r.trailers";
 
 const ACQUIRED_COLUMNS: &str = "true, token, NULL::bytea, NULL::smallint, NULL::smallint, \
-     NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint";
+     NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint, NULL::bytea";
 
 /// The padded sizes of completion batches: 2, 3, 4, 6, 8, 12, 16, 24, … up to the first at
 /// least `max_rows`. A connection prepares a handful of statements, not one a size, and a batch
@@ -299,8 +305,8 @@ fn complete_many_sizes(max_rows: usize) -> Vec<usize> {
 
 /// The statement that completes up to `rows` records: one `UPDATE` by primary key a row, each
 /// its own data-modifying CTE, answering the ordinals (from 1) of the rows it completed. Row
-/// `k` binds `$7k+1…$7k+7` (scope, key, token, status, headers, body, retention in ms), the
-/// clock offset comes last; a row bound with a NULL scope matches nothing (padding).
+/// `k` binds `$8k+1…$8k+8` (scope, key, token, status, headers, body, retention in ms,
+/// trailers or NULL), the clock offset comes last; a row bound with a NULL scope matches nothing (padding).
 ///
 /// Not one `UPDATE … FROM unnest(…)`: PostgreSQL plans that join once per connection and keeps
 /// the plan, and a plan made while the table is young (a hash join over a sequential scan of
@@ -310,28 +316,30 @@ fn complete_many_sizes(max_rows: usize) -> Vec<usize> {
 /// it until the next `ANALYZE`). The CTEs run in order, so rows (sorted by `(scope, key)`) are
 /// locked in order.
 fn complete_many(t: &str, rows: usize) -> String {
-    let ctes = completion_ctes(t, rows, 0, &now(7 * rows + 1));
+    let ctes = completion_ctes(t, rows, 0, &now(8 * rows + 1));
     let union: Vec<String> = (0..rows).map(|k| format!("SELECT n FROM c{k}")).collect();
     format!("WITH {} {}", ctes.join(", "), union.join(" UNION ALL "))
 }
 
-/// The CTEs `c0…` of [`complete_many`], row `k` binding `$base+7k+1…$base+7k+7`, each
+/// The CTEs `c0…` of [`complete_many`], row `k` binding `$base+8k+1…$base+8k+8`, each
 /// returning its ordinal (from 1) as `n`.
 fn completion_ctes(t: &str, rows: usize, base: usize, now: &str) -> Vec<String> {
     (0..rows)
         .map(|k| {
-            let p = |i: usize| base + 7 * k + i;
-            let (scope, key, token, status, headers, body, retention) =
-                (p(1), p(2), p(3), p(4), p(5), p(6), p(7));
+            let p = |i: usize| base + 8 * k + i;
+            let (scope, key, token, status, headers, body, retention, trailers) =
+                (p(1), p(2), p(3), p(4), p(5), p(6), p(7), p(8));
             let expiry = format!("{now} + ${retention}::bigint * interval '1 millisecond'");
             format!(
                 "c{k} AS (UPDATE {t} r SET state = 1, status = ${status}::smallint, \
                      headers = ${headers}::bytea, body = ${body}::bytea, lease_until = {now}, \
-                     expires_at = {expiry}, sweep_after = LEAST(r.sweep_after, {expiry}) \
+                     expires_at = {expiry}, sweep_after = LEAST(r.sweep_after, {expiry}), \
+                     trailers = ${trailers}::bytea \
                  WHERE r.scope = ${scope}::bytea AND r.key = ${key}::text \
                    AND r.token = ${token}::bigint \
                    AND (r.state = 0 OR (r.status = ${status} AND r.headers = ${headers} \
-                                        AND r.body = ${body})) \
+                                        AND r.body = ${body} \
+                                        AND r.trailers IS NOT DISTINCT FROM ${trailers})) \
                  RETURNING {ordinal}::bigint AS n)",
                 ordinal = k + 1
             )
@@ -381,7 +389,7 @@ fn claim_many_parts(t: &str, clock: usize) -> (String, String) {
 }
 
 /// One round of group commit carrying both kinds: the batched claim over arrays `$1…$8` and
-/// `completions` completion rows from `$9` (7 a row), the clock offset last. Claims answer
+/// `completions` completion rows from `$9` (8 a row), the clock offset last. Claims answer
 /// their ordinal (from 1) in the last column; completion `k` answers `-(k+1)` there and NULL in
 /// the others.
 ///
@@ -393,7 +401,7 @@ fn claim_many_parts(t: &str, clock: usize) -> (String, String) {
 /// its own new rows, which no completion touches, and rounds waiting in their completions lock
 /// rows in `(scope, key)` order.
 fn round(t: &str, completions: usize) -> String {
-    let clock = 8 + 7 * completions + 1;
+    let clock = 8 + 8 * completions + 1;
     let (claim_ctes, claims) = claim_many_parts(t, clock);
     let ctes = completion_ctes(t, completions, 8, &now(clock));
     let done: Vec<String> = (0..completions)
@@ -401,7 +409,7 @@ fn round(t: &str, completions: usize) -> String {
             format!(
                 "SELECT NULL::boolean, NULL::bigint, NULL::bytea, NULL::smallint, \
                         NULL::smallint, NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea, \
-                        NULL::bigint, -n FROM c{k}"
+                        NULL::bigint, NULL::bytea, -n FROM c{k}"
             )
         })
         .collect();
@@ -451,7 +459,7 @@ impl Statements {
             "WITH {clock}, \
              upd AS (UPDATE {t} r SET token = $3, fingerprint = $4, fp_version = $5, state = 0, \
                          lease_until = {lease_until}, expires_at = {expires_at}, \
-                         status = NULL, headers = NULL, body = NULL, \
+                         status = NULL, headers = NULL, body = NULL, trailers = NULL, \
                          sweep_after = {sweep_after}, route = $10, created_at = clock.now \
                      FROM clock \
                      WHERE r.scope = $1 AND r.key = $2 \
@@ -466,13 +474,16 @@ impl Statements {
         // No indexed column changes (the sweeper's index holds `sweep_after`): where the page
         // has room, the completion is a heap-only update and writes no index entry. Only a
         // completion kept for less than the claim's retention moves `sweep_after` earlier (an
-        // unchanged value does not stand in the way of a heap-only update).
+        // unchanged value does not stand in the way of a heap-only update). $9: the trailers,
+        // NULL for none.
         let complete = format!(
             "UPDATE {t} SET state = 1, status = $4, headers = $5, body = $6, \
                  lease_until = {n}, expires_at = {n} + $7::bigint * interval '1 millisecond', \
-                 sweep_after = LEAST(sweep_after, {n} + $7::bigint * interval '1 millisecond') \
+                 sweep_after = LEAST(sweep_after, {n} + $7::bigint * interval '1 millisecond'), \
+                 trailers = $9::bytea \
              WHERE scope = $1 AND key = $2 AND token = $3 \
-               AND (state = 0 OR (status = $4 AND headers = $5 AND body = $6))",
+               AND (state = 0 OR (status = $4 AND headers = $5 AND body = $6 \
+                                  AND trailers IS NOT DISTINCT FROM $9::bytea))",
             n = now(8)
         );
         let release =
@@ -501,7 +512,8 @@ impl Statements {
             "SELECT state, status, route, {created}, {lease}, {expires}, {now}, \
                     COALESCE(octet_length(body), 0)::bigint, \
                     COALESCE(octet_length(headers), 0)::bigint, \
-                    CASE WHEN $3 THEN headers END, CASE WHEN $3 THEN body END \
+                    CASE WHEN $3 THEN headers END, CASE WHEN $3 THEN body END, \
+                    CASE WHEN $3 THEN trailers END \
              FROM {t} WHERE scope = $1 AND key = $2",
             created = epoch("created_at"),
             lease = epoch("lease_until"),
@@ -594,6 +606,18 @@ fn corrupt(what: &str) -> StoreError {
     StoreError::unavailable(format!("corrupt idempotency record: {what}"))
 }
 
+/// The `trailers` column: NULL (a record without trailers, or a row written before they were
+/// kept) is none.
+fn decode_trailers(raw: Option<&[u8]>) -> Result<Vec<(String, Bytes)>, StoreError> {
+    RecordedResponse::decode_headers(raw.unwrap_or_default())
+        .ok_or_else(|| corrupt("trailers do not decode"))
+}
+
+/// What the `trailers` column holds for `response`: NULL when it has none.
+fn encoded_trailers(response: &RecordedResponse) -> Option<Vec<u8>> {
+    (!response.trailers.is_empty()).then(|| response.encode_trailers())
+}
+
 fn decode(rows: Vec<PgRow>) -> Result<Outcome, StoreError> {
     // A row deleted after the snapshot can read back beside a successful insert: the insert
     // wins.
@@ -650,16 +674,16 @@ fn standing(row: &PgRow) -> Result<Standing, StoreError> {
             let status: Option<i16> = row.try_get(6).map_err(unavailable)?;
             let headers: Option<Vec<u8>> = row.try_get(7).map_err(unavailable)?;
             let body: Option<Vec<u8>> = row.try_get(8).map_err(unavailable)?;
+            let trailers: Option<Vec<u8>> = row.try_get(10).map_err(unavailable)?;
             let status = status
                 .and_then(|s| u16::try_from(s).ok())
                 .ok_or_else(|| corrupt("completed without a status"))?;
             let headers = RecordedResponse::decode_headers(headers.as_deref().unwrap_or_default())
                 .ok_or_else(|| corrupt("headers do not decode"))?;
-            StandingState::Completed(Arc::new(RecordedResponse {
-                status,
-                headers,
-                body: Bytes::from(body.unwrap_or_default()),
-            }))
+            StandingState::Completed(Arc::new(
+                RecordedResponse::new(status, headers, Bytes::from(body.unwrap_or_default()))
+                    .with_trailers(decode_trailers(trailers.as_deref())?),
+            ))
         }
         _ => StandingState::Expired,
     };
@@ -741,7 +765,8 @@ fn bind_completions<'q>(mut query: Bound<'q>, rows: &[&'q CompleteRow], size: us
             .bind(row.status)
             .bind(&row.headers[..])
             .bind(&row.body[..])
-            .bind(millis_i64(row.retention));
+            .bind(millis_i64(row.retention))
+            .bind(row.trailers.as_deref());
     }
     for _ in rows.len()..size {
         query = query
@@ -751,7 +776,8 @@ fn bind_completions<'q>(mut query: Bound<'q>, rows: &[&'q CompleteRow], size: us
             .bind(None::<i16>)
             .bind(None::<&[u8]>)
             .bind(None::<&[u8]>)
-            .bind(None::<i64>);
+            .bind(None::<i64>)
+            .bind(None::<&[u8]>);
     }
     query
 }
@@ -936,6 +962,8 @@ struct CompleteRow {
     headers: Vec<u8>,
     body: Bytes,
     retention: Duration,
+    /// NULL for none.
+    trailers: Option<Vec<u8>>,
 }
 
 /// One completion alone: [`Store::complete`]'s statement.
@@ -951,6 +979,7 @@ async fn complete_one(core: &Core, row: &CompleteRow) -> Result<bool, StoreError
                 .bind(&row.body[..])
                 .bind(millis_i64(row.retention))
                 .bind(core.offset())
+                .bind(row.trailers.as_deref())
         })
         .await?;
     Ok(rows == 1)
@@ -1315,6 +1344,7 @@ impl Store for PostgresStore {
             headers: response.encode_headers(),
             body: response.body.clone(),
             retention,
+            trailers: encoded_trailers(response),
         };
         match self.rounds.submit(Op::Complete(row)).await? {
             Done::Completed(done) => Ok(done),
@@ -1419,6 +1449,7 @@ fn record_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
         header_bytes: row.try_get(8).map_err(unavailable)?,
         headers: row.try_get(9).map_err(unavailable)?,
         body: row.try_get(10).map_err(unavailable)?,
+        trailers: row.try_get(11).map_err(unavailable)?,
     }
     .into_info()
 }
@@ -1435,8 +1466,8 @@ mod tests {
         assert_eq!(complete_many_sizes(MAX_BATCH_ROWS).last(), Some(&128));
         let sql = complete_many("t", 3);
         assert_eq!(sql.matches("UPDATE t r").count(), 3);
-        // Row 3's body is $20; the clock offset comes after the last row.
-        assert!(sql.contains("body = $20::bytea") && sql.contains("$22::bigint * interval"));
-        assert!(!sql.contains("$23"));
+        // Row 3's body is $22 and its trailers $24; the clock offset comes after the last row.
+        assert!(sql.contains("body = $22::bytea") && sql.contains("trailers = $24::bytea"));
+        assert!(sql.contains("$25::bigint * interval") && !sql.contains("$26"));
     }
 }

@@ -3,7 +3,7 @@
 -- A record is one string value, `{prefix}:{<scope hex>}:<key>`, with this layout (1-based
 -- positions as Lua's string.sub counts them; integers big-endian):
 --
---   1       format (1)
+--   1       format: 1, or 2 for a completed record with trailers
 --   2       state: 0 reserved, 1 completed, 2 released (a tombstone: bytes 1..10 alone)
 --   3..10   fencing token
 --   11..18  lease_until, ms since the epoch by the server's clock
@@ -12,7 +12,14 @@
 --   29..60  fingerprint digest
 --   61..62  status (0 while reserved)
 --   63..66  length of the encoded headers
---   67..    the headers (RecordedResponse::encode_headers), then the body
+--   67..    format 1: the headers (RecordedResponse::encode_headers), then the body;
+--           format 2: the headers, the length of the encoded trailers (4 bytes), the trailers
+--           (RecordedResponse::encode_trailers), then the body
+--
+-- The scripts read bytes 1..60 only, which both formats share; the store decodes the rest. A
+-- record without trailers is still written in format 1, so a release that knows only format 1
+-- reads it; one that meets format 2 refuses it as unknown rather than replaying it without its
+-- trailers.
 --
 -- ARGV[1] of every script is the test clock offset in ms (0 outside tests), added to TIME.
 --

@@ -2,7 +2,7 @@
 //! standalone or Redis Cluster.
 //!
 //! One record is one key, `{prefix}:{<scope hex>}:<key>`, holding a compact binary value (a
-//! 66-byte header, then the recorded headers and body). The scope in braces is a Redis Cluster
+//! 66-byte header, then the recorded headers, trailers and body, in a versioned layout). The scope in braces is a Redis Cluster
 //! hash tag: a scope's records share a slot, so the same scripts run unchanged on a cluster.
 //! Every operation is one Lua script, loaded when the store connects and called by its SHA
 //! (`EVALSHA`, loaded again on `NOSCRIPT`), so one round trip: it reads the record, judges its
@@ -60,8 +60,14 @@ pub const DEFAULT_PREFIX: &str = "idem";
 /// Bytes of a record before its headers and body (see `redis.lua` for the layout).
 pub const RECORD_HEADER_LEN: usize = 66;
 
-/// The record format this crate writes (byte 0 of every value).
+/// The record format of reservations, tombstones and completed records without trailers
+/// (byte 0 of every value; see `redis.lua` for the layout).
 const FORMAT: u8 = 1;
+
+/// The record format of a completed record with trailers: [`FORMAT`]'s layout with the trailers'
+/// length and encoding between the headers and the body. A release that reads only
+/// [`FORMAT`] refuses it as an unknown format rather than replaying it without its trailers.
+const FORMAT_TRAILERS: u8 = 2;
 
 /// How often an operation is sent when its connection fails (the first send included).
 const ATTEMPTS: u32 = 3;
@@ -169,8 +175,9 @@ return {1}
 "#
 );
 
-/// ARGV: 1 clock offset, 2 token, 3 retention ms, 4 status, header length, headers and body,
-/// 5 `1` when resent. Replies 1 when completed (or, resent, already completed by this token).
+/// ARGV: 1 clock offset, 2 token, 3 retention ms, 4 the completed part (status, header length,
+/// headers, then the body, or in format 2 the trailers before it), 5 `1` when resent, 6 the
+/// record's format byte. Replies 1 when completed (or, resent, already completed by this token).
 ///
 /// `allow-oom`: the answer takes the place of the room its claim set aside (deleted first), so
 /// a completion never grows Redis past what the claim already holds and is never refused
@@ -185,14 +192,15 @@ end
 if string.byte(rec, 2) ~= 0 then
   if ARGV[5] == '1' then return 1 end
   -- Sent again after its first reply was lost: its own answer, recorded, is success.
-  if string.sub(redis.call('GET', KEYS[1]), 61) == ARGV[4] then return 1 end
+  local done = redis.call('GET', KEYS[1])
+  if string.sub(done, 1, 1) == ARGV[6] and string.sub(done, 61) == ARGV[4] then return 1 end
   return 0
 end
 local now = now_ms()
 local retention = tonumber(ARGV[3])
 redis.call('DEL', KEYS[1] .. ' room')
 redis.call('SET', KEYS[1],
-  '\1\1' .. ARGV[2] .. be64(now) .. be64(now + retention) .. string.sub(rec, 27, 60) .. ARGV[4],
+  ARGV[6] .. '\1' .. ARGV[2] .. be64(now) .. be64(now + retention) .. string.sub(rec, 27, 60) .. ARGV[4],
   'PX', retention)
 redis.call('PEXPIRE', KEYS[1] .. ' meta', retention)
 return 1
@@ -536,7 +544,8 @@ impl Record {
         if raw.len() < RECORD_HEADER_LEN {
             return Err(corrupt("shorter than its header"));
         }
-        if raw[0] != FORMAT {
+        let format = raw[0];
+        if format != FORMAT && format != FORMAT_TRAILERS {
             return Err(corrupt("unknown format"));
         }
         let u64_at = |at: usize| {
@@ -558,13 +567,27 @@ impl Record {
             if rest.len() < headers_len {
                 return Err(corrupt("headers overrun the record"));
             }
-            let (headers, body) = rest.split_at(headers_len);
-            Some(RecordedResponse {
-                status,
-                headers: RecordedResponse::decode_headers(headers)
-                    .ok_or_else(|| corrupt("headers do not decode"))?,
-                body: Bytes::copy_from_slice(body),
-            })
+            let (headers, mut body) = rest.split_at(headers_len);
+            let mut trailers = Vec::new();
+            if format == FORMAT_TRAILERS {
+                let (len, rest) = body
+                    .split_first_chunk::<4>()
+                    .ok_or_else(|| corrupt("trailers overrun the record"))?;
+                let len = u32::from_be_bytes(*len) as usize;
+                if rest.len() < len {
+                    return Err(corrupt("trailers overrun the record"));
+                }
+                let (encoded, rest) = rest.split_at(len);
+                trailers = RecordedResponse::decode_headers(encoded)
+                    .ok_or_else(|| corrupt("trailers do not decode"))?;
+                body = rest;
+            }
+            let headers = RecordedResponse::decode_headers(headers)
+                .ok_or_else(|| corrupt("headers do not decode"))?;
+            Some(
+                RecordedResponse::new(status, headers, Bytes::copy_from_slice(body))
+                    .with_trailers(trailers),
+            )
         } else {
             None
         };
@@ -579,15 +602,25 @@ impl Record {
     }
 }
 
-/// The completed part of a record: status, header length, headers and body.
-fn encode_response(response: &RecordedResponse) -> Vec<u8> {
+/// The completed part of a record (status, header length, headers, in format 2 the trailers'
+/// length and the trailers, then the body) and the record's format: [`FORMAT`] for an answer
+/// without trailers, exactly the layout earlier releases wrote, else [`FORMAT_TRAILERS`].
+fn encode_response(response: &RecordedResponse) -> (u8, Vec<u8>) {
     let headers = response.encode_headers();
-    let mut out = Vec::with_capacity(6 + headers.len() + response.body.len());
+    let trailers = response.encode_trailers();
+    let mut out = Vec::with_capacity(10 + headers.len() + trailers.len() + response.body.len());
     out.extend_from_slice(&response.status.to_be_bytes());
     out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
     out.extend_from_slice(&headers);
+    let format = if response.trailers.is_empty() {
+        FORMAT
+    } else {
+        out.extend_from_slice(&(trailers.len() as u32).to_be_bytes());
+        out.extend_from_slice(&trailers);
+        FORMAT_TRAILERS
+    };
     out.extend_from_slice(&response.body);
-    out
+    (format, out)
 }
 
 fn fingerprint_bytes(fp: &Fingerprint) -> [u8; 34] {
@@ -788,13 +821,14 @@ impl Store for RedisStore {
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let token = token.0.to_be_bytes();
-        let tail = encode_response(response);
+        let (format, tail) = encode_response(response);
         let reply = self
             .run(&self.scripts.complete, scope, key, |inv, resent| {
                 inv.arg(&token[..])
                     .arg(millis(retention).max(1))
                     .arg(&tail[..])
-                    .arg(if resent { "1" } else { "" });
+                    .arg(if resent { "1" } else { "" })
+                    .arg(&[format][..]);
             })
             .await?;
         flag(&reply)
@@ -931,11 +965,11 @@ mod tests {
 
     #[test]
     fn completed_records_decode_from_their_layout() {
-        let response = RecordedResponse {
-            status: 201,
-            headers: vec![("location".into(), Bytes::from_static(b"/o/1"))],
-            body: Bytes::from_static(b"{}"),
-        };
+        let response = RecordedResponse::new(
+            201,
+            vec![("location".into(), Bytes::from_static(b"/o/1"))],
+            Bytes::from_static(b"{}"),
+        );
         let mut raw = vec![FORMAT, 1];
         raw.extend_from_slice(&7u64.to_be_bytes());
         raw.extend_from_slice(&1_000u64.to_be_bytes());
@@ -944,7 +978,9 @@ mod tests {
             version: 1,
             digest: [9; 32],
         }));
-        raw.extend_from_slice(&encode_response(&response));
+        let (format, tail) = encode_response(&response);
+        assert_eq!(format, FORMAT, "an answer without trailers keeps format 1");
+        raw.extend_from_slice(&tail);
         let record = Record::decode(&raw).unwrap();
         assert_eq!(record.token, FencingToken(7));
         assert_eq!(
@@ -956,11 +992,67 @@ mod tests {
         assert_eq!(record.response, Some(response));
         assert_eq!(raw.len(), RECORD_HEADER_LEN + 4 + 8 + 4 + 4 + 2);
         assert!(Record::decode(&raw[..65]).is_err());
-        raw[0] = 2;
+        raw[0] = 3;
         assert!(
             Record::decode(&raw).is_err(),
             "an unknown format is refused"
         );
+    }
+
+    /// A completed record exactly as releases before trailers wrote it (format 1, built by hand
+    /// from `redis.lua`'s layout), decoded by this one: the upgrade path. It reads back with no
+    /// trailers.
+    #[test]
+    fn a_record_in_the_format_before_trailers_still_decodes_with_none() {
+        let mut raw = vec![1u8, 1];
+        raw.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 7]); // token
+        raw.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0x03, 0xe8]); // lease_until 1000
+        raw.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0x07, 0xd0]); // expires_at 2000
+        raw.extend_from_slice(&[0, 1]); // fingerprint version
+        raw.extend_from_slice(&[9; 32]); // digest
+        raw.extend_from_slice(&[0, 201]); // status
+        raw.extend_from_slice(&[0, 0, 0, 20]); // headers' length
+        raw.extend_from_slice(b"\0\0\0\x08location\0\0\0\x04/o/1");
+        raw.extend_from_slice(b"{}");
+        let record = Record::decode(&raw).unwrap();
+        let response = record.response.expect("completed");
+        assert_eq!(response.status, 201);
+        assert_eq!(
+            response.headers,
+            [("location".to_owned(), Bytes::from_static(b"/o/1"))]
+        );
+        assert_eq!(response.body, Bytes::from_static(b"{}"));
+        assert!(response.trailers.is_empty());
+    }
+
+    #[test]
+    fn a_record_with_trailers_round_trips_through_format_2_and_a_broken_one_is_refused() {
+        let response = RecordedResponse::new(
+            200,
+            vec![(
+                "content-type".into(),
+                Bytes::from_static(b"application/grpc"),
+            )],
+            Bytes::from_static(b"\0\0\0\0\x02hi"),
+        )
+        .with_trailers(vec![
+            ("grpc-status".into(), Bytes::from_static(b"0")),
+            ("grpc-message".into(), Bytes::new()),
+        ]);
+        let mut raw = vec![FORMAT_TRAILERS, 1];
+        raw.extend_from_slice(&[0; 24]);
+        raw.extend_from_slice(&fingerprint_bytes(&Fingerprint {
+            version: 1,
+            digest: [3; 32],
+        }));
+        let (format, tail) = encode_response(&response);
+        assert_eq!(format, FORMAT_TRAILERS);
+        raw.extend_from_slice(&tail);
+        assert_eq!(Record::decode(&raw).unwrap().response, Some(response));
+        // Read as format 1, the trailers would be taken for the body: the format byte is what
+        // tells them apart, and a truncated trailer section is refused, not misread.
+        let cut = raw.len() - 7 - 8;
+        assert!(Record::decode(&raw[..cut]).is_err());
     }
 
     #[test]

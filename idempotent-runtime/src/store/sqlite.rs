@@ -54,6 +54,11 @@ const MIGRATIONS: &[Step] = &[
         description: "record route and creation time",
         template: include_str!("../../migrations/sqlite/0002_record_route_and_creation.sql"),
     },
+    Step {
+        version: 3,
+        description: "record trailers",
+        template: include_str!("../../migrations/sqlite/0003_record_trailers.sql"),
+    },
 ];
 
 /// How often a claim retries when its record vanishes between its insert and its read-back.
@@ -181,7 +186,7 @@ impl Statements {
         Self {
             read: format!(
                 "SELECT token, fingerprint, fp_version, state, lease_until, expires_at, status, \
-                        headers, body \
+                        headers, body, trailers \
                  FROM {t} WHERE scope = ?1 AND key = ?2"
             )
             .into(),
@@ -198,18 +203,20 @@ impl Statements {
             reclaim: format!(
                 "UPDATE {t} SET token = ?3, fingerprint = ?4, fp_version = ?5, state = 0, \
                      lease_until = ?6, expires_at = ?7, status = NULL, headers = NULL, body = NULL, \
-                     route = ?10, created_at = ?8 \
+                     trailers = NULL, route = ?10, created_at = ?8 \
                  WHERE scope = ?1 AND key = ?2 \
                    AND (expires_at <= ?8 OR (token = ?9 AND state = 0 AND lease_until <= ?8))"
             )
             .into(),
-            // ?4 status, ?5 headers, ?6 body, ?7 now, ?8 expires_at. A resent completion that
-            // finds its own completed record (same token, same answer) succeeds again.
+            // ?4 status, ?5 headers, ?6 body, ?7 now, ?8 expires_at, ?9 trailers (NULL for
+            // none). A resent completion that finds its own completed record (same token, same
+            // answer) succeeds again.
             complete: format!(
                 "UPDATE {t} SET state = 1, status = ?4, headers = ?5, body = ?6, \
-                     lease_until = ?7, expires_at = ?8 \
+                     lease_until = ?7, expires_at = ?8, trailers = ?9 \
                  WHERE scope = ?1 AND key = ?2 AND token = ?3 \
-                   AND (state = 0 OR (status = ?4 AND headers = ?5 AND body = ?6))"
+                   AND (state = 0 OR (status = ?4 AND headers = ?5 AND body = ?6 \
+                                      AND trailers IS ?9))"
             )
             .into(),
             release: format!(
@@ -234,7 +241,8 @@ impl Statements {
             inspect: format!(
                 "SELECT state, status, route, created_at, lease_until, expires_at, \
                         COALESCE(length(body), 0), COALESCE(length(headers), 0), \
-                        CASE WHEN ?3 THEN headers END, CASE WHEN ?3 THEN body END \
+                        CASE WHEN ?3 THEN headers END, CASE WHEN ?3 THEN body END, \
+                        CASE WHEN ?3 THEN trailers END \
                  FROM {t} WHERE scope = ?1 AND key = ?2"
             )
             .into(),
@@ -292,14 +300,21 @@ fn standing(row: &SqliteRow, now: i64) -> Result<Standing, StoreError> {
         let status: Option<i64> = row.try_get(6).map_err(unavailable)?;
         let headers: Option<Vec<u8>> = row.try_get(7).map_err(unavailable)?;
         let body: Option<Vec<u8>> = row.try_get(8).map_err(unavailable)?;
-        StandingState::Completed(Arc::new(RecordedResponse {
-            status: status
+        // NULL: no trailers (or a row written before they were kept).
+        let trailers: Option<Vec<u8>> = row.try_get(9).map_err(unavailable)?;
+        let recorded = RecordedResponse::new(
+            status
                 .and_then(|s| u16::try_from(s).ok())
                 .ok_or_else(|| corrupt("completed without a status"))?,
-            headers: RecordedResponse::decode_headers(headers.as_deref().unwrap_or_default())
+            RecordedResponse::decode_headers(headers.as_deref().unwrap_or_default())
                 .ok_or_else(|| corrupt("headers do not decode"))?,
-            body: Bytes::from(body.unwrap_or_default()),
-        }))
+            Bytes::from(body.unwrap_or_default()),
+        )
+        .with_trailers(
+            RecordedResponse::decode_headers(trailers.as_deref().unwrap_or_default())
+                .ok_or_else(|| corrupt("trailers do not decode"))?,
+        );
+        StandingState::Completed(Arc::new(recorded))
     } else if now < lease_until {
         StandingState::Running {
             lease_left: Duration::from_millis((lease_until - now) as u64),
@@ -512,6 +527,7 @@ impl Store for SqliteStore {
             .bind(&response.body[..])
             .bind(now)
             .bind(now.saturating_add(ms(retention)))
+            .bind((!response.trailers.is_empty()).then(|| response.encode_trailers()))
             .execute(&self.writer)
             .await
             .map_err(unavailable)?;
@@ -618,6 +634,7 @@ fn record_info(row: &SqliteRow, now: i64) -> Result<RecordInfo, StoreError> {
         header_bytes: get(7)?,
         headers: row.try_get(8).map_err(unavailable)?,
         body: row.try_get(9).map_err(unavailable)?,
+        trailers: row.try_get(10).map_err(unavailable)?,
     }
     .into_info()
 }

@@ -53,7 +53,7 @@ impl Glance {
                                           WHERE datname = current_database()) \
                         AND l.classid = ((lock.k >> 32) & 4294967295)::oid \
                         AND l.objid = (lock.k & 4294967295)::oid), \
-                    r.fingerprint, r.fp_version, r.status, r.headers, r.body \
+                    r.fingerprint, r.fp_version, r.status, r.headers, r.body, r.trailers \
              FROM clock LEFT JOIN {table} r \
                ON r.scope = $1 AND r.key = $2 AND r.state = 1 AND r.expires_at > clock.now",
             now = now(4)
@@ -104,6 +104,7 @@ impl PostgresStore {
         let status: Option<i16> = row.try_get(3).map_err(unavailable)?;
         let headers: Option<Vec<u8>> = row.try_get(4).map_err(unavailable)?;
         let body: Option<Vec<u8>> = row.try_get(5).map_err(unavailable)?;
+        let trailers: Option<Vec<u8>> = row.try_get(6).map_err(unavailable)?;
         let fingerprint = Fingerprint {
             version: version as u16,
             digest: digest
@@ -117,11 +118,10 @@ impl PostgresStore {
             .ok_or_else(|| corrupt("headers do not decode"))?;
         Ok(Glanced::Completed {
             fingerprint,
-            response: Arc::new(RecordedResponse {
-                status,
-                headers,
-                body: Bytes::from(body.unwrap_or_default()),
-            }),
+            response: Arc::new(
+                RecordedResponse::new(status, headers, Bytes::from(body.unwrap_or_default()))
+                    .with_trailers(super::decode_trailers(trailers.as_deref())?),
+            ),
         })
     }
 
@@ -226,6 +226,7 @@ impl PostgresStore {
             .bind(&response.body[..])
             .bind(millis_i64(retention))
             .bind(self.offset())
+            .bind(super::encoded_trailers(response))
             .execute(&mut *conn)
             .await
             .map_err(unavailable)?;
