@@ -140,11 +140,11 @@ fn req<'a>(scope: &'a ScopeHash, key: &'a str, lease: Duration) -> ClaimRequest<
 }
 
 fn response(body: &str) -> RecordedResponse {
-    RecordedResponse {
-        status: 201,
-        headers: vec![("content-type".into(), "application/json".into())],
-        body: body.to_owned().into(),
-    }
+    RecordedResponse::new(
+        201,
+        vec![("content-type".into(), "application/json".into())],
+        body.to_owned().into(),
+    )
 }
 
 const SAME: fn(&Fingerprint) -> bool = |f| *f == fp(1);
@@ -547,15 +547,16 @@ async fn recorded_responses_round_trip_byte_for_byte() {
     let scope = contract::fresh_scope();
     let r = req(&scope, "k", Duration::from_secs(30));
     assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired);
-    let recorded = RecordedResponse {
-        status: 409,
-        headers: vec![
+    let recorded = RecordedResponse::new(
+        409,
+        vec![
             ("content-type".into(), "application/octet-stream".into()),
             ("etag".into(), "".into()),
             ("location".into(), "/x?\u{e9}".into()),
         ],
-        body: (0..=255u8).collect::<Vec<_>>().into(),
-    };
+        (0..=255u8).collect::<Vec<_>>().into(),
+    )
+    .with_trailers(vec![("grpc-status".into(), "0".into())]);
     assert!(
         store
             .complete(&scope, "k", r.token, &recorded, Duration::from_secs(60))

@@ -246,7 +246,7 @@ impl Statements {
                                   ELSE 1 END AS SIGNED), \
                         CAST(GREATEST(0, r.lease_until - c.now) AS SIGNED), \
                         r.status, r.headers, r.body, \
-                        CAST(GREATEST(0, r.expires_at - c.now) AS SIGNED) \
+                        CAST(GREATEST(0, r.expires_at - c.now) AS SIGNED), r.trailers \
                  FROM (SELECT {NOW} AS now) c JOIN {t} r \
                  WHERE r.scope = ? AND r.`key` = ?"
             )
@@ -265,16 +265,18 @@ impl Statements {
                         OR (token = ? AND state = 0 AND lease_until <= {NOW}))"
             )
             .into(),
-            // status, headers, body, offset, offset, retention, offset, retention, scope, key,
-            // token, status, headers, body. A resent completion that finds its own completed
-            // record (same token, same answer) matches again. Only a completion kept for less
+            // status, headers, body, trailers, offset, offset, retention, offset, retention,
+            // scope, key, token, status, headers, body, trailers. A resent completion that finds
+            // its own completed record (same token, same answer) matches again; `<=>` because a
+            // record without trailers holds NULL. Only a completion kept for less
             // than the claim's retention moves `sweep_after` (the index) earlier.
             complete: format!(
-                "UPDATE {t} SET state = 1, status = ?, headers = ?, body = ?, \
+                "UPDATE {t} SET state = 1, status = ?, headers = ?, body = ?, trailers = ?, \
                      lease_until = {NOW}, expires_at = {NOW} + ?, \
                      sweep_after = LEAST(sweep_after, {NOW} + ?) \
                  WHERE scope = ? AND `key` = ? AND token = ? \
-                   AND (state = 0 OR (status = ? AND headers = ? AND body = ?))"
+                   AND (state = 0 OR (status = ? AND headers = ? AND body = ? \
+                                      AND trailers <=> ?))"
             )
             .into(),
             release: format!(
@@ -296,13 +298,14 @@ impl Statements {
                  WHERE sweep_after <= {NOW} AND expires_at <= {NOW} LIMIT ?"
             )
             .into(),
-            // with, with, offset, scope, key. Sizes come from the stored lengths; the response
+            // with, with, with, offset, scope, key. Sizes come from the stored lengths; the response
             // only when asked for.
             inspect: format!(
                 "SELECT r.state, r.status, r.route, r.created_at, r.lease_until, r.expires_at, \
                         c.now, CAST(COALESCE(LENGTH(r.body), 0) AS SIGNED), \
                         CAST(COALESCE(LENGTH(r.headers), 0) AS SIGNED), \
-                        CASE WHEN ? THEN r.headers END, CASE WHEN ? THEN r.body END \
+                        CASE WHEN ? THEN r.headers END, CASE WHEN ? THEN r.body END, \
+                        CASE WHEN ? THEN r.trailers END \
                  FROM (SELECT {NOW} AS now) c JOIN {t} r WHERE r.scope = ? AND r.`key` = ?"
             )
             .into(),
@@ -632,14 +635,20 @@ fn standing(row: &MySqlRow) -> Result<Standing, StoreError> {
             let status: Option<i64> = row.try_get(5).map_err(unavailable)?;
             let headers: Option<Vec<u8>> = row.try_get(6).map_err(unavailable)?;
             let body: Option<Vec<u8>> = row.try_get(7).map_err(unavailable)?;
-            StandingState::Completed(Arc::new(RecordedResponse {
-                status: status
+            let trailers: Option<Vec<u8>> = row.try_get(9).map_err(unavailable)?;
+            let response = RecordedResponse::new(
+                status
                     .and_then(|s| u16::try_from(s).ok())
                     .ok_or_else(|| corrupt("completed without a status"))?,
-                headers: RecordedResponse::decode_headers(headers.as_deref().unwrap_or_default())
+                RecordedResponse::decode_headers(headers.as_deref().unwrap_or_default())
                     .ok_or_else(|| corrupt("headers do not decode"))?,
-                body: Bytes::from(body.unwrap_or_default()),
-            }))
+                Bytes::from(body.unwrap_or_default()),
+            )
+            .with_trailers(
+                RecordedResponse::decode_headers(trailers.as_deref().unwrap_or_default())
+                    .ok_or_else(|| corrupt("trailers do not decode"))?,
+            );
+            StandingState::Completed(Arc::new(response))
         }
         _ => StandingState::Expired,
     };
@@ -811,6 +820,8 @@ impl Store for MySqlStore {
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let headers = response.encode_headers();
+        // NULL for an answer without trailers, as the other SQL stores keep it.
+        let trailers = (!response.trailers.is_empty()).then(|| response.encode_trailers());
         let (retention, off) = (millis_i64(retention), self.core.offset());
         let status = i64::from(response.status);
         let rows = self
@@ -820,6 +831,7 @@ impl Store for MySqlStore {
                     .bind(status)
                     .bind(&headers[..])
                     .bind(&response.body[..])
+                    .bind(trailers.as_deref())
                     .bind(off)
                     .bind(off)
                     .bind(retention)
@@ -831,6 +843,7 @@ impl Store for MySqlStore {
                     .bind(status)
                     .bind(&headers[..])
                     .bind(&response.body[..])
+                    .bind(trailers.as_deref())
             })
             .await?;
         Ok(rows == 1)
@@ -911,6 +924,7 @@ impl Store for MySqlStore {
         let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.inspect)))
             .bind(with_response)
             .bind(with_response)
+            .bind(with_response)
             .bind(self.core.offset())
             .bind(&scope[..])
             .bind(key.as_bytes())
@@ -952,6 +966,7 @@ fn record_info(row: &MySqlRow) -> Result<RecordInfo, StoreError> {
         header_bytes: get(8)?,
         headers: row.try_get(9).map_err(unavailable)?,
         body: row.try_get(10).map_err(unavailable)?,
+        trailers: row.try_get(11).map_err(unavailable)?,
     }
     .into_info()
 }
@@ -969,10 +984,10 @@ mod tests {
         assert_eq!(params(&s.insert), 11);
         assert_eq!(params(&s.read), 3);
         assert_eq!(params(&s.reclaim), 17);
-        assert_eq!(params(&s.complete), 14);
+        assert_eq!(params(&s.complete), 16);
         assert_eq!(params(&s.renew), 7);
         assert_eq!(params(&s.expired), 3);
-        assert_eq!(params(&s.inspect), 5);
+        assert_eq!(params(&s.inspect), 6);
         assert!(s.forget.contains("`key`"), "`key` is reserved in MySQL");
     }
 }
