@@ -88,7 +88,7 @@ pub mod axum;
 mod budget;
 pub mod clock;
 pub mod config;
-pub mod context;
+mod context;
 pub mod design;
 mod digest;
 #[cfg(feature = "postgres")]
@@ -104,8 +104,18 @@ pub mod observe;
 pub mod openapi;
 pub mod pipeline;
 pub mod problem;
-pub mod record;
-pub mod reservation;
+// Private since the public API was narrowed (issue 28): `record::recorded_headers` is now used
+// only by record.rs's own tests, so record.rs's owner should gate it with `#[cfg(test)]` or
+// remove it; this expectation then fails and goes too.
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "record::recorded_headers is used only by record.rs's tests"
+    )
+)]
+mod record;
+mod reservation;
 pub mod scope;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod sql;
@@ -119,6 +129,11 @@ pub use scope::{ClientId, Identity};
 
 #[doc(hidden)]
 pub mod __private;
+/// What the crate's own benches, fuzz targets and integration tests reach past the public API
+/// for (feature `testing`, hidden, as axum's `test_helpers`): not part of the API, no semver.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub mod test_helpers;
 #[cfg(test)]
 mod testlog;
 
