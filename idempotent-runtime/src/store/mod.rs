@@ -1,7 +1,7 @@
 //! The `Store` trait every backend implements, and the record it keeps ([the contract](crate::design) §3, §5).
 //!
 //! A store does the conditional writes; the decisions (replay, 409, 422, reclaim) are made by
-//! [`crate::record`] from what the store reports, identically for every backend. A store reports
+//! the runtime from what the store reports, identically for every backend. A store reports
 //! time-dependent state (lease running, abandoned, expired) by its own clock: the in-memory store
 //! by an injectable [`Clock`](crate::clock::Clock), the SQL stores by the database's.
 
