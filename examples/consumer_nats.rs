@@ -404,6 +404,7 @@ impl StockConsumer {
                 let why = match &e {
                     InboxError::Handler(e) => format!("handler failed: {e}"),
                     InboxError::Store(e) => format!("database failed: {e}"),
+                    other => format!("{other}"),
                 };
                 println!("{message_id} (delivery {delivered}): {why}: nak");
                 msg.ack_with(AckKind::Nak(Some(Duration::from_millis(500))))

@@ -131,10 +131,7 @@ fn render_refusal(problem: &Problem) -> RenderedRefusal {
     let body = serde_json::json!({
         "error": {"code": problem.code().as_str(), "message": problem.detail()}
     });
-    RenderedRefusal {
-        content_type: "application/json".into(),
-        body: serde_json::to_vec(&body).expect("JSON").into(),
-    }
+    RenderedRefusal::new("application/json", serde_json::to_vec(&body).expect("JSON"))
 }
 
 async fn idempotency_store() -> Result<Idempotency, Box<dyn std::error::Error>> {

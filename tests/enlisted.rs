@@ -24,6 +24,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use idempotent_examples::testkit::Schema;
 use idempotent_runtime::enlisted::EnlistedTx;
+use idempotent_runtime::store::contract::Forwarding;
 use idempotent_runtime::store::postgres::PostgresStore;
 use idempotent_runtime::{Idempotency, IdempotencyContext};
 use serde::Deserialize;
@@ -817,110 +818,6 @@ async fn enlisted_handler_over_another_store_answers_500_without_running() {
     assert_eq!(server.runs("k-memory"), 0);
 }
 
-/// A user's own store wrapper (metrics, retries) around `PostgresStore`, forwarding every method
-/// and capability and counting what it is asked.
-mod wrapper {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::Duration;
-
-    use idempotent_runtime::scope::ScopeHash;
-    use idempotent_runtime::store::{
-        Claim, ClaimRequest, Enlisting, FencingToken, ProcessLocal, RecordInfo, RecordedResponse,
-        Store, StoreError, StoreGauges,
-    };
-
-    #[derive(Default)]
-    pub(super) struct Calls {
-        pub(super) enlisting: AtomicUsize,
-        pub(super) other: AtomicUsize,
-    }
-
-    pub(super) struct Counted<S> {
-        pub(super) inner: S,
-        pub(super) calls: std::sync::Arc<Calls>,
-    }
-
-    impl<S> Counted<S> {
-        fn other(&self) {
-            self.calls.other.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    impl<S: Store> Store for Counted<S> {
-        async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-            self.other();
-            self.inner.claim(req).await
-        }
-        async fn reclaim(
-            &self,
-            req: &ClaimRequest<'_>,
-            stale: FencingToken,
-        ) -> Result<Claim, StoreError> {
-            self.other();
-            self.inner.reclaim(req, stale).await
-        }
-        async fn complete(
-            &self,
-            scope: &ScopeHash,
-            key: &str,
-            token: FencingToken,
-            response: &RecordedResponse,
-            retention: Duration,
-        ) -> Result<bool, StoreError> {
-            self.other();
-            self.inner
-                .complete(scope, key, token, response, retention)
-                .await
-        }
-        async fn release(
-            &self,
-            scope: &ScopeHash,
-            key: &str,
-            token: FencingToken,
-        ) -> Result<bool, StoreError> {
-            self.other();
-            self.inner.release(scope, key, token).await
-        }
-        async fn renew(
-            &self,
-            scope: &ScopeHash,
-            key: &str,
-            token: FencingToken,
-            lease: Duration,
-        ) -> Result<bool, StoreError> {
-            self.other();
-            self.inner.renew(scope, key, token, lease).await
-        }
-        async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
-            self.inner.sweep(batch).await
-        }
-        async fn inspect(
-            &self,
-            scope: &ScopeHash,
-            key: &str,
-            with_response: bool,
-        ) -> Result<Option<RecordInfo>, StoreError> {
-            self.inner.inspect(scope, key, with_response).await
-        }
-        async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
-            self.inner.forget(scope, key).await
-        }
-        fn kind(&self) -> &'static str {
-            self.inner.kind()
-        }
-        fn enlisting(&self) -> Option<Enlisting<'_>> {
-            self.calls.enlisting.fetch_add(1, Ordering::Relaxed);
-            self.inner.enlisting()
-        }
-        fn gauges(&self) -> Option<StoreGauges> {
-            self.inner.gauges()
-        }
-        fn process_local(&self) -> Option<ProcessLocal> {
-            self.inner.process_local()
-        }
-    }
-}
-
 /// A user-written wrapper around `PostgresStore` keeps its enlisting: the enlisted endpoint
 /// commits the order with its record through the wrapper and replays it, where a store found by
 /// its type would have answered 500 `IDEMPOTENCY_STORE_NOT_ENLISTABLE`.
@@ -929,11 +826,9 @@ async fn a_users_wrapper_around_postgres_serves_an_enlisted_endpoint() {
     let Some(schema) = Schema::new("wrapped").await else {
         return;
     };
-    let calls = Arc::new(wrapper::Calls::default());
-    let store = wrapper::Counted {
-        inner: postgres_store(&schema, 4).await,
-        calls: Arc::clone(&calls),
-    };
+    // What a user's own wrapper (metrics, retries) does: forward every method and capability.
+    let store = Forwarding::new(postgres_store(&schema, 4).await);
+    let calls = store.calls();
     let server = serve(
         Idempotency::builder(store).sweeper(false).build(),
         Duration::ZERO,
@@ -966,7 +861,7 @@ async fn a_users_wrapper_around_postgres_serves_an_enlisted_endpoint() {
         "each enlisted request asked the wrapper what it can join"
     );
     assert_eq!(
-        calls.other.load(Ordering::Relaxed),
+        calls.request_path(),
         0,
         "an enlisted request claims and completes in its transaction, not through the detached methods"
     );

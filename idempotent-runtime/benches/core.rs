@@ -1,7 +1,8 @@
 //! Core costs without any web framework: fingerprinting, and the store round trips of a first
 //! request (claim + complete) and a replay on the in-memory store.
 //!
-//! `cargo bench -p idempotent-runtime --bench core`
+//! `cargo bench -p idempotent-runtime --features testing --bench core` (it drives the request
+//! sequence through the hidden `test_helpers`, which the `testing` feature compiles).
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -9,13 +10,13 @@ use std::sync::Arc;
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use idempotent_runtime::Idempotency;
-use idempotent_runtime::config::{Effective, EndpointConfig};
+use idempotent_runtime::config::EndpointConfig;
 use idempotent_runtime::fingerprint::{self, FingerprintInput};
 use idempotent_runtime::key::IdempotencyKey;
-use idempotent_runtime::pipeline::{Begin, BeginRequest};
 use idempotent_runtime::scope::{Identity, Scope};
 use idempotent_runtime::store::RecordedResponse;
 use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
+use idempotent_runtime::test_helpers::pipeline::{Begin, BeginRequest};
 
 fn input<'a>(scope: &'a Scope, body: &'a [u8]) -> FingerprintInput<'a> {
     FingerprintInput {
@@ -60,7 +61,7 @@ fn memory_store(c: &mut Criterion) {
     let handle = rt.block_on(async { Idempotency::new(store) });
     let scope = Scope::from_identity(&Identity::subject("acme", "alice"), None).unwrap();
     let body = vec![b'x'; 1024];
-    let endpoint: Effective = EndpointConfig::REQUIRED.resolve(handle.config());
+    let endpoint = EndpointConfig::REQUIRED.resolve(handle.config());
     let response = RecordedResponse::new(
         201,
         vec![(

@@ -78,6 +78,11 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
+// For the lead: `#![deny(unreachable_pub)]` holds everywhere but record.rs, whose nine `pub`
+// items (`Decision`, `decide`, `in_progress_retry_after`, `ceil_secs`, `REPLAY_HEADER`,
+// `BODY_OMITTED`, `without_body`, `recorded_headers`, `recorded_headers_for`) become `pub(crate)`
+// once its owner's changes land (`cargo fix --lib --allow-dirty --all-features` does it); then:
+// #![deny(unreachable_pub)]
 
 #[cfg(feature = "actix")]
 #[cfg_attr(docsrs, doc(cfg(feature = "actix")))]
@@ -88,7 +93,7 @@ pub mod axum;
 mod budget;
 pub mod clock;
 pub mod config;
-pub mod context;
+mod context;
 pub mod design;
 mod digest;
 #[cfg(feature = "postgres")]
@@ -104,8 +109,18 @@ pub mod observe;
 pub mod openapi;
 pub mod pipeline;
 pub mod problem;
-pub mod record;
-pub mod reservation;
+// Private since the public API was narrowed (issue 28): `record::recorded_headers` is now used
+// only by record.rs's own tests, so record.rs's owner should gate it with `#[cfg(test)]` or
+// remove it; this expectation then fails and goes too.
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "record::recorded_headers is used only by record.rs's tests"
+    )
+)]
+mod record;
+mod reservation;
 pub mod scope;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod sql;
@@ -119,6 +134,11 @@ pub use scope::{ClientId, Identity};
 
 #[doc(hidden)]
 pub mod __private;
+/// What the crate's own benches, fuzz targets and integration tests reach past the public API
+/// for (feature `testing`, hidden, as axum's `test_helpers`): not part of the API, no semver.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub mod test_helpers;
 #[cfg(test)]
 mod testlog;
 

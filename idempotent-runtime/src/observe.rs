@@ -108,7 +108,7 @@ impl Event {
 
 /// Counts one event (a `metrics` counter with the route as label, when the feature is on).
 #[inline]
-pub fn count(event: Event, route: &str) {
+pub(crate) fn count(event: Event, route: &str) {
     #[cfg(feature = "metrics")]
     metrics::counter!(event.counter(), "route" => route.to_owned()).increment(1);
     #[cfg(not(feature = "metrics"))]
@@ -120,7 +120,7 @@ pub const STORE_LATENCY: &str = "idempotent_store_operation_seconds";
 
 /// Runs one store operation, timing it into [`STORE_LATENCY`] when the `metrics` feature is on.
 #[inline]
-pub async fn timed<T>(
+pub(crate) async fn timed<T>(
     op: &'static str,
     store: &'static str,
     operation: impl Future<Output = T>,

@@ -8,49 +8,22 @@ use bytes::Bytes;
 /// The media type of every refusal.
 pub const CONTENT_TYPE: &str = "application/problem+json";
 
-/// The stable machine-readable reason of a refusal.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ProblemCode {
-    /// The first request with this key is still running.
-    InProgress,
-    /// The key was used before with a different request.
-    KeyReused,
-    /// The endpoint requires a key and none was sent.
-    KeyRequired,
-    /// The key is malformed, empty, too long, or sent twice.
-    KeyInvalid,
-    /// The request body is larger than `max_body`.
-    PayloadTooLarge,
-    /// The request body arrived slower than `body_timeout`.
-    BodyTimeout,
-    /// The request body broke off mid-read (a connection error, bad chunking).
-    BodyInvalid,
-    /// No identity could be established for the caller.
-    ScopeUnresolved,
-    /// The store could not be reached.
-    StoreUnavailable,
-    /// The store, or the caller's share of it, is full.
-    StoreFull,
-    /// The handler panicked; the key was released.
-    HandlerPanicked,
-    /// Enlisted mode: the response could not be recorded, so the request's changes were
-    /// rolled back; the key is free.
-    NotRecorded,
-    /// Enlisted mode: the endpoint needs the PostgreSQL store and another one is configured.
-    StoreNotEnlistable,
-    /// Strict mode ([`Config::strict`](crate::Config::strict)): this request showed a setup
-    /// mistake that turns protection off (a router-level layer outside the router, two
-    /// in-memory stores serving one route, a `require_key` attribute under a layer whose key is
-    /// optional). The log line says the fix; nothing was claimed.
-    Misconfigured,
-}
+/// [`ProblemCode`] and everything said per code (`ALL`, the `code` member, the title, the
+/// rustdoc anchor), generated from one list: a code added to the list is in every table, and
+/// there is no second list to forget. Each anchor is written out, so CI can check that it lands
+/// on the generated page, and is checked at compile time against the variant's name.
+macro_rules! problem_codes {
+    ($(
+        $(#[$doc:meta])*
+        $variant:ident => $code:literal, $title:literal, $anchor:literal;
+    )+) => {
+        /// The stable machine-readable reason of a refusal.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum ProblemCode {
+            $($(#[$doc])* $variant,)+
+        }
 
-/// [`ProblemCode::ALL`] from one list, with an exhaustive match over the same list: a variant
-/// added to the enum and not here fails to compile, so no table built from `ALL` (the OpenAPI
-/// schema's `code` enum among them) can miss a code.
-macro_rules! every_code {
-    ($($variant:ident),+ $(,)?) => {
         impl ProblemCode {
             /// Every stable code, in the order of [the contract](crate::design) §2.
             ///
@@ -60,90 +33,102 @@ macro_rules! every_code {
             /// assert!(ProblemCode::ALL.contains(&ProblemCode::InProgress));
             /// ```
             pub const ALL: &'static [ProblemCode] = &[$(ProblemCode::$variant),+];
+
+            /// The stable `code` member.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $code,)+
+                }
+            }
+
+            fn title(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $title,)+
+                }
+            }
+
+            /// The rustdoc anchor of this code's variant, so a problem's `type` lands on its docs.
+            fn anchor(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $anchor,)+
+                }
+            }
         }
 
-        const _: fn(ProblemCode) = |code| match code {
-            $(ProblemCode::$variant => {})+
-        };
+        $(const _: () = assert!(
+            same(
+                $anchor,
+                // Split so that CI's grep for the anchors finds only the ones written out.
+                concat!("variant", ".", stringify!($variant)),
+            ),
+            concat!("the anchor of ProblemCode::", stringify!($variant), " is not its rustdoc anchor"),
+        );)+
     };
 }
 
-every_code!(
-    InProgress,
-    KeyReused,
-    KeyRequired,
-    KeyInvalid,
-    PayloadTooLarge,
-    BodyTimeout,
-    BodyInvalid,
-    ScopeUnresolved,
-    StoreUnavailable,
-    StoreFull,
-    HandlerPanicked,
-    NotRecorded,
-    StoreNotEnlistable,
-    Misconfigured,
-);
-
-impl ProblemCode {
-    /// The stable `code` member.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::InProgress => "IDEMPOTENCY_IN_PROGRESS",
-            Self::KeyReused => "IDEMPOTENCY_KEY_REUSED",
-            Self::KeyRequired => "IDEMPOTENCY_KEY_REQUIRED",
-            Self::KeyInvalid => "IDEMPOTENCY_KEY_INVALID",
-            Self::PayloadTooLarge => "IDEMPOTENCY_PAYLOAD_TOO_LARGE",
-            Self::BodyTimeout => "IDEMPOTENCY_BODY_TIMEOUT",
-            Self::BodyInvalid => "IDEMPOTENCY_BODY_INVALID",
-            Self::ScopeUnresolved => "IDEMPOTENCY_SCOPE_UNRESOLVED",
-            Self::StoreUnavailable => "IDEMPOTENCY_STORE_UNAVAILABLE",
-            Self::StoreFull => "IDEMPOTENCY_STORE_FULL",
-            Self::HandlerPanicked => "IDEMPOTENCY_HANDLER_PANICKED",
-            Self::NotRecorded => "IDEMPOTENCY_NOT_RECORDED",
-            Self::StoreNotEnlistable => "IDEMPOTENCY_STORE_NOT_ENLISTABLE",
-            Self::Misconfigured => "IDEMPOTENCY_MISCONFIGURED",
-        }
+/// String equality in a `const` (the anchors' check above).
+const fn same(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
     }
-
-    fn title(self) -> &'static str {
-        match self {
-            Self::InProgress => "A request with this Idempotency-Key is in progress",
-            Self::KeyReused => "Idempotency-Key reused with a different request",
-            Self::KeyRequired => "Idempotency-Key required",
-            Self::KeyInvalid => "Invalid Idempotency-Key",
-            Self::PayloadTooLarge => "Request body too large",
-            Self::BodyTimeout => "Request body timed out",
-            Self::BodyInvalid => "Request body could not be read",
-            Self::ScopeUnresolved => "Caller identity could not be established",
-            Self::StoreUnavailable => "Idempotency store unavailable",
-            Self::StoreFull => "Idempotency store full",
-            Self::HandlerPanicked => "The request failed",
-            Self::NotRecorded => "The response could not be recorded",
-            Self::StoreNotEnlistable => "Enlisted endpoint without a PostgreSQL store",
-            Self::Misconfigured => "Idempotency is misconfigured on this server",
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
         }
+        i += 1;
     }
+    true
+}
 
-    /// The rustdoc anchor of this code's variant, so a problem's `type` lands on its docs.
-    fn anchor(self) -> &'static str {
-        match self {
-            Self::InProgress => "variant.InProgress",
-            Self::KeyReused => "variant.KeyReused",
-            Self::KeyRequired => "variant.KeyRequired",
-            Self::KeyInvalid => "variant.KeyInvalid",
-            Self::PayloadTooLarge => "variant.PayloadTooLarge",
-            Self::BodyTimeout => "variant.BodyTimeout",
-            Self::BodyInvalid => "variant.BodyInvalid",
-            Self::ScopeUnresolved => "variant.ScopeUnresolved",
-            Self::StoreUnavailable => "variant.StoreUnavailable",
-            Self::StoreFull => "variant.StoreFull",
-            Self::HandlerPanicked => "variant.HandlerPanicked",
-            Self::NotRecorded => "variant.NotRecorded",
-            Self::StoreNotEnlistable => "variant.StoreNotEnlistable",
-            Self::Misconfigured => "variant.Misconfigured",
-        }
-    }
+problem_codes! {
+    /// The first request with this key is still running.
+    InProgress => "IDEMPOTENCY_IN_PROGRESS",
+        "A request with this Idempotency-Key is in progress", "variant.InProgress";
+    /// The key was used before with a different request.
+    KeyReused => "IDEMPOTENCY_KEY_REUSED",
+        "Idempotency-Key reused with a different request", "variant.KeyReused";
+    /// The endpoint requires a key and none was sent.
+    KeyRequired => "IDEMPOTENCY_KEY_REQUIRED",
+        "Idempotency-Key required", "variant.KeyRequired";
+    /// The key is malformed, empty, too long, or sent twice.
+    KeyInvalid => "IDEMPOTENCY_KEY_INVALID",
+        "Invalid Idempotency-Key", "variant.KeyInvalid";
+    /// The request body is larger than `max_body`.
+    PayloadTooLarge => "IDEMPOTENCY_PAYLOAD_TOO_LARGE",
+        "Request body too large", "variant.PayloadTooLarge";
+    /// The request body arrived slower than `body_timeout`.
+    BodyTimeout => "IDEMPOTENCY_BODY_TIMEOUT",
+        "Request body timed out", "variant.BodyTimeout";
+    /// The request body broke off mid-read (a connection error, bad chunking).
+    BodyInvalid => "IDEMPOTENCY_BODY_INVALID",
+        "Request body could not be read", "variant.BodyInvalid";
+    /// No identity could be established for the caller.
+    ScopeUnresolved => "IDEMPOTENCY_SCOPE_UNRESOLVED",
+        "Caller identity could not be established", "variant.ScopeUnresolved";
+    /// The store could not be reached.
+    StoreUnavailable => "IDEMPOTENCY_STORE_UNAVAILABLE",
+        "Idempotency store unavailable", "variant.StoreUnavailable";
+    /// The store, or the caller's share of it, is full.
+    StoreFull => "IDEMPOTENCY_STORE_FULL",
+        "Idempotency store full", "variant.StoreFull";
+    /// The handler panicked; the key was released.
+    HandlerPanicked => "IDEMPOTENCY_HANDLER_PANICKED",
+        "The request failed", "variant.HandlerPanicked";
+    /// Enlisted mode: the response could not be recorded, so the request's changes were
+    /// rolled back; the key is free.
+    NotRecorded => "IDEMPOTENCY_NOT_RECORDED",
+        "The response could not be recorded", "variant.NotRecorded";
+    /// Enlisted mode: the endpoint needs the PostgreSQL store and another one is configured.
+    StoreNotEnlistable => "IDEMPOTENCY_STORE_NOT_ENLISTABLE",
+        "Enlisted endpoint without a PostgreSQL store", "variant.StoreNotEnlistable";
+    /// Strict mode ([`Config::strict`](crate::Config::strict)): this request showed a setup
+    /// mistake that turns protection off (a router-level layer outside the router, two
+    /// in-memory stores serving one route, a `require_key` attribute under a layer whose key is
+    /// optional). The log line says the fix; nothing was claimed.
+    Misconfigured => "IDEMPOTENCY_MISCONFIGURED",
+        "Idempotency is misconfigured on this server", "variant.Misconfigured";
 }
 
 impl fmt::Display for ProblemCode {
@@ -223,8 +208,10 @@ impl Problem {
 
 /// A refusal as the application renders it: the body and its content type. The status and
 /// `Retry-After` stay the crate's ([the contract](crate::design) §2), so clients' retry logic
-/// keeps working whatever the envelope.
+/// keeps working whatever the envelope. Built with [`new`](Self::new) (non-exhaustive, so that
+/// a later version can carry more, such as extra headers).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RenderedRefusal {
     /// The `Content-Type` of `body`.
     pub content_type: Cow<'static, str>,
@@ -233,6 +220,14 @@ pub struct RenderedRefusal {
 }
 
 impl RenderedRefusal {
+    /// A refusal rendered as `body`, sent with `Content-Type: content_type`.
+    pub fn new(content_type: impl Into<Cow<'static, str>>, body: impl Into<Bytes>) -> Self {
+        Self {
+            content_type: content_type.into(),
+            body: body.into(),
+        }
+    }
+
     /// The default rendering: `application/problem+json`.
     pub fn problem_json(problem: &Problem) -> Self {
         Self {
@@ -252,13 +247,11 @@ impl RenderedRefusal {
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let idempotency = Idempotency::builder(idempotent_runtime::store::memory::MemoryStore::default())
-///     .refusal_renderer(|p: &Problem| RenderedRefusal {
-///         content_type: "application/json".into(),
-///         body: serde_json::to_vec(&serde_json::json!({
+///     .refusal_renderer(|p: &Problem| {
+///         let body = serde_json::json!({
 ///             "error": {"code": p.code().as_str(), "message": p.detail()}
-///         }))
-///         .unwrap()
-///         .into(),
+///         });
+///         RenderedRefusal::new("application/json", serde_json::to_vec(&body).unwrap())
 ///     })
 ///     .build();
 /// # let _ = idempotency;
@@ -284,24 +277,7 @@ mod tests {
 
     #[test]
     fn each_type_uri_names_its_variant_in_the_rendered_docs() {
-        use ProblemCode::*;
-        let all = [
-            InProgress,
-            KeyReused,
-            KeyRequired,
-            KeyInvalid,
-            PayloadTooLarge,
-            BodyTimeout,
-            BodyInvalid,
-            ScopeUnresolved,
-            StoreUnavailable,
-            StoreFull,
-            HandlerPanicked,
-            NotRecorded,
-            StoreNotEnlistable,
-            Misconfigured,
-        ];
-        for code in all {
+        for &code in ProblemCode::ALL {
             // rustdoc's anchor for an enum variant is `variant.<Name>`.
             assert_eq!(code.anchor(), format!("variant.{code:?}"));
             let doc: serde_json::Value =

@@ -15,13 +15,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::fingerprint::Fingerprint;
-use idempotent_runtime::record::{self, Claimed};
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::postgres::PostgresStore;
 use idempotent_runtime::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store,
     StoreError, contract,
 };
+use idempotent_runtime::test_helpers::record::{self, Claimed};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
 mod support;

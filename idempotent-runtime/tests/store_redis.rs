@@ -17,13 +17,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::fingerprint::Fingerprint;
-use idempotent_runtime::record::{self, Claimed};
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::contract::model::{Op, check_model};
 use idempotent_runtime::store::redis::{RECORD_HEADER_LEN, RedisStore};
 use idempotent_runtime::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, StandingState, Store, contract,
 };
+use idempotent_runtime::test_helpers::record::{self, Claimed};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 

@@ -10,12 +10,12 @@ use std::time::Duration;
 
 use idempotent_runtime::clock::ManualClock;
 use idempotent_runtime::fingerprint::Fingerprint;
-use idempotent_runtime::record::{self, Claimed};
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::sqlite::SqliteStore;
 use idempotent_runtime::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, StandingState, Store, contract,
 };
+use idempotent_runtime::test_helpers::record::{self, Claimed};
 
 /// A database file of its own, removed (with its WAL files) when the test ends.
 struct TempDb(PathBuf);

@@ -35,7 +35,7 @@ use crate::observe::KeyDisplay;
 mod postgres;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use postgres::{DEFAULT_LOCK_TIMEOUT, DEFAULT_TABLE, InvalidName, PgInbox, PgInboxBuilder};
+pub use postgres::{DEFAULT_LOCK_TIMEOUT, DEFAULT_TABLE, PgInbox, PgInboxBuilder};
 
 /// A boxed, `Send` future borrowing for `'a`: what a [`PgInbox`](crate::inbox) handler returns
 /// (write `Box::pin(async move { … })`). Re-exported so callers need no `futures` dependency.
@@ -78,8 +78,10 @@ impl<T> Processed<T> {
 }
 
 /// Why processing a message failed. Whatever the variant, nothing was committed and no marker
-/// stays, so a redelivery runs the handler again: nack the message.
+/// stays, so a redelivery runs the handler again: nack the message. Non-exhaustive: a match
+/// needs a `_` arm, so that a later version may tell more failures apart.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum InboxError<E> {
     /// The handler returned this error; its changes were rolled back.
     Handler(E),

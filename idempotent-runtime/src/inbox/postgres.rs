@@ -121,10 +121,7 @@ pub struct PgInboxBuilder {
     retention: Duration,
 }
 
-/// A schema or table name the inbox refuses: it must be a lowercase SQL identifier
-/// (`[a-z_][a-z0-9_]*`; table names up to 50 bytes, schema names up to 63). The same type as the
-/// SQL stores' [`store::InvalidName`](crate::store::InvalidName).
-pub use crate::sql::InvalidName;
+use crate::sql::InvalidName;
 
 impl PgInboxBuilder {
     /// The schema holding the table (default: the connection's `search_path`). `migrate()`
@@ -155,7 +152,10 @@ impl PgInboxBuilder {
         self
     }
 
-    /// The inbox, or the name that is not a valid identifier.
+    /// The inbox, or the schema or table name it refuses as
+    /// [`store::InvalidName`](crate::store::InvalidName), the SQL stores' own naming error: a
+    /// lowercase SQL identifier (`[a-z_][a-z0-9_]*`; table names up to 50 bytes, schema names
+    /// up to 63) is accepted.
     pub fn build(self) -> Result<PgInbox, InvalidName> {
         let table = TableName::new(INBOX_NAMES, self.schema.as_deref(), &self.table)?;
         let qualified = &table.qualified;
@@ -300,7 +300,7 @@ impl PgInbox {
     ///
     /// let migrations = PgInbox::migrations(None, "processed_messages")?;
     /// assert!(migrations.iter().next().unwrap().sql.contains("\"processed_messages_pkey\""));
-    /// # Ok::<(), idempotent_runtime::inbox::InvalidName>(())
+    /// # Ok::<(), idempotent_runtime::store::InvalidName>(())
     /// ```
     pub fn migrations(schema: Option<&str>, table: &str) -> Result<Migrations, InvalidName> {
         Ok(TableName::new(INBOX_NAMES, schema, table)?.migrations(MIGRATIONS))

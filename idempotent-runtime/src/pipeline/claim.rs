@@ -17,7 +17,7 @@ use crate::reservation::Reservation;
 use crate::store::{ClaimRequest, FencingToken, RecordedResponse, StoreError};
 
 /// What the pipeline tells the framework integration to do after claiming. `R` is what holds
-/// the key: a [`Reservation`] in detached mode, the open transaction in enlisted mode.
+/// the key: a reservation in detached mode, the open transaction in enlisted mode.
 #[derive(Debug)]
 pub enum Begin<R = Reservation> {
     /// The key is held: run the handler, then settle the reservation.

@@ -503,7 +503,7 @@ impl<S: Store> Store for CachedStore<S> {
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
-    use crate::store::contract;
+    use crate::store::contract::{self, Forwarding};
     use crate::store::memory::MemoryStore;
 
     fn cached(clock: &ManualClock) -> CachedStore<MemoryStore> {
@@ -550,74 +550,9 @@ mod tests {
         RecordedResponse::new(201, vec![], bytes::Bytes::from_static(body))
     }
 
-    /// Counts the claims that reach the store behind the cache.
-    struct Counting {
-        inner: MemoryStore,
-        claims: AtomicUsize,
-    }
-
-    impl Store for Counting {
-        async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-            self.claims.fetch_add(1, Ordering::Relaxed);
-            self.inner.claim(req).await
-        }
-        async fn reclaim(
-            &self,
-            req: &ClaimRequest<'_>,
-            stale: FencingToken,
-        ) -> Result<Claim, StoreError> {
-            self.inner.reclaim(req, stale).await
-        }
-        async fn complete(
-            &self,
-            scope: &ScopeHash,
-            key: &str,
-            token: FencingToken,
-            response: &RecordedResponse,
-            retention: Duration,
-        ) -> Result<bool, StoreError> {
-            self.inner
-                .complete(scope, key, token, response, retention)
-                .await
-        }
-        async fn release(
-            &self,
-            scope: &ScopeHash,
-            key: &str,
-            token: FencingToken,
-        ) -> Result<bool, StoreError> {
-            self.inner.release(scope, key, token).await
-        }
-        async fn renew(
-            &self,
-            scope: &ScopeHash,
-            key: &str,
-            token: FencingToken,
-            lease: Duration,
-        ) -> Result<bool, StoreError> {
-            self.inner.renew(scope, key, token, lease).await
-        }
-        async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
-            self.inner.sweep(batch).await
-        }
-        async fn inspect(
-            &self,
-            scope: &ScopeHash,
-            key: &str,
-            with_response: bool,
-        ) -> Result<Option<RecordInfo>, StoreError> {
-            self.inner.inspect(scope, key, with_response).await
-        }
-        async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
-            self.inner.forget(scope, key).await
-        }
-    }
-
-    fn counting(clock: &ManualClock) -> CachedStore<Counting> {
-        let inner = Counting {
-            inner: MemoryStore::builder().clock(clock.clone()).build(),
-            claims: AtomicUsize::new(0),
-        };
+    /// A cache in front of a store that counts the claims reaching it.
+    fn counting(clock: &ManualClock) -> CachedStore<Forwarding<MemoryStore>> {
+        let inner = Forwarding::new(MemoryStore::builder().clock(clock.clone()).build());
         CachedStore::new(inner).clock(clock.clone())
     }
 
@@ -660,7 +595,7 @@ mod tests {
         let store = counting(&clock);
         let scope = [1; 32];
         let token = completed(&store, &scope, "k").await;
-        let before = store.inner().claims.load(Ordering::Relaxed);
+        let before = store.inner().calls().claim.load(Ordering::Relaxed);
         let replay = standing(store.claim(&req(&scope, "k", 1)).await.unwrap());
         assert_eq!(replay.token, token);
         assert_eq!(
@@ -673,7 +608,7 @@ mod tests {
             "the cached fingerprint is the first request's, so a different request is 422"
         );
         assert_eq!(
-            store.inner().claims.load(Ordering::Relaxed),
+            store.inner().calls().claim.load(Ordering::Relaxed),
             before,
             "a cached replay reached the store"
         );
@@ -717,7 +652,7 @@ mod tests {
         let store = counting(&clock);
         let scope = [4; 32];
         // Another process claims and completes, straight in the shared store.
-        let shared = &store.inner().inner;
+        let shared = store.inner().inner();
         let first = req(&scope, "k", 1);
         assert_eq!(shared.claim(&first).await.unwrap(), Claim::Acquired);
         let answer = response(b"elsewhere");
@@ -728,7 +663,7 @@ mod tests {
                 .unwrap()
         );
         clock.advance(Duration::from_secs(4));
-        let claims = || store.inner().claims.load(Ordering::Relaxed);
+        let claims = || store.inner().calls().claim.load(Ordering::Relaxed);
         let replay = standing(store.claim(&req(&scope, "k", 1)).await.unwrap());
         assert_eq!(replay.state, StandingState::Completed(Arc::new(answer)));
         assert_eq!(claims(), 1, "the first replay asks the store");

@@ -1,7 +1,7 @@
 //! The `Store` trait every backend implements, and the record it keeps ([the contract](crate::design) §3, §5).
 //!
 //! A store does the conditional writes; the decisions (replay, 409, 422, reclaim) are made by
-//! [`crate::record`] from what the store reports, identically for every backend. A store reports
+//! the runtime from what the store reports, identically for every backend. A store reports
 //! time-dependent state (lease running, abandoned, expired) by its own clock: the in-memory store
 //! by an injectable [`Clock`](crate::clock::Clock), the SQL stores by the database's.
 
@@ -247,7 +247,21 @@ pub enum StandingState {
 
 /// What an operator sees of a record ([`Store::inspect`], [the contract](crate::design) §5
 /// "Admin"): its state, times and sizes, and its response only when asked for.
+///
+/// Non-exhaustive, so that a later version can report more: a store of its own builds one with
+/// [`RecordInfo::new`] and sets the fields it knows.
+///
+/// ```
+/// use std::time::{Duration, SystemTime};
+/// use idempotent_runtime::store::{RecordInfo, RecordState};
+///
+/// let mut info = RecordInfo::new(RecordState::Completed, SystemTime::now() + Duration::from_secs(60));
+/// info.status = Some(201);
+/// info.body_bytes = 2;
+/// assert_eq!(info.response, None);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RecordInfo {
     /// Its state, judged by the store's clock.
     pub state: RecordState,
@@ -265,11 +279,30 @@ pub struct RecordInfo {
     pub expires_at: SystemTime,
     /// Bytes of the recorded body (0 while reserved).
     pub body_bytes: usize,
-    /// Bytes of the recorded headers in their stored encoding (see [`header_bytes`]; 0 while
-    /// reserved).
+    /// Bytes of the recorded headers in their [stored encoding](RecordedResponse::encode_headers):
+    /// for each header, its name and value plus 8 bytes of lengths (0 while reserved).
     pub header_bytes: usize,
     /// The recorded response, when the caller asked for it and the record is completed.
     pub response: Option<Arc<RecordedResponse>>,
+}
+
+impl RecordInfo {
+    /// A record in `state` that expires at `expires_at`, with nothing else known: no status,
+    /// route or times, sizes 0, no response. Set the fields the store reads.
+    pub fn new(state: RecordState, expires_at: SystemTime) -> Self {
+        Self {
+            state,
+            status: None,
+            route: None,
+            created_at: None,
+            completed_at: None,
+            lease_until: None,
+            expires_at,
+            body_bytes: 0,
+            header_bytes: 0,
+            response: None,
+        }
+    }
 }
 
 /// A record's state as an operator sees it.
@@ -316,7 +349,7 @@ impl RecordState {
 }
 
 /// Milliseconds since the UNIX epoch as a time (negative values clamp to the epoch).
-pub fn time_from_millis(ms: i64) -> SystemTime {
+pub(crate) fn time_from_millis(ms: i64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
 }
 
@@ -380,7 +413,7 @@ impl InspectedRow {
 
 /// Bytes of a record's headers as [`RecordInfo::header_bytes`] counts them: the length of
 /// their [stored encoding](RecordedResponse::encode_headers).
-pub fn header_bytes(headers: &[(String, Bytes)]) -> usize {
+pub(crate) fn header_bytes(headers: &[(String, Bytes)]) -> usize {
     headers.iter().map(|(n, v)| 8 + n.len() + v.len()).sum()
 }
 

@@ -1085,6 +1085,7 @@ impl PostgresStore {
 
     /// Moves the store's clock forward by `by` (an offset added to the database's `now()` in
     /// every statement), so the contract suite can test leases and retention without sleeping.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn advance_clock_for_tests(&self, by: Duration) {
         self.core
@@ -1093,6 +1094,7 @@ impl PostgresStore {
     }
 
     /// Statements sent to the database so far (each one round trip; a batch is one).
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn statements_executed(&self) -> u64 {
         self.core.statements.load(Ordering::Relaxed)

@@ -659,6 +659,7 @@ impl RedisStore {
     /// script), so the contract suite can test leases and retention without sleeping. Keys'
     /// TTLs still run on the real clock and so outlive their judged expiry; a record judged
     /// expired is taken over by the next claim.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn advance_clock_for_tests(&self, by: Duration) {
         self.clock_offset_ms.fetch_add(

@@ -395,6 +395,7 @@ impl SqliteStore {
     }
 
     /// Statements sent to the database so far.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn statements_executed(&self) -> u64 {
         self.statements.load(Ordering::Relaxed)
