@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::fingerprint::Fingerprint;
-use idempotent_runtime::record::{self, Claimed};
+use idempotent_runtime::test_helpers::record::{self, Claimed};
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::mysql::{MySqlStore, MySqlStoreBuilder};
 use idempotent_runtime::store::{
