@@ -138,6 +138,20 @@ impl BodySubset {
     }
 }
 
+impl FromIterator<JsonPointer> for BodySubset {
+    fn from_iter<I: IntoIterator<Item = JsonPointer>>(pointers: I) -> Self {
+        Self::new(pointers)
+    }
+}
+
+/// The file form: a list of pointers, `fingerprint = ["/amount", "/currency"]`.
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for BodySubset {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Vec::<JsonPointer>::deserialize(deserializer).map(Self::new)
+    }
+}
+
 impl fmt::Debug for BodySubset {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("BodySubset").field(&self.0.as_ref()).finish()

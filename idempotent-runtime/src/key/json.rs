@@ -26,8 +26,9 @@ pub const MAX_JSON_DEPTH: usize = 128;
 pub(crate) enum Value<'a> {
     Null,
     Bool(bool),
-    /// The number's text as written, checked against the RFC 8259 grammar.
-    Number(&'a str),
+    /// The number's text as written, checked against the RFC 8259 grammar, and its offset in
+    /// the body.
+    Number(&'a str, usize),
     String(Cow<'a, str>),
     Array(Vec<Value<'a>>),
     /// Members in document order; names are unique.
@@ -270,7 +271,7 @@ impl<'a> Parser<'a> {
                 return Err(self.err(JsonErrorReason::Syntax));
             }
         }
-        Ok(Value::Number(&self.text[start..self.pos]))
+        Ok(Value::Number(&self.text[start..self.pos], start))
     }
 
     fn hex4(&mut self) -> Result<u32, JsonError> {
@@ -379,7 +380,9 @@ pub(crate) fn write_canonical(value: &Value<'_>, out: &mut Vec<u8>) -> Result<()
         Value::Null => out.extend_from_slice(b"null"),
         Value::Bool(true) => out.extend_from_slice(b"true"),
         Value::Bool(false) => out.extend_from_slice(b"false"),
-        Value::Number(text) => write_number(text, out)?,
+        Value::Number(text, at) => {
+            write_number(text, out).map_err(|e| JsonError::new(*at, e.reason))?
+        }
         Value::String(s) => write_string(s, out),
         Value::Array(items) => {
             out.push(b'[');
@@ -658,9 +661,9 @@ mod tests {
     fn pointers_select_members_and_elements() {
         let doc = parse(br#"{"a":{"b/c":[10,{"~":true}]},"":1}"#).unwrap();
         let at = |p: &str| doc.select(&JsonPointer::parse(p).unwrap()).cloned();
-        assert_eq!(at("/a/b~1c/0"), Some(Value::Number("10")));
+        assert_eq!(at("/a/b~1c/0"), Some(Value::Number("10", 13)));
         assert_eq!(at("/a/b~1c/1/~0"), Some(Value::Bool(true)));
-        assert_eq!(at("/"), Some(Value::Number("1")));
+        assert_eq!(at("/"), Some(Value::Number("1", 32)));
         assert_eq!(at(""), Some(doc.clone()));
         assert_eq!(at("/a/b~1c/2"), None);
         assert_eq!(at("/a/b~1c/-"), None);

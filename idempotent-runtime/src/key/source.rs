@@ -378,7 +378,7 @@ pub(crate) fn key_from_document(
     let text: &str = match doc.select(pointer) {
         None => return Ok(None),
         Some(Value::String(s)) => s,
-        Some(Value::Number(n)) => n,
+        Some(Value::Number(n, _)) => n,
         Some(Value::Null) => return Err(BodyKeyError::NotAScalar(JsonKind::Null)),
         Some(Value::Bool(_)) => return Err(BodyKeyError::NotAScalar(JsonKind::Boolean)),
         Some(Value::Array(_)) => return Err(BodyKeyError::NotAScalar(JsonKind::Array)),
@@ -530,6 +530,17 @@ mod tests {
         assert!(KeySource::body_static("/id").reads_body());
         assert_eq!(KeySource::body_static("/id").body_pointer(), Some(&ID));
         assert!(!KeySource::default().reads_body());
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn the_file_form_deserializes_through_the_written_form() {
+        let source: KeySource = serde_json::from_str(r#""body:/data/id""#).unwrap();
+        assert_eq!(source, KeySource::body_static("/data/id"));
+        let source: KeySource = serde_json::from_str(r#""X-GitHub-Delivery""#).unwrap();
+        assert_eq!(source.header_name(), Some("x-github-delivery"));
+        let err = serde_json::from_str::<KeySource>(r#""body:id""#).unwrap_err();
+        assert!(err.to_string().contains("malformed"), "{err}");
     }
 
     #[test]

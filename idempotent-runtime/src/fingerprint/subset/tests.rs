@@ -153,6 +153,9 @@ fn a_body_that_is_not_json_is_refused_400_body_invalid() {
     ] {
         let err = compute_subset(&input(&s, body), &PAYMENT, None).unwrap_err();
         assert_eq!(err.json_error().reason(), reason, "{body:?}");
+        if reason == JsonErrorReason::NumberOutOfRange {
+            assert_eq!(err.json_error().offset(), 10, "where the number starts");
+        }
         let problem = err.problem();
         assert_eq!(
             (problem.status(), problem.code()),
@@ -421,4 +424,17 @@ proptest! {
         req.body = &body;
         let _ = compute_subset(&req, &BodySubset::new(pointers), None);
     }
+}
+
+#[cfg(feature = "serde")]
+#[test]
+fn the_file_form_is_a_list_of_pointers() {
+    let subset: BodySubset =
+        serde_json::from_str(r#"["/customer", "/amount", "/currency"]"#).unwrap();
+    assert_eq!(
+        subset.canonical(KEY_ORDER.as_bytes()),
+        PAYMENT.canonical(KEY_ORDER.as_bytes())
+    );
+    let err = serde_json::from_str::<BodySubset>(r#"["amount"]"#).unwrap_err();
+    assert!(err.to_string().contains("starts with `/`"), "{err}");
 }
