@@ -21,6 +21,9 @@ use super::pointer::{JsonPointer, array_index};
 /// The deepest nesting of arrays and objects read (as `serde_json`'s default recursion limit).
 pub const MAX_JSON_DEPTH: usize = 128;
 
+/// Objects up to this many members are checked for a repeated name without a hash set.
+const SCAN_LIMIT: usize = 16;
+
 /// A parsed JSON value, borrowing from the body where it can.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Value<'a> {
@@ -204,7 +207,9 @@ impl<'a> Parser<'a> {
             self.pos += 1;
             return Ok(Value::Object(members));
         }
-        let mut names: HashSet<Cow<'a, str>> = HashSet::new();
+        // Small objects (nearly all) are checked for a repeated name by a scan; a set is built
+        // only for large ones, so that a hostile object cannot make the check quadratic.
+        let mut names: Option<HashSet<Cow<'a, str>>> = None;
         loop {
             self.ws();
             if self.peek() != Some(b'"') {
@@ -212,7 +217,20 @@ impl<'a> Parser<'a> {
             }
             let name_at = self.pos;
             let name = self.string()?;
-            if !names.insert(name.clone()) {
+            let repeated = match &mut names {
+                Some(set) => !set.insert(name.clone()),
+                None => {
+                    let repeated = members.iter().any(|(n, _)| *n == name);
+                    if members.len() >= SCAN_LIMIT {
+                        let mut set: HashSet<Cow<'a, str>> =
+                            members.iter().map(|(n, _)| n.clone()).collect();
+                        set.insert(name.clone());
+                        names = Some(set);
+                    }
+                    repeated
+                }
+            };
+            if repeated {
                 return Err(JsonError::new(name_at, JsonErrorReason::DuplicateName));
             }
             self.ws();
@@ -444,6 +462,13 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
 /// length from the first, the digits from the second when they still read back as the double
 /// (near a power of two they may not, and then the shortest digits are the only ones).
 fn write_number(text: &str, out: &mut Vec<u8>) -> Result<(), JsonError> {
+    // An integer of at most 15 digits is a double exactly, and ECMAScript writes it as it is
+    // (the grammar has no leading zeros), except `-0`.
+    let digits = text.strip_prefix('-').unwrap_or(text);
+    if digits.len() <= 15 && digits.bytes().all(|b| b.is_ascii_digit()) {
+        out.extend_from_slice(if digits == "0" { b"0" } else { text.as_bytes() });
+        return Ok(());
+    }
     // The grammar was checked when reading, and Rust's float parsing is correctly rounded.
     let x: f64 = text
         .parse()
@@ -650,6 +675,23 @@ mod tests {
     }
 
     #[test]
+    fn repeated_names_are_found_in_small_and_large_objects() {
+        for size in [1, SCAN_LIMIT - 1, SCAN_LIMIT, SCAN_LIMIT + 1, 200] {
+            let members: Vec<String> = (0..size).map(|i| format!("\"k{i}\":{i}")).collect();
+            let ok = format!("{{{}}}", members.join(","));
+            assert!(canonical(&ok).is_ok(), "{size}");
+            for again in [0, size - 1] {
+                let dup = format!("{{{},\"k{again}\":0}}", members.join(","));
+                assert_eq!(
+                    canonical(&dup).unwrap_err().reason(),
+                    JsonErrorReason::DuplicateName,
+                    "{size} {again}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn strings_keep_what_needs_no_escape() {
         assert_eq!(
             canonical(r#""\u007f\u2028 \/ \u001f""#).unwrap(),
@@ -687,6 +729,16 @@ mod tests {
                 let mut out = Vec::new();
                 let _ = write_canonical(&v, &mut out);
             }
+        }
+
+        #[test]
+        fn plain_integers_take_the_short_way_to_the_same_answer(i in any::<i64>()) {
+            let text = (i % 1_000_000_000_000_000).to_string();
+            let mut short = Vec::new();
+            write_number(&text, &mut short).unwrap();
+            let mut long = Vec::new();
+            write_number(&format!("{text}.0"), &mut long).unwrap();
+            prop_assert_eq!(short, long);
         }
 
         #[test]
