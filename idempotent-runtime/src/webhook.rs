@@ -35,7 +35,7 @@
 //! A redelivery carries a new timestamp and signature for the same id and body, so the
 //! fingerprint (which does not cover headers) is unchanged and the redelivery is answered with
 //! the recorded 2xx. A provider treats any 2xx as delivered and anything else (409 included) as
-//! "retry later".
+//! "retry later", on its backoff schedule; `410 Gone` asks it to stop sending to the endpoint.
 //!
 //! ```
 //! use std::time::{Duration, SystemTime};
@@ -172,7 +172,8 @@ fn decode_secret(secret: &str) -> Result<Vec<u8>, SecretError> {
 
 impl StandardWebhooks {
     /// A verifier for the secret `whsec_<base64>` (the prefix may be left out), with the
-    /// default tolerance.
+    /// default tolerance. A key of any length is accepted (the spec asks senders for 24 to 64
+    /// random bytes; the conformance servers' `conformance` is 11).
     pub fn new(secret: &str) -> Result<Self, SecretError> {
         Ok(Self::from_key(decode_secret(secret)?))
     }
