@@ -146,6 +146,7 @@ pub fn compute(
 
 /// Computes the fingerprint with the encoding of `version`, so that a record written by another
 /// release is compared with its own encoder. `None` for a version this release does not know.
+/// Version 2 also needs the endpoint's pointers: [`compute_version_subset`] answers every version.
 pub fn compute_version(
     version: u16,
     input: &FingerprintInput<'_>,
