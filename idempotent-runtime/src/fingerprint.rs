@@ -11,6 +11,9 @@
 //! | list | `0x02`, count as u64 big-endian, each element framed |
 //!
 //! A query pair is a list of one element (`a`) or two (`a=` → name and empty value).
+//!
+//! Version 2 ([`compute_subset`]) covers a list of JSON Pointers into the body instead of the
+//! whole body; its canonical form is in [`BodySubset`]'s docs.
 
 use std::borrow::Cow;
 
@@ -18,6 +21,10 @@ use sha2::{Digest, Sha256};
 
 use crate::digest::Encoder;
 use crate::scope::Scope;
+
+// Version 2: the fingerprint over JSON Pointers into the body (issue 31).
+mod subset;
+pub use subset::{BodySubset, SUBSET_VERSION, SubsetError, compute_subset, compute_version_subset};
 
 /// The encoding version new fingerprints are computed with.
 pub const CURRENT_VERSION: u16 = 1;
@@ -139,6 +146,7 @@ pub fn compute(
 
 /// Computes the fingerprint with the encoding of `version`, so that a record written by another
 /// release is compared with its own encoder. `None` for a version this release does not know.
+/// Version 2 also needs the endpoint's pointers: [`compute_version_subset`] answers every version.
 pub fn compute_version(
     version: u16,
     input: &FingerprintInput<'_>,

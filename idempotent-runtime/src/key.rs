@@ -4,9 +4,22 @@
 //! other value is the bare form most clients send. After unquoting, a key is 1–255 visible ASCII
 //! characters. Two header lines, or one bare line with a `,` (two lines folded into one), are
 //! refused: the client sent two keys and we cannot know which one it meant.
+//!
+//! An endpoint may instead read its key from a JSON body ([`KeySource`], [`key_from_body`]): a
+//! webhook provider's event id, say. The same syntax rules apply to the value found.
 
 use std::fmt;
 use std::sync::Arc;
+
+// Keys read from a JSON body (issue 31): where the key comes from, RFC 6901 pointers, and the
+// strict JSON reader the subset fingerprint shares.
+pub(crate) mod json;
+mod pointer;
+mod source;
+
+pub use json::{JsonError, JsonErrorReason, MAX_JSON_DEPTH};
+pub use pointer::{JsonPointer, PointerError};
+pub use source::{BodyKeyError, JsonKind, KeySource, KeySourceError, key_from_body};
 
 /// The longest key accepted, in bytes (after unquoting).
 pub const MAX_KEY_LEN: usize = 255;

@@ -125,6 +125,9 @@ pub mod scope;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod sql;
 pub mod store;
+#[cfg(feature = "webhooks")]
+#[cfg_attr(docsrs, doc(cfg(feature = "webhooks")))]
+pub mod webhook;
 
 pub use config::{Config, EndpointConfig, Methods};
 pub use context::IdempotencyContext;
