@@ -14,12 +14,12 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use crate::support::Schema;
 use axum::extract::Query;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use idempotent_examples::testkit::Schema;
 use idempotent_runtime::Idempotency;
 use idempotent_runtime::config::Config;
 use idempotent_runtime::enlisted::EnlistedTx;

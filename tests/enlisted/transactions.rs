@@ -17,12 +17,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::Schema;
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use idempotent_examples::testkit::Schema;
 use idempotent_runtime::enlisted::EnlistedTx;
 use idempotent_runtime::store::postgres::PostgresStore;
 use idempotent_runtime::{Idempotency, IdempotencyContext};

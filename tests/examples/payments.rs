@@ -1,7 +1,7 @@
 //! Runs `examples/payments.rs` against PostgreSQL and checks each thing it claims.
 
 #[allow(dead_code)]
-#[path = "../examples/payments.rs"]
+#[path = "../../examples/payments.rs"]
 mod payments;
 
 use std::net::SocketAddr;
@@ -40,7 +40,7 @@ async fn post(
 
 #[tokio::test]
 async fn payments_are_idempotent_by_key_by_guard_and_by_natural_key() {
-    let Some(url) = idempotent_examples::testkit::database_url() else {
+    let Some(url) = crate::support::database_url() else {
         return;
     };
     let nanos = SystemTime::now()
@@ -133,7 +133,7 @@ async fn payments_are_idempotent_by_key_by_guard_and_by_natural_key() {
 /// its own, never the first client's payment, and the first client's retry still replays.
 #[tokio::test]
 async fn a_restart_never_hands_a_new_client_another_clients_payment() {
-    let Some(url) = idempotent_examples::testkit::database_url() else {
+    let Some(url) = crate::support::database_url() else {
         return;
     };
     let nanos = SystemTime::now()

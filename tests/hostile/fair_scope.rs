@@ -10,13 +10,10 @@
 //! cargo test --all-features --test fair_scope
 //! ```
 
-#[allow(dead_code)]
-#[path = "hostile/support.rs"]
-mod support;
-
 use std::net::IpAddr;
 
-use support::{Answer, Server, key, post};
+use crate::support;
+use crate::support::raw::{Answer, Server, key, post};
 
 macro_rules! both_servers {
     ($($case:ident),* $(,)?) => {$(

@@ -10,26 +10,21 @@
 //!     cargo test --all-features -p idempotent-examples --test replicas_redis
 //! ```
 
-#[allow(dead_code)]
-#[path = "conformance/harness.rs"]
-mod harness;
-
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use harness::{Resp, Server};
-use idempotent_examples::testkit::redis_url;
 use serde_json::json;
 
-const SERVER: &str = "conformance_axum";
+use super::shared::{Replicas, SERVER, SLOW, assert_taken_over_once, kill_one_mid_handler, race};
+use crate::support::harness::Server;
+use crate::support::redis_url;
 
 /// Replicas on one Redis under one key prefix.
-struct Replicas {
+struct Shared {
     url: String,
     prefix: String,
 }
 
-impl Replicas {
+impl Shared {
     fn new(what: &str) -> Option<Self> {
         Some(Self {
             url: redis_url()?,
@@ -39,7 +34,9 @@ impl Replicas {
             ),
         })
     }
+}
 
+impl Replicas for Shared {
     fn start(&self, extra: &[&str]) -> Server {
         let mut options = vec![
             "--store",
@@ -58,131 +55,21 @@ impl Replicas {
 /// once per key, and every answer is the original, an identical replay, or 409 in progress.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_run_each_key_exactly_once() {
-    let Some(shared) = Replicas::new("race") else {
+    let Some(shared) = Shared::new("race") else {
         return;
     };
-    let replicas = Arc::new([shared.start(&[]), shared.start(&[])]);
-    const KEYS: usize = 100;
-    const SENDS: usize = 8;
-    const KEYS_AT_ONCE: usize = 8;
-
-    let mut answers: Vec<Vec<(usize, Resp)>> = Vec::with_capacity(KEYS);
-    for batch in (0..KEYS).collect::<Vec<_>>().chunks(KEYS_AT_ONCE) {
-        let tasks: Vec<_> = batch
-            .iter()
-            .map(|&k| {
-                let replicas = Arc::clone(&replicas);
-                tokio::spawn(async move {
-                    let key = format!("replica-key-{k}");
-                    let sends: Vec<_> = (0..SENDS)
-                        .map(|i| {
-                            let replicas = Arc::clone(&replicas);
-                            let key = key.clone();
-                            tokio::spawn(async move {
-                                let r = replicas[i % 2]
-                                    .post("/orders")
-                                    .key(&key)
-                                    .json(&json!({"sku": key, "quantity": 1}))
-                                    .send()
-                                    .await;
-                                (i % 2, r)
-                            })
-                        })
-                        .collect();
-                    let mut out = Vec::with_capacity(SENDS);
-                    for s in sends {
-                        out.push(s.await.expect("send"));
-                    }
-                    out
-                })
-            })
-            .collect();
-        for t in tasks {
-            answers.push(t.await.expect("key task"));
-        }
-    }
-
-    let (mut originals, mut replays, mut in_progress) = (0, 0, 0);
-    for (k, key_answers) in answers.iter().enumerate() {
-        let first: Vec<_> = key_answers
-            .iter()
-            .filter(|(_, r)| r.status == 201 && !r.replayed())
-            .collect();
-        assert_eq!(
-            first.len(),
-            1,
-            "replica-key-{k}: {} original answers (the handler ran more than once or never)",
-            first.len()
-        );
-        let (_, original) = first[0];
-        assert_eq!(original.json()["sku"], format!("replica-key-{k}"));
-        for (replica, r) in key_answers {
-            match r.status {
-                201 if !r.replayed() => originals += 1,
-                201 => {
-                    replays += 1;
-                    assert_eq!(r.body, original.body, "replica-key-{k}: replay differs");
-                    assert_eq!(r.header("location"), original.header("location"));
-                }
-                409 => {
-                    in_progress += 1;
-                    r.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
-                }
-                other => panic!(
-                    "replica-key-{k}: replica {replica} answered {other}: {:?}",
-                    r.body
-                ),
-            }
-        }
-    }
-    let runs = replicas[0].runs("/orders").await + replicas[1].runs("/orders").await;
-    eprintln!(
-        "{originals} originals, {replays} replays, {in_progress} in progress; handler runs: \
-         {} + {}",
-        replicas[0].runs("/orders").await,
-        replicas[1].runs("/orders").await
-    );
-    assert_eq!(runs, KEYS as u64, "handler runs across both replicas");
-    assert!(
-        replicas[0].runs("/orders").await > 0 && replicas[1].runs("/orders").await > 0,
-        "both replicas ran handlers"
-    );
+    race::<100, 8, 8>(&shared).await;
 }
 
 /// A replica killed (SIGKILL) mid-handler leaves its reservation: the key answers 409 until
 /// the lease lapses, then another replica takes it over and runs it once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_mid_handler_blocks_its_key_until_the_lease_lapses() {
-    let Some(shared) = Replicas::new("kill") else {
+    let Some(shared) = Shared::new("kill") else {
         return;
     };
-    // A 2 s lease, renewed every 2/3 s while the handler lives; the handler takes 3 s.
-    let doomed = shared.start(&["--lease", "2"]);
-    let survivor = shared.start(&["--lease", "2"]);
-    let path = "/slow?ms=3000";
-
-    let in_flight = doomed
-        .post(path)
-        .key("crash-key")
-        .json(&json!({}))
-        .try_send();
-    let in_flight = tokio::spawn(in_flight);
-    doomed.wait_runs("/slow", 1).await;
-    drop(doomed); // SIGKILL, mid-handler
-    let killed_at = Instant::now();
-    assert!(
-        in_flight.await.expect("request task").is_err(),
-        "the killed replica answered"
-    );
-
-    let r = survivor
-        .post(path)
-        .key("crash-key")
-        .json(&json!({}))
-        .send()
-        .await;
-    r.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
-    assert_eq!(survivor.runs("/slow").await, 0);
+    let (survivor, killed_at) = kill_one_mid_handler(&shared).await;
+    let path = SLOW;
 
     // Retry like a client until the key is taken over.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -201,19 +88,5 @@ async fn a_replica_killed_mid_handler_blocks_its_key_until_the_lease_lapses() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     eprintln!("taken over {:?} after the kill", killed_at.elapsed());
-    assert_eq!(taken_over.status, 201, "{:?}", taken_over.body);
-    assert!(!taken_over.replayed());
-    assert_eq!(taken_over.json()["execution"], 1);
-    assert_eq!(survivor.runs("/slow").await, 1, "the survivor ran it once");
-
-    let replay = survivor
-        .post(path)
-        .key("crash-key")
-        .json(&json!({}))
-        .send()
-        .await;
-    assert_eq!(replay.status, 201);
-    assert!(replay.replayed());
-    assert_eq!(replay.body, taken_over.body);
-    assert_eq!(survivor.runs("/slow").await, 1);
+    assert_taken_over_once(&survivor, taken_over).await;
 }
