@@ -6,7 +6,7 @@
 //! requests go in order, so every answer is predictable.
 //!
 //! ```text
-//! CROSS_SCOPE_SEED=42 cargo test --all-features --test cross_scope
+//! CROSS_SCOPE_SEED=42 cargo test --all-features --test conformance cross_scope::
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};

@@ -8,7 +8,7 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
-//!     cargo test --all-features --test enlisted_hostile
+//!     cargo test --all-features --test enlisted hostile_callers::
 //! ```
 
 use std::net::SocketAddr;

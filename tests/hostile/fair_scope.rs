@@ -7,7 +7,7 @@
 //! credential headers; a custom key header. Peers are loopback source addresses 127.0.0.2–9.
 //!
 //! ```text
-//! cargo test --all-features --test fair_scope
+//! cargo test --all-features --test hostile fair_scope::
 //! ```
 
 use std::net::IpAddr;

@@ -5,7 +5,7 @@
 //! must run (201) and replay (`Idempotency-Replayed: true`) as if the idle ones were not there.
 //!
 //! ```text
-//! cargo test --all-features --test idle_bodies -- --nocapture
+//! cargo test --all-features --test hostile idle_bodies:: -- --nocapture
 //! ```
 
 use std::net::IpAddr;

@@ -6,7 +6,7 @@
 //! handler did not run, that the server neither panicked nor died, and bounds every read.
 //!
 //! ```text
-//! cargo test --all-features --test hostile
+//! cargo test --all-features --test hostile input::
 //! ```
 
 use std::time::Duration;

@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
-//!     cargo test --all-features -p idempotent-examples --test replicas_postgres
+//!     cargo test --all-features -p idempotent-examples --test replicas postgres::
 //! ```
 
 use std::time::Duration;

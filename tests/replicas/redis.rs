@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! REDIS_URL=redis://127.0.0.1:6379/0 \
-//!     cargo test --all-features -p idempotent-examples --test replicas_redis
+//!     cargo test --all-features -p idempotent-examples --test replicas redis::
 //! ```
 
 use std::time::{Duration, Instant};

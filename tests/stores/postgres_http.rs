@@ -8,7 +8,7 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
-//!     cargo test --all-features -p idempotent-examples --test postgres_http
+//!     cargo test --all-features -p idempotent-examples --test stores postgres_http::
 //! ```
 
 use std::time::{Duration, Instant};

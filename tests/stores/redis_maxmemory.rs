@@ -4,7 +4,7 @@
 //! the `PATH` and skips without them, unless `IDEMPOTENT_REQUIRE_REDIS=1`, when it fails.
 //!
 //! ```text
-//! cargo test --all-features -p idempotent-examples --test redis_maxmemory
+//! cargo test --all-features -p idempotent-examples --test stores redis_maxmemory::
 //! ```
 
 use std::collections::HashMap;
