@@ -20,7 +20,7 @@
 //!     cargo run --all-features --example consumer_nats
 //! ```
 //!
-//! The broker test (tests/consumer_nats.rs) runs this same code under unique names.
+//! The broker test (tests/examples/consumer_nats.rs) runs this same code under unique names.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};

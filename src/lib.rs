@@ -1,5 +1,5 @@
-//! Shared pieces of the workspace's examples and integration tests (not published).
+//! Shared pieces of the workspace's examples (not published); what the integration tests share is
+//! tests/support.
 
 pub mod admin;
 pub mod conformance;
-pub mod testkit;

@@ -5,7 +5,7 @@
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use idempotent_examples::testkit::{Schema, example_binary};
+use crate::support::{Schema, example_binary};
 use idempotent_runtime::fingerprint::Fingerprint;
 use idempotent_runtime::scope::{Identity, Scope};
 use idempotent_runtime::store::postgres::PostgresStore;

@@ -1,5 +1,5 @@
-//! What the workspace's integration tests share: the database they may use, a schema of their
-//! own in it, and the example binaries they start as servers.
+//! The services the integration tests may use, a schema of their own in the database, and the
+//! example binaries they start as servers.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -12,7 +12,7 @@ use sqlx::Connection;
 pub fn database_url() -> Option<String> {
     match std::env::var("DATABASE_URL") {
         Ok(url) => Some(url),
-        Err(_) if std::env::var("IDEMPOTENT_REQUIRE_DB").as_deref() == Ok("1") => {
+        Err(_) if required("IDEMPOTENT_REQUIRE_DB") => {
             panic!("IDEMPOTENT_REQUIRE_DB=1 but DATABASE_URL is unset")
         }
         Err(_) => {
@@ -27,7 +27,7 @@ pub fn database_url() -> Option<String> {
 pub fn redis_url() -> Option<String> {
     match std::env::var("REDIS_URL") {
         Ok(url) => Some(url),
-        Err(_) if std::env::var("IDEMPOTENT_REQUIRE_REDIS").as_deref() == Ok("1") => {
+        Err(_) if required("IDEMPOTENT_REQUIRE_REDIS") => {
             panic!("IDEMPOTENT_REQUIRE_REDIS=1 but REDIS_URL is unset")
         }
         Err(_) => {
@@ -35,6 +35,13 @@ pub fn redis_url() -> Option<String> {
             None
         }
     }
+}
+
+/// Whether CI's `switch` is set (`IDEMPOTENT_REQUIRE_DB=1`, `IDEMPOTENT_REQUIRE_REDIS=1`,
+/// `IDEMPOTENT_REQUIRE_BROKER=1`): a service the test needs must then be there, and its absence
+/// fails the test instead of skipping it.
+pub fn required(switch: &str) -> bool {
+    std::env::var(switch).as_deref() == Ok("1")
 }
 
 /// A PostgreSQL schema of the test's own, dropped with it, so tests run in parallel and leave
@@ -132,6 +139,7 @@ pub fn example_binary(name: &str) -> PathBuf {
     profile_dir.join("examples").join(name)
 }
 
+#[cfg(feature = "mysql")]
 /// `MYSQL_URL`, or `None` after saying the test skips. With `IDEMPOTENT_REQUIRE_MYSQL=1` (CI) a
 /// missing URL fails the test instead, so MySQL tests cannot silently skip there.
 pub fn mysql_url() -> Option<String> {

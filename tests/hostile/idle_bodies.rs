@@ -5,17 +5,14 @@
 //! must run (201) and replay (`Idempotency-Replayed: true`) as if the idle ones were not there.
 //!
 //! ```text
-//! cargo test --all-features --test idle_bodies -- --nocapture
+//! cargo test --all-features --test hostile idle_bodies:: -- --nocapture
 //! ```
-
-#[allow(dead_code)]
-#[path = "hostile/support.rs"]
-mod support;
 
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use support::{Conn, Server, key, post};
+use crate::support;
+use crate::support::raw::{self, Conn, Server, key, post};
 
 /// Idle connections held open while the other caller's orders are sent.
 const IDLE: usize = 300;
@@ -72,7 +69,7 @@ async fn run(name: &'static str) -> Result<(), String> {
         let first = conn.answer_within(Duration::from_secs(10)).await;
         conn.write(&request).await;
         let again = conn.answer_within(Duration::from_secs(10)).await;
-        let text = |a: &support::Answer| String::from_utf8_lossy(&a.body).into_owned();
+        let text = |a: &raw::Answer| String::from_utf8_lossy(&a.body).into_owned();
         if first.status != 201 || first.replayed() {
             outcome = Err(format!(
                 "order {n}: the first request answered {} (replayed: {}) {}, not a fresh 201",

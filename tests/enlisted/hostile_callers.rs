@@ -8,18 +8,18 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
-//!     cargo test --all-features --test enlisted_hostile
+//!     cargo test --all-features --test enlisted hostile_callers::
 //! ```
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use crate::support::Schema;
 use axum::extract::Query;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use idempotent_examples::testkit::Schema;
 use idempotent_runtime::Idempotency;
 use idempotent_runtime::config::Config;
 use idempotent_runtime::enlisted::EnlistedTx;

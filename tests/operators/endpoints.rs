@@ -2,13 +2,9 @@
 //! ../shared/CONFORMANCE.md): `GET`/`DELETE /admin/records?key=K` in the caller's own scope,
 //! and `GET /metrics` after a scripted sequence of decisions.
 
-#[path = "conformance/harness.rs"]
-#[allow(dead_code)]
-mod harness;
-
 use std::time::Duration;
 
-use harness::Server;
+use crate::support::harness::{self, Server, sample};
 use serde_json::json;
 
 fn order() -> serde_json::Value {
@@ -289,18 +285,6 @@ async fn admin_records_follow_trusted_proxies() {
         assert!(!rerun.replayed(), "{name}: a forgotten key runs again");
         assert_eq!(s.runs("/notes").await, 2);
     }
-}
-
-/// The value of the sample of `name` whose labels contain every one of `labels`.
-fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.rsplit_once(' '))
-        .find(|(series, _)| {
-            let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
-            metric == name && labels.iter().all(|label| rest.contains(label))
-        })
-        .map(|(_, value)| value.parse().expect("a number"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,54 +1,34 @@
-//! Conformance servers sharing one PostgreSQL database (DESIGN.md §3, §5): two replicas racing
-//! on the same keys, and a replica killed mid-handler.
-//!
-//! Reads `DATABASE_URL`; when it is unset each test says so and passes, unless
-//! `IDEMPOTENT_REQUIRE_DB=1`, when it fails. Each test works in a schema of its own, selected
-//! through the URL's `search_path`.
-//!
-//! ```text
-//! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
-//!     cargo test --all-features -p idempotent-examples --test replicas_postgres
-//! ```
-
-#[allow(dead_code)]
-#[path = "conformance/harness.rs"]
-mod harness;
+//! The replica harness both stores share: two conformance servers on one store racing on the
+//! same keys, and one of them killed mid-handler. Each store's module says how its replicas
+//! share the store (a schema of the test's own, a key prefix of its own) and how fast a
+//! killed replica's key must come free.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use harness::{Resp, Server};
-use idempotent_examples::testkit::Schema;
 use serde_json::json;
 
-const SERVER: &str = "conformance_axum";
+use crate::support::harness::{Resp, Server};
 
-/// A schema of its own in the test database, dropped at the end.
-/// Starting replicas on a test's own schema.
-trait Replicas {
+/// The server every replica runs.
+pub const SERVER: &str = "conformance_axum";
+
+/// The route the killed replica was running: 3 s, longer than the 2 s lease.
+pub const SLOW: &str = "/slow?ms=3000";
+
+/// Replicas sharing one store, each test's own.
+pub trait Replicas {
+    /// A replica on the shared store, with `extra` options.
     fn start(&self, extra: &[&str]) -> Server;
 }
 
-impl Replicas for Schema {
-    fn start(&self, extra: &[&str]) -> Server {
-        let url = self.url();
-        let mut options = vec!["--store", "postgres", "--database-url", &url];
-        options.extend_from_slice(extra);
-        Server::start(SERVER, &options)
-    }
-}
-
-/// 1,000 keys, each sent 16 times at once, split across two replicas: every handler ran exactly
-/// once per key, and every answer is the original, an identical replay, or 409 in progress.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_replicas_run_each_key_exactly_once() {
-    let Some(schema) = Schema::new("replicas").await else {
-        return;
-    };
-    let replicas = Arc::new([schema.start(&[]), schema.start(&[])]);
-    const KEYS: usize = 1_000;
-    const SENDS: usize = 16;
-    const KEYS_AT_ONCE: usize = 8;
+/// `KEYS` keys, each sent `SENDS` times at once (`KEYS_AT_ONCE` keys at a time), split across
+/// two replicas: every handler ran exactly once per key, and every answer is the original, an
+/// identical replay, or 409 in progress.
+pub async fn race<const KEYS: usize, const SENDS: usize, const KEYS_AT_ONCE: usize>(
+    shared: &impl Replicas,
+) {
+    let replicas = Arc::new([shared.start(&[]), shared.start(&[])]);
 
     let mut answers: Vec<Vec<(usize, Resp)>> = Vec::with_capacity(KEYS);
     for batch in (0..KEYS).collect::<Vec<_>>().chunks(KEYS_AT_ONCE) {
@@ -133,17 +113,14 @@ async fn two_replicas_run_each_key_exactly_once() {
     );
 }
 
-/// A replica killed (SIGKILL) mid-handler leaves its reservation: the key answers 409 until
-/// the lease lapses, then another replica takes it over and runs it once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_killed_mid_handler_blocks_its_key_until_the_lease_lapses() {
-    let Some(schema) = Schema::new("replicas").await else {
-        return;
-    };
+/// Two replicas with a 2 s lease; the first killed (SIGKILL) while it runs [`SLOW`] under
+/// `crash-key`, after which the key answers the survivor 409 and its handler has not run
+/// there. The survivor, and when the first was killed.
+pub async fn kill_one_mid_handler(shared: &impl Replicas) -> (Server, Instant) {
     // A 2 s lease, renewed every 2/3 s while the handler lives; the handler takes 3 s.
-    let doomed = schema.start(&["--lease", "2"]);
-    let survivor = schema.start(&["--lease", "2"]);
-    let path = "/slow?ms=3000";
+    let doomed = shared.start(&["--lease", "2"]);
+    let survivor = shared.start(&["--lease", "2"]);
+    let path = SLOW;
 
     let in_flight = doomed
         .post(path)
@@ -167,41 +144,13 @@ async fn a_replica_killed_mid_handler_blocks_its_key_until_the_lease_lapses() {
         .await;
     r.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
     assert_eq!(survivor.runs("/slow").await, 0);
+    (survivor, killed_at)
+}
 
-    // Retry like a client until the key is taken over, every 50 ms: the takeover must come no
-    // earlier than the lease less the third a renewal may have taken off it (less a margin),
-    // and no later than the lease plus slack.
-    let lease = Duration::from_secs(2);
-    let mut probes = 1;
-    let (taken_over, freed) = loop {
-        let sent = killed_at.elapsed();
-        let r = survivor
-            .post(path)
-            .key("crash-key")
-            .json(&json!({}))
-            .send()
-            .await;
-        if r.status != 409 {
-            break (r, sent);
-        }
-        r.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
-        probes += 1;
-        assert!(
-            killed_at.elapsed() < lease + Duration::from_millis(1500),
-            "the key was still held {:?} after the kill (lease {lease:?})",
-            killed_at.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    eprintln!("taken over {freed:?} after the kill, after {probes} x 409");
-    assert!(
-        freed >= lease * 2 / 3 - Duration::from_millis(100),
-        "taken over {freed:?} after the kill, before a {lease:?} lease could have lapsed"
-    );
-    assert!(
-        freed <= lease + Duration::from_secs(1),
-        "taken over only {freed:?} after the kill (lease {lease:?})"
-    );
+/// The survivor's answer once it took the key over: the original, run once there, and replayed
+/// after.
+pub async fn assert_taken_over_once(survivor: &Server, taken_over: Resp) {
+    let path = SLOW;
     assert_eq!(taken_over.status, 201, "{:?}", taken_over.body);
     assert!(!taken_over.replayed());
     assert_eq!(taken_over.json()["execution"], 1);

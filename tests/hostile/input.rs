@@ -6,16 +6,13 @@
 //! handler did not run, that the server neither panicked nor died, and bounds every read.
 //!
 //! ```text
-//! cargo test --all-features --test hostile
+//! cargo test --all-features --test hostile input::
 //! ```
-
-#[allow(dead_code)]
-#[path = "hostile/support.rs"]
-mod support;
 
 use std::time::Duration;
 
-use support::{Answer, Server, key, post};
+use crate::support;
+use crate::support::raw::{self, Answer, Server, key, post};
 
 macro_rules! hostile {
     ($($case:ident),* $(,)?) => {$(
@@ -224,7 +221,7 @@ mod cases {
             .await
         {
             let status =
-                match tokio::time::timeout(support::ANSWER_DEADLINE, async { conn.answer().await })
+                match tokio::time::timeout(raw::ANSWER_DEADLINE, async { conn.answer().await })
                     .await
                 {
                     Ok(a) => {
@@ -498,7 +495,7 @@ mod cases {
         // Warm the server up (allocator arenas, connection buffers) before the first reading.
         let mut conn = s.connect().await;
         for _ in 0..500 {
-            conn.write(&support::get("/orders/1")).await;
+            conn.write(&raw::get("/orders/1")).await;
             assert_eq!(conn.answer().await.status, 404);
         }
         let rss_start = s.rss_kib();

@@ -19,7 +19,7 @@ impl Drop for Orders {
 }
 
 fn start() -> Orders {
-    let mut child = Command::new(idempotent_examples::testkit::example_binary("orders_axum"))
+    let mut child = Command::new(crate::support::example_binary("orders_axum"))
         .env("ORDERS_ADDR", "127.0.0.1:0")
         .env("ORDERS_METRICS", "1")
         .env_remove("DATABASE_URL")

@@ -8,26 +8,15 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
-//!     cargo test --all-features -p idempotent-examples --test postgres_http
+//!     cargo test --all-features -p idempotent-examples --test stores postgres_http::
 //! ```
-
-#[allow(dead_code)]
-#[path = "conformance/harness.rs"]
-mod harness;
 
 use std::time::{Duration, Instant};
 
-use harness::Server;
-use idempotent_examples::testkit::Schema;
+use crate::support::Schema;
+use crate::support::harness::{self, on_postgres, sample};
 use serde_json::json;
 use sqlx::Connection as _;
-
-fn on_postgres(name: &'static str, schema: &Schema, extra: &[&str]) -> Server {
-    let url = schema.url();
-    let mut options = vec!["--store", "postgres", "--database-url", &url];
-    options.extend_from_slice(extra);
-    Server::start(name, &options)
-}
 
 /// Clients send keyed POSTs while another session holds `LOCK TABLE … IN SHARE MODE` (every
 /// claim's statement waits) and disconnect after 0.3 s; the lock is released at 0.6 s. A retry
@@ -99,18 +88,6 @@ async fn clients_gone_while_their_claim_waits_leave_their_keys_free() {
             "{name}: each key's handler runs once"
         );
     }
-}
-
-/// The value of the sample of `name` whose labels contain every one of `labels`.
-fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.rsplit_once(' '))
-        .find(|(series, _)| {
-            let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
-            metric == name && labels.iter().all(|label| rest.contains(label))
-        })
-        .map(|(_, value)| value.parse().expect("a number"))
 }
 
 /// With `--local-cache`, one first request and 20 replays answered from the process cache:

@@ -4,22 +4,15 @@
 //! suite binds its client sockets to chosen loopback addresses. Every read has a deadline: a
 //! server that hangs fails the test instead of stalling it.
 
-use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
 use tokio::net::{TcpSocket, TcpStream};
 
-/// The servers the suites run against; each is an example of the root package.
-#[cfg(not(feature = "actix"))]
-pub const SERVERS: &[&str] = &["conformance_axum"];
-/// The servers the suites run against; each is an example of the root package.
-#[cfg(feature = "actix")]
-pub const SERVERS: &[&str] = &["conformance_axum", "conformance_actix"];
+pub use super::SERVERS;
+use super::{Process, start_server};
 
 /// How long any one answer may take before the test calls it a hang.
 pub const ANSWER_DEADLINE: Duration = Duration::from_secs(30);
@@ -29,8 +22,7 @@ pub const ANSWER_DEADLINE: Duration = Duration::from_secs(30);
 pub struct Server {
     pub name: &'static str,
     pub addr: SocketAddr,
-    child: Child,
-    stderr: PathBuf,
+    process: Process,
 }
 
 impl Server {
@@ -57,51 +49,17 @@ impl Server {
         options: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
-        let stderr = std::env::temp_dir().join(format!(
-            "idempotent-{name}-{}-{:x}.stderr",
-            std::process::id(),
-            rand_u64()
-        ));
-        let mut child = Command::new(idempotent_examples::testkit::example_binary(name))
-            .args(["--addr", addr])
-            .args(options)
-            .env_remove("IDEMPOTENT_LOG")
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).expect("stderr file"))
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {name}: {e}"));
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("{name} printed no `listening on` line"));
-        let mut addr: SocketAddr = line
-            .trim()
-            .strip_prefix("listening on http://")
-            .unwrap_or_else(|| panic!("{name} printed {line:?}, not `listening on http://…`"))
-            .parse()
-            .expect("HOST:PORT");
-        if addr.ip().is_unspecified() {
-            addr.set_ip([127, 0, 0, 1].into());
-        }
+        let (process, addr) = start_server(name, addr, options, env, true);
         Self {
             name,
             addr,
-            child,
-            stderr,
+            process,
         }
     }
 
     /// The server's resident set size in KiB (Linux `/proc`).
     pub fn rss_kib(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.process.id()))
             .expect("read /proc/<pid>/status");
         status
             .lines()
@@ -112,14 +70,14 @@ impl Server {
 
     /// Everything the process wrote to stderr so far (its log, when started traced).
     pub fn log(&self) -> String {
-        String::from_utf8_lossy(&std::fs::read(&self.stderr).unwrap_or_default()).into_owned()
+        self.process.log()
     }
 
     /// Panics unless the process is still running and has logged no panic.
     #[track_caller]
     pub fn assert_alive_without_panic(&mut self) {
-        let exited = self.child.try_wait().expect("try_wait");
-        let log = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let exited = self.process.exited();
+        let log = self.process.log();
         assert!(exited.is_none(), "{} exited ({exited:?}): {log}", self.name);
         assert!(!log.contains("panicked"), "{} panicked: {log}", self.name);
     }
@@ -156,19 +114,6 @@ impl Server {
             .as_u64()
             .unwrap_or_else(|| panic!("{}: /executions has no {route}: {all}", self.name))
     }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.stderr);
-    }
-}
-
-fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher, RandomState};
-    RandomState::new().hash_one(std::time::SystemTime::now())
 }
 
 /// One client connection; keep-alive unless a request says `Connection: close`.
@@ -304,33 +249,19 @@ impl Answer {
     }
 
     pub fn replayed(&self) -> bool {
-        match self.header("idempotency-replayed") {
-            None => false,
-            Some("true") => true,
-            Some(other) => panic!("Idempotency-Replayed: {other}"),
-        }
+        super::is_replay(self.header("idempotency-replayed"))
     }
 
     /// Asserts a refusal: status, `application/problem+json`, the RFC 9457 members and `code`.
     #[track_caller]
     pub fn assert_problem(&self, status: u16, code: &str) {
-        assert_eq!(
+        let answer = (
             self.status,
-            status,
-            "expected {status} {code}, body: {:?}",
-            String::from_utf8_lossy(&self.body)
-        );
-        assert_eq!(
             self.header("content-type"),
-            Some("application/problem+json")
+            self.header("idempotency-replayed"),
+            &self.body[..],
         );
-        let doc = self.json();
-        assert_eq!(doc["code"], code, "{doc}");
-        assert_eq!(doc["status"], status, "{doc}");
-        for member in ["type", "title", "detail"] {
-            assert!(doc[member].is_string(), "problem without {member}: {doc}");
-        }
-        assert!(!self.replayed(), "a refusal is never marked replayed");
+        super::assert_problem(answer, status, code);
     }
 }
 

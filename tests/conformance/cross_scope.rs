@@ -6,17 +6,14 @@
 //! requests go in order, so every answer is predictable.
 //!
 //! ```text
-//! CROSS_SCOPE_SEED=42 cargo test --all-features --test cross_scope
+//! CROSS_SCOPE_SEED=42 cargo test --all-features --test conformance cross_scope::
 //! ```
-
-#[allow(dead_code)]
-#[path = "hostile/support.rs"]
-mod support;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 
-use support::{Server, key, post};
+use crate::support;
+use crate::support::raw::{Server, key, post};
 
 /// Requests per server.
 const REQUESTS: usize = 400;

@@ -6,7 +6,7 @@
 //! JetStream at `NATS_URL` (default `127.0.0.1:4222`; skips when unreachable, unless
 //! `IDEMPOTENT_REQUIRE_BROKER=1`).
 
-#[path = "../examples/consumer_nats.rs"]
+#[path = "../../examples/consumer_nats.rs"]
 #[allow(dead_code)]
 mod example;
 
@@ -19,18 +19,11 @@ use idempotent_runtime::store::FencingToken;
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgPoolOptions;
 
-fn required(var: &str) -> bool {
-    std::env::var(var).as_deref() == Ok("1")
-}
+use crate::support::{self, required};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redelivered_messages_reserve_stock_once() {
-    let Ok(database_url) = std::env::var("DATABASE_URL") else {
-        assert!(
-            !required("IDEMPOTENT_REQUIRE_DB"),
-            "DATABASE_URL is unset but IDEMPOTENT_REQUIRE_DB=1"
-        );
-        eprintln!("consumer_nats: skipped, DATABASE_URL is unset");
+    let Some(database_url) = support::database_url() else {
         return;
     };
     let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());

@@ -4,19 +4,16 @@
 //! the `PATH` and skips without them, unless `IDEMPOTENT_REQUIRE_REDIS=1`, when it fails.
 //!
 //! ```text
-//! cargo test --all-features -p idempotent-examples --test redis_maxmemory
+//! cargo test --all-features -p idempotent-examples --test stores redis_maxmemory::
 //! ```
-
-#[allow(dead_code)]
-#[path = "conformance/harness.rs"]
-mod harness;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::{SERVERS, Server};
+use crate::support::harness::{SERVERS, Server};
+use crate::support::{free_port, required};
 
 /// A `redis-server` of the test's own; killed and its directory removed on drop.
 struct Redis {
@@ -56,16 +53,13 @@ impl Redis {
         };
         if !installed("redis-server") || !installed("redis-cli") {
             assert!(
-                std::env::var("IDEMPOTENT_REQUIRE_REDIS").as_deref() != Ok("1"),
+                !required("IDEMPOTENT_REQUIRE_REDIS"),
                 "IDEMPOTENT_REQUIRE_REDIS=1 but redis-server or redis-cli is not installed"
             );
             eprintln!("redis-server or redis-cli is not installed: skipping");
             return None;
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        let port = free_port();
         let dir = std::env::temp_dir().join(format!(
             "idempotent-maxmemory-{:016x}",
             idempotent_runtime::store::FencingToken::mint().0

@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
-//!     cargo test --all-features -p idempotent-examples --test enlisted -- --nocapture
+//!     cargo test --all-features -p idempotent-examples --test enlisted transactions:: -- --nocapture
 //! ```
 
 use std::collections::HashMap;
@@ -17,12 +17,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::Schema;
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use idempotent_examples::testkit::Schema;
 use idempotent_runtime::enlisted::EnlistedTx;
 use idempotent_runtime::store::contract::Forwarding;
 use idempotent_runtime::store::postgres::PostgresStore;

@@ -1,18 +1,18 @@
 //! Runs `examples/payments.rs` against PostgreSQL and checks each thing it claims.
 
 #[allow(dead_code)]
-#[path = "../examples/payments.rs"]
-mod payments;
+#[path = "../../examples/payments.rs"]
+mod example;
 
 use std::net::SocketAddr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
-async fn serve(state: payments::AppState) -> String {
+async fn serve(state: example::AppState) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = payments::app(state).into_make_service_with_connect_info::<SocketAddr>();
+    let app = example::app(state).into_make_service_with_connect_info::<SocketAddr>();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     format!("http://{addr}")
 }
@@ -40,7 +40,7 @@ async fn post(
 
 #[tokio::test]
 async fn payments_are_idempotent_by_key_by_guard_and_by_natural_key() {
-    let Some(url) = idempotent_examples::testkit::database_url() else {
+    let Some(url) = crate::support::database_url() else {
         return;
     };
     let nanos = SystemTime::now()
@@ -48,7 +48,7 @@ async fn payments_are_idempotent_by_key_by_guard_and_by_natural_key() {
         .unwrap()
         .subsec_nanos();
     let schema = format!("payments_test_{}_{nanos}", std::process::id());
-    let state = payments::state(&url, &schema).await.unwrap();
+    let state = example::state(&url, &schema).await.unwrap();
     let provider = state.provider.clone();
     let db = state.db.clone();
     let base = serve(state).await;
@@ -133,7 +133,7 @@ async fn payments_are_idempotent_by_key_by_guard_and_by_natural_key() {
 /// its own, never the first client's payment, and the first client's retry still replays.
 #[tokio::test]
 async fn a_restart_never_hands_a_new_client_another_clients_payment() {
-    let Some(url) = idempotent_examples::testkit::database_url() else {
+    let Some(url) = crate::support::database_url() else {
         return;
     };
     let nanos = SystemTime::now()
@@ -141,10 +141,10 @@ async fn a_restart_never_hands_a_new_client_another_clients_payment() {
         .unwrap()
         .subsec_nanos();
     let schema = format!("payments_restart_{}_{nanos}", std::process::id());
-    let start = |state: payments::AppState| async move {
+    let start = |state: example::AppState| async move {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let app = payments::app(state).into_make_service_with_connect_info::<SocketAddr>();
+        let app = example::app(state).into_make_service_with_connect_info::<SocketAddr>();
         let server = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         (format!("http://{addr}"), server)
     };
@@ -156,7 +156,7 @@ async fn a_restart_never_hands_a_new_client_another_clients_payment() {
     let amount = json!({"amount_cents": 1250});
 
     // Client A authorizes and captures.
-    let first = payments::state(&url, &schema).await.unwrap();
+    let first = example::state(&url, &schema).await.unwrap();
     let db = first.db.clone();
     let (base, server) = start(first).await;
     let (s, h, a) = post(
@@ -177,7 +177,7 @@ async fn a_restart_never_hands_a_new_client_another_clients_payment() {
     // Restart: a new process over the same database.
     server.abort();
     let _ = server.await;
-    let second = payments::state(&url, &schema).await.unwrap();
+    let second = example::state(&url, &schema).await.unwrap();
     let provider = second.provider.clone();
     let (base, _server) = start(second).await;
 

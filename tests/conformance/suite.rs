@@ -3,13 +3,10 @@
 //! own server process (with the options it needs) and drives it with an HTTP client, or with
 //! raw TCP where a client library would refuse to send the hostile request.
 
-#[path = "conformance/harness.rs"]
-mod harness;
-
 use std::io::Write as _;
 use std::time::Duration;
 
-use harness::{Resp, Server};
+use crate::support::harness::{self, Resp, Server};
 use serde_json::{Value, json};
 
 macro_rules! conformance {
@@ -33,7 +30,7 @@ macro_rules! conformance {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
-                    let Some(url) = idempotent_examples::testkit::redis_url() else { return };
+                    let Some(url) = crate::support::redis_url() else { return };
                     for server in harness::SERVERS {
                         eprintln!("{} against {server} on Redis", stringify!($case));
                         harness::on_redis(url.clone(), cases::$case(server)).await;
@@ -51,7 +48,7 @@ macro_rules! conformance {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
-                    let Some(url) = idempotent_examples::testkit::mysql_url() else { return };
+                    let Some(url) = crate::support::mysql_url() else { return };
                     for server in harness::SERVERS {
                         eprintln!("{} against {server} on MySQL", stringify!($case));
                         harness::on_mysql(url.clone(), cases::$case(server)).await;

@@ -4,13 +4,9 @@
 //! SQLite URL open one file, and an enlisted pool that handlers fill still answers duplicates
 //! and replays at once.
 
-#[allow(dead_code)] // the harness serves the whole conformance suite
-#[path = "conformance/harness.rs"]
-mod harness;
-
 use std::time::{Duration, Instant};
 
-use harness::Server;
+use crate::support::harness::{self, Server};
 use serde_json::json;
 
 /// PATCH with a key to a POST-only route behind the layer or middleware is the router's
@@ -160,7 +156,7 @@ async fn both_sqlite_url_forms_reach_one_file() {
 async fn a_saturated_enlisted_pool_still_answers_duplicates_and_replays_at_once() {
     const POOL: usize = 10; // the store's default pool size, which the servers keep
     for name in harness::SERVERS {
-        let Some(schema) = idempotent_examples::testkit::Schema::new("ledger").await else {
+        let Some(schema) = crate::support::Schema::new("ledger").await else {
             return;
         };
         let url = schema.url();

@@ -1,19 +1,14 @@
 //! Starting a conformance server as a subprocess and talking to it over real HTTP.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde_json::Value;
 
-/// The servers the suite runs against; each is an example of the root package.
-#[cfg(not(feature = "actix"))]
-pub const SERVERS: &[&str] = &["conformance_axum"];
-/// The servers the suite runs against; each is an example of the root package.
-#[cfg(feature = "actix")]
-pub const SERVERS: &[&str] = &["conformance_axum", "conformance_actix"];
+pub use super::SERVERS;
+use super::{Process, Schema, start_server};
 
 tokio::task_local! {
     /// Store options every server a case starts is given, unless the case picks a store itself
@@ -49,7 +44,7 @@ fn store_options(options: &[&str]) -> (Vec<String>, Option<Box<dyn std::any::Any
     }
     #[cfg(feature = "mysql")]
     if let Ok(db) =
-        MYSQL.try_with(|url| idempotent_examples::testkit::MysqlDatabase::new(url, "conformance"))
+        MYSQL.try_with(|url| super::MysqlDatabase::new(url, "conformance"))
     {
         let options = ["--store", "mysql", "--database-url", &db.url()]
             .map(String::from)
@@ -77,11 +72,33 @@ fn store_options(options: &[&str]) -> (Vec<String>, Option<Box<dyn std::any::Any
     (options, None)
 }
 
+/// Starts `name` on the PostgreSQL `schema` (first on the URL's `search_path`) with extra
+/// options.
+pub fn on_postgres(name: &'static str, schema: &Schema, extra: &[&str]) -> Server {
+    let url = schema.url();
+    let mut options = vec!["--store", "postgres", "--database-url", &url];
+    options.extend_from_slice(extra);
+    Server::start(name, &options)
+}
+
+/// The value of the sample of `name` whose labels contain every one of `labels`, in a
+/// `GET /metrics` answer.
+pub fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .find(|(series, _)| {
+            let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
+            metric == name && labels.iter().all(|label| rest.contains(label))
+        })
+        .map(|(_, value)| value.parse().expect("a number"))
+}
+
 /// A running server, killed on drop.
 pub struct Server {
     pub name: &'static str,
     pub addr: SocketAddr,
-    child: Child,
+    process: Process,
     client: reqwest::Client,
     /// What the server's store needs while it runs (a database of its own), dropped after it.
     _store: Option<Box<dyn std::any::Any + Send + Sync>>,
@@ -91,35 +108,12 @@ impl Server {
     /// Starts `name` on a free port with extra options and waits for its `listening on` line.
     pub fn start(name: &'static str, options: &[&str]) -> Self {
         let (store, guard) = store_options(options);
-        let mut child = Command::new(idempotent_examples::testkit::example_binary(name))
-            .args(["--addr", "127.0.0.1:0"])
-            .args(options)
-            .args(store)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {name}: {e}"));
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("{name} printed no `listening on` line"));
-        let addr = line
-            .trim()
-            .strip_prefix("listening on http://")
-            .unwrap_or_else(|| panic!("{name} printed {line:?}, not `listening on http://…`"))
-            .parse()
-            .expect("HOST:PORT");
+        let options = options.iter().map(|o| o.to_string()).chain(store);
+        let (process, addr) = start_server(name, "127.0.0.1:0", options, &[], false);
         Self {
             name,
             addr,
-            child,
+            process,
             client: reqwest::Client::new(),
             _store: guard,
         }
@@ -134,13 +128,13 @@ impl Server {
         Call(self.client.post(self.url(path)))
     }
 
-    /// A GET of `path`, to add headers to (tests/operators.rs; the other suites need none).
+    /// A GET of `path`, to add headers to (the operators' endpoints; the other suites need none).
     #[allow(dead_code)]
     pub fn get_call(&self, path: &str) -> Call {
         Call(self.client.get(self.url(path)))
     }
 
-    /// A DELETE of `path` (tests/operators.rs).
+    /// A DELETE of `path` (the operators' endpoints).
     #[allow(dead_code)]
     pub fn delete(&self, path: &str) -> Call {
         Call(self.client.delete(self.url(path)))
@@ -191,13 +185,6 @@ impl Server {
             .set_read_timeout(Some(Duration::from_secs(20)))
             .expect("timeout");
         stream
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -295,27 +282,18 @@ impl Resp {
 
     /// Whether it carries `Idempotency-Replayed: true`.
     pub fn replayed(&self) -> bool {
-        match self.header("idempotency-replayed") {
-            None => false,
-            Some("true") => true,
-            Some(other) => panic!("Idempotency-Replayed: {other}"),
-        }
+        super::is_replay(self.header("idempotency-replayed"))
     }
 
     /// Asserts a refusal: status, `application/problem+json`, the RFC 9457 members and `code`.
     #[track_caller]
     pub fn assert_problem(&self, status: u16, code: &str) {
-        assert_eq!(self.status, status, "body: {:?}", self.body);
-        assert_eq!(
+        let answer = (
+            self.status,
             self.header("content-type"),
-            Some("application/problem+json")
+            self.header("idempotency-replayed"),
+            &self.body[..],
         );
-        let doc = self.json();
-        assert_eq!(doc["code"], code, "{doc}");
-        assert_eq!(doc["status"], status, "{doc}");
-        for member in ["type", "title", "detail"] {
-            assert!(doc[member].is_string(), "problem without {member}: {doc}");
-        }
-        assert!(!self.replayed(), "a refusal is never marked replayed");
+        super::assert_problem(answer, status, code);
     }
 }

@@ -7,16 +7,13 @@
 //! credential headers; a custom key header. Peers are loopback source addresses 127.0.0.2–9.
 //!
 //! ```text
-//! cargo test --all-features --test fair_scope
+//! cargo test --all-features --test hostile fair_scope::
 //! ```
-
-#[allow(dead_code)]
-#[path = "hostile/support.rs"]
-mod support;
 
 use std::net::IpAddr;
 
-use support::{Answer, Server, key, post};
+use crate::support;
+use crate::support::raw::{Answer, Server, key, post};
 
 macro_rules! both_servers {
     ($($case:ident),* $(,)?) => {$(

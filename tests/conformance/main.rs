@@ -1,0 +1,17 @@
+//! The conformance servers' promises over real HTTP, against every server in
+//! [`support::SERVERS`] (DESIGN.md §2–§4, ../shared/CONFORMANCE.md): the black-box suite (also
+//! on Redis), no response replayed to another scope, and the edge cases a new user's requests
+//! met (a layered route's unserved method, two `Content-Type` lines, a broken body, both SQLite
+//! URL forms, a saturated enlisted pool).
+//!
+//! ```text
+//! cargo test --all-features --test conformance [suite::|cross_scope::|edge_cases::]
+//! ```
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod cross_scope;
+#[cfg(feature = "postgres")]
+mod edge_cases;
+mod suite;

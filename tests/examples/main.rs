@@ -1,0 +1,18 @@
+//! The examples do what they claim: the README's quick start followed literally, the orders
+//! service's envelope and metrics, the payments service, and the NATS consumer end to end.
+//!
+//! ```text
+//! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
+//!     cargo test --all-features --test examples [quickstart::|orders_axum::|payments::|consumer_nats::]
+//! ```
+
+#[path = "../support/mod.rs"]
+mod support;
+
+#[cfg(feature = "postgres")]
+mod consumer_nats;
+#[cfg(all(feature = "axum", feature = "postgres"))]
+mod orders_axum;
+#[cfg(all(feature = "axum", feature = "postgres"))]
+mod payments;
+mod quickstart;
