@@ -114,8 +114,9 @@ where
         };
     }
     let handle = adapter::handle_of(&req);
-    let config = handle.as_ref().map(Idempotency::config);
-    if !endpoint.applies_to(config, req.method().as_str()) {
+    // With a handle, the pipeline's first step decides what a method it does not apply to
+    // means (a pass, or a setup mistake); without one, such a request needs none.
+    if handle.is_none() && !endpoint.applies_to(None, req.method().as_str()) {
         return match extract(req.clone(), payload).await {
             Ok(args) => handler(args, None, req).await,
             Err(rejection) => rejection,

@@ -1,6 +1,6 @@
 //! Setups that would silently turn protection off, detected on the request that shows them and
 //! said once, loudly, with the fix: a `tracing` error and the `misconfigured` counter. In strict
-//! mode ([`Config::strict`](crate::Config::strict)) the first three are also refused, on every
+//! mode ([`Config::strict`](crate::Config::strict)) the first four are also refused, on every
 //! request that shows them, with 500 `IDEMPOTENCY_MISCONFIGURED` before anything is claimed:
 //!
 //! - two different memory stores serving one route in one process (actix builds app data per
@@ -9,6 +9,8 @@
 //!   router, so it passes everything through);
 //! - a `require_key` attribute under a layer whose key is optional (the attribute enforces its
 //!   own requirement: the request is refused, not passed);
+//! - a keyed request with an unsafe method (PUT, DELETE, …) that an `#[idempotent]` handler is
+//!   routed for but does not list in its `methods` (it would run unprotected);
 //! - one peer address sending many distinct forwarded addresses while no proxy is trusted (every
 //!   client behind that proxy would share its address as scope).
 
@@ -80,6 +82,7 @@ pub(crate) struct Watch {
     split_said: AtomicBool,
     proxy_said: AtomicBool,
     keyless_said: AtomicBool,
+    unlisted_said: AtomicBool,
 }
 
 /// A `(server, route)` key looked up without allocating one: hashed as the tuple it stands for.
@@ -110,6 +113,7 @@ impl Watch {
             split_said: AtomicBool::new(false),
             proxy_said: AtomicBool::new(false),
             keyless_said: AtomicBool::new(false),
+            unlisted_said: AtomicBool::new(false),
         }
     }
 
@@ -146,6 +150,22 @@ impl Watch {
             );
         }
         other && server.is_some()
+    }
+
+    /// A keyed request with an unsafe method the endpoint does not list reached an
+    /// `#[idempotent]` handler (routed with `put(…)` or `delete(…)` under the default POST and
+    /// PATCH, say): it would pass through unprotected. Said once.
+    pub(crate) fn unlisted_method(&self, route: &str, method: &str) {
+        if once(&self.unlisted_said) {
+            observe::count(Event::Misconfigured, route);
+            tracing::error!(
+                route,
+                method,
+                "a keyed {method} request reached an #[idempotent] handler that does not apply to \
+                 {method} (by default POST and PATCH), so it runs unprotected: add \
+                 `methods = [\"{method}\"]` to #[idempotent] (beside any other method it serves)"
+            );
+        }
     }
 
     /// A request from `peer` carried `X-Forwarded-For` although no proxy is trusted.

@@ -210,6 +210,11 @@ fn route_of<H: Head>(head: &H) -> &str {
     head.route().unwrap_or("")
 }
 
+/// GET, HEAD, OPTIONS and TRACE: repeating them changes nothing, so they always pass.
+fn is_safe(method: &str) -> bool {
+    matches!(method, "GET" | "HEAD" | "OPTIONS" | "TRACE")
+}
+
 /// A request whose body was read in full, ready to be scoped and claimed.
 pub(crate) struct Buffered {
     /// `None` only in a mode that buffers requests without a key (enlisted).
@@ -239,11 +244,29 @@ pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
 ) -> Front<B> {
     let route = route_of(head);
     let effective = endpoint.resolve(handle.config());
-    let key = match key::parse_header_values(head.header_values(handle.config().key_header())) {
-        Err(error) => return Front::Refuse(handle.key_invalid(error, route)),
-        Ok(None) if effective.require_key => return Front::Refuse(handle.key_missing(route)),
-        Ok(None) if !M::BUFFERS_UNKEYED => return Front::Pass(body),
-        Ok(key) => key,
+    let keys = head.header_values(handle.config().key_header());
+    let key = if effective.methods.contains(head.method()) {
+        match key::parse_header_values(keys) {
+            Err(error) => return Front::Refuse(handle.key_invalid(error, route)),
+            Ok(None) if effective.require_key => return Front::Refuse(handle.key_missing(route)),
+            Ok(None) if !M::BUFFERS_UNKEYED => return Front::Pass(body),
+            Ok(key) => key,
+        }
+    } else {
+        // Not this endpoint's method: it passes untouched (enlisted: in a transaction, as a
+        // request without a key). A keyed unsafe one shows a handler routed for a method its
+        // attribute does not list.
+        let method = head.method();
+        if keys.count() > 0 && !is_safe(method) {
+            handle.watch().unlisted_method(route, method);
+            if handle.config().strict() {
+                return Front::Refuse(misuse::misconfigured());
+            }
+        }
+        if !M::BUFFERS_UNKEYED {
+            return Front::Pass(body);
+        }
+        None
     };
     let announced = first_header(head, "content-length")
         .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse::<u64>().ok());
