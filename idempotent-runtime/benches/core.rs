@@ -81,7 +81,7 @@ fn memory_store(c: &mut Criterion) {
                     input: input(&scope, &body),
                     endpoint: &endpoint,
                 };
-                match handle.begin(&req).await {
+                match idempotent_runtime::pipeline::begin(&handle, &req).await {
                     Begin::Run(reservation) => reservation.complete(&response).await,
                     other => panic!("{other:?}"),
                 }
@@ -95,7 +95,7 @@ fn memory_store(c: &mut Criterion) {
             input: input(&scope, &body),
             endpoint: &endpoint,
         };
-        match handle.begin(&req).await {
+        match idempotent_runtime::pipeline::begin(&handle, &req).await {
             Begin::Run(reservation) => reservation.complete(&response).await,
             other => panic!("{other:?}"),
         }
@@ -108,7 +108,7 @@ fn memory_store(c: &mut Criterion) {
                     input: input(&scope, &body),
                     endpoint: &endpoint,
                 };
-                match handle.begin(&req).await {
+                match idempotent_runtime::pipeline::begin(&handle, &req).await {
                     Begin::Replay(r) => black_box(Arc::clone(&r)),
                     other => panic!("{other:?}"),
                 }

@@ -7,13 +7,13 @@ use crate::budget::BufferBudget;
 use crate::config::Config;
 use crate::fingerprint::FingerprintContributor;
 use crate::observe::{self, AuditSink};
-use crate::pipeline::Watch;
 use crate::problem::{Problem, RefusalRenderer, RenderedRefusal};
 use crate::reservation::{Running, RunningGuard};
 use crate::scope::{RequestHead, Resolution, Resolver, ScopeHash};
 use crate::store::erased::DynStore;
 use crate::store::memory::MemoryStore;
 use crate::store::{RecordInfo, Store, StoreError};
+use crate::watch::Watch;
 
 /// Rows (or entries) a sweep deletes per statement.
 pub const SWEEP_BATCH: usize = 500;

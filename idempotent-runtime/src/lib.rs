@@ -110,6 +110,7 @@ pub mod scope;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod sql;
 pub mod store;
+mod watch;
 
 pub use config::{Config, EndpointConfig, Methods};
 pub use context::IdempotencyContext;

@@ -180,7 +180,7 @@ where
         let route = req.match_pattern().unwrap_or_default();
         return pipeline::enlisted_behind_layer(&route);
     }
-    let enlisted = prepare::<crate::enlisted::Enlisted, _, _, _>(&req, payload, endpoint, extract);
+    let enlisted = prepare::<pipeline::Enlisted, _, _, _>(&req, payload, endpoint, extract);
     let (handle, claimed, extracted) = match enlisted.instrument(request_span(&req)).await {
         Err(answer) => return answer,
         Ok(Prepared::Claimed(handle, claimed, extracted)) => (handle, claimed, extracted),

@@ -14,7 +14,8 @@ use tracing::Instrument as _;
 
 use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
 use crate::config::{EndpointConfig, FailureMode, Methods, Oversized, ReuseStatus};
-use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch, Served};
+use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, Served};
+use crate::watch::LayerWatch;
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
 /// with the same semantics as `#[idempotent]` on each handler (runtime checks only); the

@@ -11,9 +11,9 @@ use super::adapter::{self, Prepared, STORE_MISSING_FIX};
 use super::extract::{FromState, StoreSource, Via};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
-use crate::enlisted::{Enlisted, EnlistedTx, Held};
+use crate::enlisted::{EnlistedTx, Held};
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Claimed, Handled};
+use crate::pipeline::{self, Claimed, Enlisted, Handled};
 
 /// The wrapper `#[idempotent(enlisted)]` puts around a handler's last parameter. Extracting it
 /// opens the transaction and claims the key in it; [`run`](Self::run) hands the transaction to

@@ -13,7 +13,8 @@ use tower_service::Service;
 use super::adapter::{self, Prepared};
 use crate::config::{EndpointConfig, FailureMode, Methods, Oversized, ReuseStatus};
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Detached, Handled, LayerWatch, Served};
+use crate::pipeline::{self, Detached, Handled, Served};
+use crate::watch::LayerWatch;
 
 /// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
 /// checks only). It applies to the [`methods`](EndpointConfig::methods) of its endpoint

@@ -24,8 +24,7 @@ mod body;
 mod claim;
 #[cfg(feature = "postgres")]
 mod enlisted;
-mod misuse;
-mod refuse;
+mod refusals;
 #[cfg(test)]
 mod tests;
 
@@ -39,15 +38,14 @@ use std::task::Poll;
 use bytes::Bytes;
 
 pub(crate) use body::{BodyError, Chunks, Collected};
-#[cfg(feature = "postgres")]
-pub(crate) use claim::ClaimPlan;
-pub use claim::{Begin, BeginRequest};
+pub use claim::{Begin, BeginRequest, begin};
 pub(crate) use claim::{ClaimMode, Detached};
-#[cfg(feature = "postgres")]
-pub(crate) use enlisted::enlisted_work;
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub(crate) use enlisted::settle_enlisted;
-pub(crate) use misuse::{LayerWatch, Watch, misconfigured, required_under_optional};
+#[cfg(feature = "postgres")]
+pub(crate) use enlisted::{Enlisted, enlisted_work};
+#[cfg(feature = "axum")]
+pub(crate) use refusals::misconfigured;
 
 use crate::budget::BufferPermit;
 use crate::config::{Effective, EndpointConfig, Oversized};
@@ -55,7 +53,7 @@ use crate::context::IdempotencyContext;
 use crate::fingerprint::FingerprintInput;
 use crate::handle::Idempotency;
 use crate::key::{self, IdempotencyKey};
-use crate::problem::{Problem, RenderedRefusal};
+use crate::problem::{Problem, ProblemCode, RenderedRefusal};
 use crate::reservation::{Outcome, Reservation};
 use crate::scope::{self, Identity, Resolution};
 use crate::store::RecordedResponse;
@@ -181,6 +179,33 @@ pub(crate) fn enlisted_behind_layer<R: Reply>(route: &str) -> R {
     R::internal("an enlisted handler cannot run behind the idempotency layer")
 }
 
+/// An attribute with `require_key` under an outer layer whose key is optional (the watch says
+/// it once). In strict mode every request is refused (500), keyed or not; otherwise a keyless
+/// one, which the outer step let through, is refused as the attribute alone would (400), and a
+/// keyed one (`None`) goes on under the outer step's claim.
+pub(crate) fn required_under_optional<R: Reply>(
+    handle: Option<&Idempotency>,
+    route: &str,
+    keyed: bool,
+) -> Option<R> {
+    crate::watch::required_under_optional(handle.map(Idempotency::watch), route);
+    let strict = handle.map_or(cfg!(debug_assertions), |h| h.config().strict());
+    let problem = match handle {
+        _ if strict => refusals::misconfigured(),
+        _ if keyed => return None,
+        Some(handle) => refusals::key_missing(handle.config(), route),
+        None => Problem::new(
+            400,
+            ProblemCode::KeyRequired,
+            "an Idempotency-Key header is required",
+        ),
+    };
+    Some(match handle {
+        Some(handle) => refuse(handle, &problem),
+        None => R::problem(&problem, RenderedRefusal::problem_json(&problem)),
+    })
+}
+
 /// A refusal as the framework's response, rendered by the handle's renderer.
 pub(crate) fn refuse<R: Reply>(handle: &Idempotency, problem: &Problem) -> R {
     R::problem(problem, handle.render_refusal(problem))
@@ -247,8 +272,10 @@ pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
     let keys = head.header_values(handle.config().key_header());
     let key = if effective.methods.contains(head.method()) {
         match key::parse_header_values(keys) {
-            Err(error) => return Front::Refuse(handle.key_invalid(error, route)),
-            Ok(None) if effective.require_key => return Front::Refuse(handle.key_missing(route)),
+            Err(error) => return Front::Refuse(refusals::key_invalid(error, route)),
+            Ok(None) if effective.require_key => {
+                return Front::Refuse(refusals::key_missing(handle.config(), route));
+            }
             Ok(None) if !M::BUFFERS_UNKEYED => return Front::Pass(body),
             Ok(key) => key,
         }
@@ -260,7 +287,7 @@ pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
         if keys.count() > 0 && !is_safe(method) {
             handle.watch().unlisted_method(route, method);
             if handle.config().strict() {
-                return Front::Refuse(misuse::misconfigured());
+                return Front::Refuse(refusals::misconfigured());
             }
         }
         if !M::BUFFERS_UNKEYED {
@@ -287,11 +314,13 @@ pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
             effective,
         }),
         Err(BodyError::TooLarge) => {
-            Front::Refuse(handle.payload_too_large(effective.max_body, route))
+            Front::Refuse(refusals::payload_too_large(effective.max_body, route))
         }
-        Err(BodyError::Timeout) => Front::Refuse(handle.body_timeout(route)),
-        Err(BodyError::BuffersFull) => Front::Refuse(handle.buffers_full(route)),
-        Err(BodyError::Broken) => Front::Refuse(handle.body_invalid(route)),
+        Err(BodyError::Timeout) => Front::Refuse(refusals::body_timeout(handle.config(), route)),
+        Err(BodyError::BuffersFull) => {
+            Front::Refuse(refusals::buffers_full(handle.config(), route))
+        }
+        Err(BodyError::Broken) => Front::Refuse(refusals::body_invalid(route)),
     }
 }
 
@@ -359,7 +388,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
     // Before the claim, so strict mode refuses a second memory store's request with nothing
     // written.
     if handle.watch().served(route) && handle.config().strict() {
-        return Err(refuse(handle, &misuse::misconfigured()));
+        return Err(refuse(handle, &refusals::misconfigured()));
     }
     match M::begin(handle, &request).await {
         Begin::Run(held) => {
@@ -408,7 +437,7 @@ pub(crate) fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope:
         let peer = if named { None } else { peer()? };
         scope::resolve(identity, credential, peer, config.anonymous())
     };
-    let unresolved = |error| handle.scope_unresolved(error, route);
+    let unresolved = |error| refusals::scope_unresolved(error, route);
     if let Some(scoped) = head.with_identity(|published| published.map(|i| resolve(Some(i)))) {
         return scoped.map_err(unresolved);
     }
@@ -425,7 +454,7 @@ pub(crate) fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope:
     match resolver(&request) {
         Resolution::Identity(identity) => resolve(Some(&identity)).map_err(unresolved),
         Resolution::Unknown => resolve(None).map_err(unresolved),
-        Resolution::Refuse(problem) => Err(handle.resolver_refused(problem, route)),
+        Resolution::Refuse(problem) => Err(refusals::resolver_refused(problem, route)),
     }
 }
 
@@ -494,7 +523,7 @@ where
     R: Reply,
 {
     match reservation.run(handler).await {
-        Outcome::Panicked => Ended::Panicked(refuse(&handle, &handle.panicked(&route))),
+        Outcome::Panicked => Ended::Panicked(refuse(&handle, &refusals::panicked(&route))),
         Outcome::Returned(Err(error)) => {
             reservation.release().await;
             Ended::Failed(error)
@@ -554,9 +583,9 @@ where
             Ok(Poll::Ready(ended)) => ended,
             Ok(Poll::Pending) => match spawn(work).await {
                 Ok(ended) => ended,
-                Err(_) => Ended::Panicked(refuse(handle, &handle.task_failed(route))),
+                Err(_) => Ended::Panicked(refuse(handle, &refusals::task_failed(route))),
             },
-            Err(_) => Ended::Panicked(refuse(handle, &handle.task_failed(route))),
+            Err(_) => Ended::Panicked(refuse(handle, &refusals::task_failed(route))),
         }
     }
 }
