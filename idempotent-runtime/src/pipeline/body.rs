@@ -12,7 +12,7 @@ use crate::budget::{BufferBudget, BufferPermit};
 
 /// A body as the pipeline reads it: data chunks, then the end or an error. Each framework
 /// implements it for its request and response bodies (trailers and empty chunks skipped).
-pub(crate) trait Chunks: Unpin {
+pub trait Chunks: Unpin {
     /// What a broken body reports.
     type Error;
 

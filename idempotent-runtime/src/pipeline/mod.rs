@@ -37,7 +37,8 @@ use std::task::Poll;
 
 use bytes::Bytes;
 
-pub(crate) use body::{BodyError, Chunks, Collected};
+pub use body::Chunks;
+pub(crate) use body::{BodyError, Collected};
 pub use claim::{Begin, BeginRequest, begin};
 pub(crate) use claim::{ClaimMode, Detached};
 #[cfg(all(feature = "postgres", feature = "axum"))]
@@ -70,8 +71,8 @@ pub(crate) struct Handled {
     pub(crate) require_key: bool,
 }
 
-/// What the pipeline reads of a request's head.
-pub(crate) trait Head {
+/// What the pipeline reads of a request's head (see [`crate::adapter`]).
+pub trait Head {
     /// The method, e.g. `POST`.
     fn method(&self) -> &str;
     /// The matched route pattern (with any nest or scope prefix); `None` outside a route.
@@ -90,15 +91,19 @@ pub(crate) trait Head {
 
 /// What the pipeline needs of a framework's response: read it apart, put it back together,
 /// and build the answers the pipeline gives itself.
-pub(crate) trait Reply: Sized {
+pub trait Reply: Sized {
     /// Everything but the body.
     type Head;
     /// The body, read to record it.
     type Body: Chunks;
 
+    /// The status code.
     fn status(&self) -> u16;
+    /// Every header line, in order (names lowercase, as HTTP/2 and the `http` crate keep them).
     fn headers(&self) -> impl Iterator<Item = (&str, &[u8])>;
+    /// The response taken apart, to read its body.
     fn into_parts(self) -> (Self::Head, Self::Body);
+    /// The response put back together, unchanged.
     fn from_parts(head: Self::Head, body: Self::Body) -> Self;
     /// The response with its body recorded in full; `drained` is the original body, read to
     /// its end (kept where the framework distinguishes "no body" from an empty one).
@@ -247,6 +252,13 @@ pub(crate) struct Buffered {
     pub(crate) body: Bytes,
     permit: BufferPermit,
     effective: Effective,
+}
+
+impl Buffered {
+    /// The endpoint's rules for what is recorded.
+    pub(crate) fn recording(&self) -> crate::config::Recording {
+        self.effective.recording
+    }
 }
 
 /// What to do after the key and body steps.
@@ -468,7 +480,7 @@ impl<H: Head> scope::HeaderLookup for Headers<'_, H> {
 }
 
 /// How claimed work ended, for the adapter to answer.
-pub(crate) enum Ended<R, T, E> {
+pub enum Ended<R, T, E> {
     /// The handler answered `R` (recorded or released by now); `T` travels beside it.
     Answered(R, T),
     /// The handler failed without an answer (an inner service's error): the key was released.
@@ -480,7 +492,7 @@ pub(crate) enum Ended<R, T, E> {
 /// What answered a claimed request: the handler itself (the attribute), or a router the
 /// layer or middleware sits in front of, which may refuse a request no handler serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Served {
+pub enum Served {
     /// The handler's own answer: settled as it is.
     ByHandler,
     /// Through a router: its refusals (see [`routing_refusal`]) release the key unrecorded.
