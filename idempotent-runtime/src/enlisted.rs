@@ -73,7 +73,7 @@ use crate::config::Recording;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
 use crate::problem::{Problem, ProblemCode};
-use crate::record::{self, ClaimOps, Claimed};
+use crate::record::{self, ClaimOps, Verdict};
 use crate::reservation::RunningGuard;
 use crate::scope::ScopeHash;
 use crate::store::erased::DynStore;
@@ -183,8 +183,8 @@ pub(crate) struct Settle {
     pub(crate) route: Arc<str>,
     pub(crate) back: Back,
     pub(crate) _running: RunningGuard,
-    /// Keeps the key in [`InFlight`] until the transaction ended (dropped after it, with this).
-    pub(crate) _in_flight: Option<InFlightGuard>,
+    /// Keeps the key in [`HeldKeys`] until the transaction ended (dropped after it, with this).
+    pub(crate) _in_flight: Option<HeldKey>,
 }
 
 /// The receiving end of [`EnlistedTx`]'s hand-back, set when the transaction goes to the
@@ -244,7 +244,7 @@ pub(crate) async fn claim_in<DB: Database>(
     conn: &mut DB::Connection,
     req: &ClaimRequest<'_>,
     same_request: impl Fn(&crate::fingerprint::Fingerprint) -> bool,
-) -> Result<Option<Claimed>, StoreError> {
+) -> Result<Option<Verdict>, StoreError> {
     if !enlist.lock(conn, req).await? {
         // Another request's transaction holds this key: its reservation is not visible yet,
         // so the only honest answer is "in progress", whatever this request's body.
@@ -275,35 +275,35 @@ pub(crate) fn not_postgres(route: &str) -> Problem {
 /// begins until it ended: a duplicate of one is in progress, known without the database (whose
 /// pool the running requests may all hold).
 #[derive(Debug, Default)]
-pub(crate) struct InFlight(Arc<Mutex<HashSet<InFlightKey>>>);
+pub(crate) struct HeldKeys(Arc<Mutex<HashSet<InFlightKey>>>);
 
 type InFlightKey = (ScopeHash, Box<str>);
 
-impl InFlight {
+impl HeldKeys {
     pub(crate) fn contains(&self, scope: &ScopeHash, key: &str) -> bool {
         let set = self.0.lock().unwrap_or_else(|p| p.into_inner());
         set.contains(&(*scope, Box::from(key)))
     }
 
     /// Marks the key held until the guard drops; `None` if it already is.
-    pub(crate) fn enter(&self, scope: &ScopeHash, key: &str) -> Option<InFlightGuard> {
+    pub(crate) fn enter(&self, scope: &ScopeHash, key: &str) -> Option<HeldKey> {
         let entry = Box::new((*scope, Box::from(key)));
         let mut set = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        set.insert((*entry).clone()).then(|| InFlightGuard {
+        set.insert((*entry).clone()).then(|| HeldKey {
             set: Arc::clone(&self.0),
             entry,
         })
     }
 }
 
-/// Holds a key in [`InFlight`]; dropped once the request's transaction ended.
-pub(crate) struct InFlightGuard {
+/// Holds a key in [`HeldKeys`]; dropped once the request's transaction ended.
+pub(crate) struct HeldKey {
     set: Arc<Mutex<HashSet<InFlightKey>>>,
     // Boxed: it travels in every enlisted request's `Settle`, which stays small.
     entry: Box<InFlightKey>,
 }
 
-impl Drop for InFlightGuard {
+impl Drop for HeldKey {
     fn drop(&mut self) {
         let mut set = self.set.lock().unwrap_or_else(|p| p.into_inner());
         set.remove(&*self.entry);

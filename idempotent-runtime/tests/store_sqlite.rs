@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use idempotent_runtime::clock::ManualClock;
 use idempotent_runtime::fingerprint::Fingerprint;
-use idempotent_runtime::record::{self, Claimed};
+use idempotent_runtime::record::{self, Verdict};
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::sqlite::SqliteStore;
 use idempotent_runtime::store::{
@@ -157,7 +157,7 @@ async fn first_request_costs_two_statements_and_a_replay_one() {
     let first = req(&scope, "order-1", Duration::from_secs(30));
     assert_eq!(
         record::claim(&store, &first, same).await.unwrap(),
-        Claimed::Acquired { reclaimed: false }
+        Verdict::Acquired { reclaimed: false }
     );
     assert_eq!(
         store.statements_executed() - before,
@@ -185,7 +185,7 @@ async fn first_request_costs_two_statements_and_a_replay_one() {
         )
         .await
         .unwrap(),
-        Claimed::Replay(Arc::new(response("{}")))
+        Verdict::Replay(Arc::new(response("{}")))
     );
     assert_eq!(
         store.statements_executed() - before,

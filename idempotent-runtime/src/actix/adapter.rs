@@ -206,7 +206,7 @@ pub(crate) fn handle_of(req: &HttpRequest) -> Option<Idempotency> {
 }
 
 /// The fix to log when no [`Idempotency`] handle is registered.
-pub(crate) const STORE_MISSING_FIX: &str = "register it once, outside the HttpServer factory: \
+pub(crate) const HANDLE_MISSING_FIX: &str = "register it once, outside the HttpServer factory: \
     `let idempotency = web::Data::new(Idempotency::memory());` then \
     `App::new().app_data(idempotency.clone())`";
 

@@ -7,11 +7,11 @@ use std::future::Future;
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
 use tracing::Instrument as _;
 
-use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
+use super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, ClaimMode, Claimed, Detached, Ended, Front, Handled};
+use crate::pipeline::{self, Admitted, ClaimMode, Detached, Ended, Front, Handled};
 
 /// A request after the steps before the handler.
 // Moved once, from `prepare` to its caller: boxing the large variant would cost every claimed
@@ -22,7 +22,7 @@ enum Prepared<H, A> {
     Pass(A),
     /// The key is held; the extractors ran on the buffered body (a recordable rejection is
     /// this request's answer).
-    Claimed(Idempotency, Claimed<H>, Result<A, HttpResponse>),
+    Admitted(Idempotency, Admitted<H>, Result<A, HttpResponse>),
 }
 
 /// Key → body → the handler's extractors → scope → claim. The extractors run before the claim,
@@ -42,7 +42,7 @@ where
     let head = ActixHead::matched(req);
     let route = head.route.as_deref().unwrap_or("");
     let Some(handle) = adapter::handle_of(req) else {
-        return Err(pipeline::store_missing(route, STORE_MISSING_FIX));
+        return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
     };
     let require_key = endpoint.require_key;
     req.extensions_mut().insert(Handled { require_key });
@@ -62,7 +62,7 @@ where
     if let Some(context) = &claimed.context {
         req.extensions_mut().insert(context.clone());
     }
-    Ok(Prepared::Claimed(handle, claimed, extracted))
+    Ok(Prepared::Admitted(handle, claimed, extracted))
 }
 
 /// The request's span ([`crate::observe`]), named after its route pattern.
@@ -127,8 +127,8 @@ where
     match prepared.instrument(span.clone()).await {
         Err(answer) => answer,
         Ok(Prepared::Pass(args)) => handler(args, None, req).instrument(span).await,
-        Ok(Prepared::Claimed(handle, claimed, extracted)) => {
-            let Claimed {
+        Ok(Prepared::Admitted(handle, claimed, extracted)) => {
+            let Admitted {
                 held,
                 permit,
                 context,
@@ -183,10 +183,10 @@ where
     let enlisted = prepare::<pipeline::Enlisted, _, _, _>(&req, payload, endpoint, extract);
     let (handle, claimed, extracted) = match enlisted.instrument(request_span(&req)).await {
         Err(answer) => return answer,
-        Ok(Prepared::Claimed(handle, claimed, extracted)) => (handle, claimed, extracted),
+        Ok(Prepared::Admitted(handle, claimed, extracted)) => (handle, claimed, extracted),
         Ok(Prepared::Pass(_)) => unreachable!("enlisted mode reads every body before it begins"),
     };
-    let Claimed {
+    let Admitted {
         held,
         permit,
         context,

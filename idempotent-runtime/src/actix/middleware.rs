@@ -12,9 +12,9 @@ use actix_web::{Error, HttpMessage, HttpResponse};
 use futures_util::future::LocalBoxFuture;
 use tracing::Instrument as _;
 
-use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
+use super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
 use crate::config::{EndpointConfig, FailureMode, Methods, Oversized, ReuseStatus};
-use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, Served};
+use crate::pipeline::{self, Admitted, Detached, Ended, Front, Handled, Served};
 use crate::watch::LayerWatch;
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
@@ -23,7 +23,7 @@ use crate::watch::LayerWatch;
 ///
 /// Requests with other methods (HEAD, OPTIONS, GET, …) and requests that match no route
 /// (default services) pass through untouched. Where this middleware and the attribute both
-/// apply, the outer one decides and the attribute steps aside. The store is the
+/// apply, the outer one decides and the attribute steps aside. The handle is the
 /// `web::Data<Idempotency>` of the application data.
 ///
 /// Claimed handlers run in their own task, so a client that disconnects does not cancel them:
@@ -36,8 +36,8 @@ use crate::watch::LayerWatch;
 /// use idempotent_runtime::actix::IdempotencyMiddleware;
 ///
 /// # #[actix_web::main] async fn main() {
-/// let store = web::Data::new(Idempotency::memory());
-/// let app = App::new().app_data(store).service(
+/// let idempotency = web::Data::new(Idempotency::memory());
+/// let app = App::new().app_data(idempotency).service(
 ///     web::scope("/payments")
 ///         .wrap(IdempotencyMiddleware::new().require_key())
 ///         .route("", web::post().to(|| async { HttpResponse::Created().finish() })),
@@ -202,7 +202,7 @@ where
             return Box::pin(async move { Ok(service.call(req).await?.map_into_boxed_body()) });
         };
         let Some(handle) = handle else {
-            let response: HttpResponse = pipeline::store_missing(&pattern, STORE_MISSING_FIX);
+            let response: HttpResponse = pipeline::handle_missing(&pattern, HANDLE_MISSING_FIX);
             return Box::pin(async move { Ok(req.into_response(response)) });
         };
         let params = self.params(&req, &pattern);
@@ -231,7 +231,7 @@ where
                 };
             let claimed =
                 pipeline::claim::<Detached, _, HttpResponse>(&handle, &head, buffered).await;
-            let Claimed {
+            let Admitted {
                 held,
                 body,
                 permit,

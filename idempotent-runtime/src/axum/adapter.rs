@@ -20,7 +20,7 @@ use tracing::Instrument as _;
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
 use crate::pipeline::{
-    self, ClaimMode, Claimed, Ended, Front, Head, REPLAYED_HEADER, Reply, Served,
+    self, Admitted, ClaimMode, Ended, Front, Head, REPLAYED_HEADER, Reply, Served,
 };
 use crate::problem::Problem;
 use crate::reservation::Reservation;
@@ -201,7 +201,7 @@ pub(crate) enum Prepared<H> {
     Pass(Request),
     /// The key is held: the request with its buffered body (and its context in the
     /// extensions), and what holds the key.
-    Claimed(Request, Claimed<H>),
+    Admitted(Request, Admitted<H>),
 }
 
 /// Takes the request apart for the pipeline's steps before the handler (key, body, scope,
@@ -231,7 +231,10 @@ pub(crate) async fn prepare<M: ClaimMode>(
         parts.extensions.insert(context.clone());
     }
     let body = Body::from(claimed.body.clone());
-    Ok(Prepared::Claimed(Request::from_parts(parts, body), claimed))
+    Ok(Prepared::Admitted(
+        Request::from_parts(parts, body),
+        claimed,
+    ))
 }
 
 /// Runs claimed work to its end in a task of its own when it is not done at its first poll.
@@ -256,14 +259,14 @@ where
 /// Runs a detached claimed handler and records or releases its response.
 pub(crate) async fn run_claimed<F>(
     handle: Idempotency,
-    claimed: Claimed<Reservation>,
+    claimed: Admitted<Reservation>,
     served: Served,
     handler: F,
 ) -> Response
 where
     F: Future<Output = Response> + Send + 'static,
 {
-    let Claimed {
+    let Admitted {
         held,
         permit,
         route,
@@ -277,5 +280,5 @@ where
 }
 
 /// The fix to log when a handler finds no [`Idempotency`] handle in the request extensions.
-pub(crate) const STORE_MISSING_FIX: &str =
+pub(crate) const HANDLE_MISSING_FIX: &str =
     "add `.layer(Extension(idempotency))` to the router, or take it from the state (FromRef)";

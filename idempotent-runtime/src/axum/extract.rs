@@ -10,17 +10,17 @@ use axum::extract::{
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 
-use super::adapter::{self, Prepared, STORE_MISSING_FIX};
+use super::adapter::{self, HANDLE_MISSING_FIX, Prepared};
 use crate::config::{EndpointConfig, Methods, Oversized};
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Claimed, Detached, Handled, Served};
+use crate::pipeline::{self, Admitted, Detached, Handled, Served};
 use crate::reservation::Reservation;
 
 /// Where the extractor finds the [`Idempotency`].
-pub trait StoreSource<S>: Send + Sync + 'static {
+pub trait HandleSource<S>: Send + Sync + 'static {
     /// The handle, or `None` when the application did not provide one.
-    fn store(parts: &http::Extensions, state: &S) -> Option<Idempotency>;
+    fn handle(extensions: &http::Extensions, state: &S) -> Option<Idempotency>;
 }
 
 /// From the application state: `Idempotency: FromRef<S>`, checked at compile time (the
@@ -28,22 +28,22 @@ pub trait StoreSource<S>: Send + Sync + 'static {
 #[derive(Debug)]
 pub enum FromState {}
 
-impl<S> StoreSource<S> for FromState
+impl<S> HandleSource<S> for FromState
 where
     Idempotency: FromRef<S>,
 {
-    fn store(_: &http::Extensions, state: &S) -> Option<Idempotency> {
+    fn handle(_: &http::Extensions, state: &S) -> Option<Idempotency> {
         Some(Idempotency::from_ref(state))
     }
 }
 
-/// From the request extensions (`.layer(Extension(store))`), checked only at run time: a
-/// missing store answers 500. Chosen when the handler takes an `Extension<Idempotency>`.
+/// From the request extensions (`.layer(Extension(idempotency))`), checked only at run time: a
+/// missing handle answers 500. Chosen when the handler takes an `Extension<Idempotency>`.
 #[derive(Debug)]
 pub enum FromExtension {}
 
-impl<S> StoreSource<S> for FromExtension {
-    fn store(extensions: &http::Extensions, _: &S) -> Option<Idempotency> {
+impl<S> HandleSource<S> for FromExtension {
+    fn handle(extensions: &http::Extensions, _: &S) -> Option<Idempotency> {
         extensions.get::<Idempotency>().cloned()
     }
 }
@@ -82,7 +82,7 @@ pub struct Idempotent<
 
 struct Session {
     handle: Idempotency,
-    claimed: Claimed<Reservation>,
+    claimed: Admitted<Reservation>,
 }
 
 impl<
@@ -181,7 +181,7 @@ impl<
 where
     T: FromRequest<S, M> + Send,
     S: Send + Sync,
-    Src: StoreSource<S>,
+    Src: HandleSource<S>,
 {
     type Rejection = Response;
 
@@ -196,7 +196,7 @@ where
         if let Some(outer) = request.extensions().get::<Handled>().copied() {
             let context = request.extensions().get::<IdempotencyContext>().cloned();
             if R && !outer.require_key {
-                let handle = Src::store(request.extensions(), state);
+                let handle = Src::handle(request.extensions(), state);
                 let route = request.extensions().get::<MatchedPath>();
                 let route = route.map_or("", MatchedPath::as_str);
                 let keyed = context.is_some();
@@ -211,7 +211,7 @@ where
                 .map(|value| plain(value, context))
                 .map_err(IntoResponse::into_response);
         }
-        let handle = Src::store(request.extensions(), state);
+        let handle = Src::handle(request.extensions(), state);
         // With a handle, the pipeline's first step decides what a method it does not apply to
         // means (a pass, or a setup mistake); without one, such a request needs none.
         if handle.is_none() && !Self::ENDPOINT.applies_to(None, request.method().as_str()) {
@@ -223,14 +223,14 @@ where
         let Some(handle) = handle else {
             let route = request.extensions().get::<MatchedPath>();
             let route = route.map_or("", MatchedPath::as_str);
-            return Err(pipeline::store_missing(route, STORE_MISSING_FIX));
+            return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
         };
         match adapter::prepare::<Detached>(&handle, &Self::ENDPOINT, request).await? {
             Prepared::Pass(request) => T::from_request(request, state)
                 .await
                 .map(|value| plain(value, None))
                 .map_err(IntoResponse::into_response),
-            Prepared::Claimed(request, claimed) => {
+            Prepared::Admitted(request, claimed) => {
                 let extracted = T::from_request(request, state).await;
                 match extracted.map_err(IntoResponse::into_response) {
                     Ok(value) => Ok(Self {

@@ -12,8 +12,8 @@ use crate::handle::Idempotency;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, AuditDecision, AuditEvent, Event, KeyDisplay};
 use crate::problem::{Problem, ProblemCode};
-use crate::record::{self, Claimed};
-use crate::reservation::Reservation;
+use crate::record::{self, Verdict};
+use crate::reservation::{ReleaseOnDrop, Reservation};
 use crate::store::{ClaimRequest, FencingToken, RecordedResponse, StoreError};
 
 /// What the pipeline tells the framework integration to do after claiming. `R` is what holds
@@ -128,52 +128,19 @@ impl ClaimMode for Detached {
     }
 }
 
-/// A claim whose store call is in flight. Dropped armed (the request's future was dropped
-/// mid-call: the client went away, the server is shutting down), it releases whatever the call
-/// may have written under the request's own token, so the key does not stand at 409 for a
-/// whole lease. The token is fresh, so the release can free nothing but this claim's.
-struct InFlight<'a> {
-    store: &'a Arc<dyn crate::store::erased::DynStore>,
-    claim: &'a ClaimRequest<'a>,
-    armed: bool,
-}
-
-impl InFlight<'_> {
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let (store, scope, key, token) = (
-            Arc::clone(self.store),
-            *self.claim.scope,
-            self.claim.key.to_owned(),
-            self.claim.token,
-        );
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                let _ = store.release(&scope, &key, token).await;
-            });
-        }
-    }
-}
-
 /// Claims the key in the handle's store and decides: run, replay, or refuse (the detached
 /// mode's claim).
 pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
     let plan = ClaimPlan::new(req, handle.contributor());
     let route = plan.route;
     let store = handle.store();
-    let in_flight = InFlight {
-        store,
-        claim: &plan.claim,
-        armed: true,
-    };
+    // Released if this future is dropped while the store call is out.
+    let in_flight = ReleaseOnDrop::new(
+        Arc::clone(store),
+        *req.input.scope.hash(),
+        req.key.clone(),
+        plan.claim.token,
+    );
     let claimed = record::claim(&**store, &plan.claim, |f| plan.same_request(f)).await;
     in_flight.disarm();
     match claimed {
@@ -203,7 +170,7 @@ pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
 pub(crate) fn answer<R>(
     handle: &Idempotency,
     req: &BeginRequest<'_>,
-    claimed: Claimed,
+    claimed: Verdict,
     held: impl FnOnce() -> R,
 ) -> Begin<R> {
     let route = req.input.route.unwrap_or("");
@@ -218,7 +185,7 @@ pub(crate) fn answer<R>(
         }
     };
     match claimed {
-        Claimed::Acquired { reclaimed } => {
+        Verdict::Acquired { reclaimed } => {
             if reclaimed {
                 observe::decided("reclaimed");
                 audit(AuditDecision::Reclaimed);
@@ -236,14 +203,14 @@ pub(crate) fn answer<R>(
             observe::count(Event::Executed, route);
             Begin::Run(held())
         }
-        Claimed::Replay(response) => {
+        Verdict::Replay(response) => {
             observe::decided("replayed");
             observe::count(Event::Replayed, route);
             audit(AuditDecision::Replayed);
             tracing::debug!(route, key_hash = %KeyDisplay(req.key.as_str()), "replayed");
             Begin::Replay(response)
         }
-        Claimed::InProgress { lease_left } => {
+        Verdict::InProgress { lease_left } => {
             observe::decided("in_progress");
             observe::count(Event::InProgress, route);
             audit(AuditDecision::InProgress);
@@ -260,7 +227,7 @@ pub(crate) fn answer<R>(
                 .with_retry_after(retry_after),
             )
         }
-        Claimed::KeyReused => {
+        Verdict::KeyReused => {
             observe::decided("key_reused");
             observe::count(Event::KeyReused, route);
             audit(AuditDecision::KeyReused);

@@ -21,7 +21,7 @@ use crate::enlisted::{self, EnlistedTx, Held, Reserved, Settle, claim_in, not_po
 use crate::handle::Idempotency;
 use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemCode};
-use crate::record::{self, Claimed};
+use crate::record::{self, Verdict};
 use crate::store::erased::DynStore;
 use crate::store::{Glanced, RecordedResponse, StoreError};
 
@@ -103,7 +103,7 @@ pub(crate) async fn begin_unkeyed(handle: &Idempotency, route: &str) -> Result<H
 
 /// 409 for a key another enlisted request holds.
 fn in_progress(handle: &Idempotency, req: &BeginRequest<'_>, lease: Duration) -> Begin<Held> {
-    let claimed = Claimed::InProgress { lease_left: lease };
+    let claimed = Verdict::InProgress { lease_left: lease };
     answer(handle, req, claimed, || {
         unreachable!("an in-progress key is not held")
     })
@@ -132,9 +132,9 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
             response,
         }) => {
             let claimed = if plan.same_request(&fingerprint) {
-                Claimed::Replay(response)
+                Verdict::Replay(response)
             } else {
-                Claimed::KeyReused
+                Verdict::KeyReused
             };
             return answer(handle, req, claimed, || {
                 unreachable!("a decided key is not held")
@@ -153,10 +153,10 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
         Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
     };
     let claimed = match claim_in(pg, &mut tx, &plan.claim, |f| plan.same_request(f)).await {
-        Ok(Some(claimed @ Claimed::Acquired { .. })) => claimed,
+        Ok(Some(claimed @ Verdict::Acquired { .. })) => claimed,
         // The try-lock failed: this transaction holds nothing, and dropping it rolls it back
         // as its connection returns to the pool, after the 409 is on its way.
-        Ok(None) => Claimed::InProgress {
+        Ok(None) => Verdict::InProgress {
             lease_left: plan.claim.lease,
         },
         // It holds the key's lock: end it before answering, or the client's next request

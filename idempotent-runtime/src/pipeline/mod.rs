@@ -156,7 +156,7 @@ pub trait Reply: Sized {
 
 /// The answer when the application provided no [`Idempotency`] handle: a setup mistake, logged
 /// with `fix`.
-pub(crate) fn store_missing<R: Reply>(route: &str, fix: &str) -> R {
+pub(crate) fn handle_missing<R: Reply>(route: &str, fix: &str) -> R {
     tracing::error!(route, "#[idempotent] found no Idempotency handle: {fix}");
     R::internal("the idempotency store is not configured")
 }
@@ -336,9 +336,9 @@ pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
     }
 }
 
-/// A request that holds its key (or, enlisted without a key, its transaction): run the
+/// A request admitted to run: it holds its key (or, enlisted without a key, its transaction); run the
 /// handler on `body`, then settle `held`.
-pub(crate) struct Claimed<H> {
+pub(crate) struct Admitted<H> {
     pub(crate) held: H,
     pub(crate) body: Bytes,
     pub(crate) permit: BufferPermit,
@@ -355,7 +355,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
     handle: &Idempotency,
     head: &H,
     buffered: Buffered,
-) -> Result<Claimed<M::Held>, R> {
+) -> Result<Admitted<M::Held>, R> {
     let Buffered {
         key,
         body,
@@ -363,7 +363,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
         effective,
     } = buffered;
     let route = route_of(head);
-    let claimed = |held, context| Claimed {
+    let claimed = |held, context| Admitted {
         held,
         body: body.clone(),
         permit,
