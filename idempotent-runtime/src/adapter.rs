@@ -34,9 +34,24 @@ use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
 use crate::pipeline::{self, Detached};
+use crate::problem::Problem;
 use crate::reservation::Reservation;
+use crate::scope::Scope;
 
 pub use crate::pipeline::{Chunks, Ended, Head, REPLAYED_HEADER, Reply, Served};
+
+/// The caller's scope exactly as [`prepare`] resolves it for a keyed request ([the
+/// contract](crate::design) §4), for an operators' route (`inspect`, `forget`): `Err` is the
+/// refusal the sequence would answer (render it with [`refusal`]).
+pub fn caller_scope<H: Head>(handle: &Idempotency, head: &H) -> Result<Scope, Problem> {
+    pipeline::scope_of(handle, head)
+}
+
+/// A refusal as the adapter's response, rendered by the handle's
+/// [renderer](crate::handle::Builder::refusal_renderer).
+pub fn refusal<R: Reply>(handle: &Idempotency, problem: &Problem) -> R {
+    pipeline::refuse(handle, problem)
+}
 
 /// A request after the steps before the handler.
 // Moved once, from `prepare` to its caller: boxing the large variant would cost every claimed

@@ -13,7 +13,7 @@ use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
 use crate::enlisted::{EnlistedTx, Held};
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Admitted, Enlisted, Handled};
+use crate::pipeline::{self, Admitted, Handled};
 
 /// The wrapper `#[idempotent(enlisted)]` puts around a handler's last parameter. Extracting it
 /// opens the transaction and claims the key in it; [`run`](Self::run) hands the transaction to
@@ -130,8 +130,8 @@ where
             return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
         };
         let (request, claimed) =
-            match adapter::prepare::<Enlisted>(&handle, &Self::ENDPOINT, request).await? {
-                Prepared::Admitted(request, claimed) => (request, claimed),
+            match adapter::prepare_enlisted(&handle, &Self::ENDPOINT, request).await? {
+                Prepared::Claimed(request, claimed) => (request, claimed),
                 Prepared::Pass(_) => {
                     unreachable!("enlisted mode reads every body before it begins")
                 }

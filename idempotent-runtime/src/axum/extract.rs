@@ -14,8 +14,7 @@ use super::adapter::{self, HANDLE_MISSING_FIX, Prepared};
 use crate::config::{EndpointConfig, Methods, Oversized};
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Admitted, Detached, Handled, Served};
-use crate::reservation::Reservation;
+use crate::pipeline::{self, Handled, Served};
 
 /// Where the extractor finds the [`Idempotency`].
 pub trait HandleSource<S>: Send + Sync + 'static {
@@ -80,10 +79,7 @@ pub struct Idempotent<
     _source: PhantomData<fn() -> Src>,
 }
 
-struct Session {
-    handle: Idempotency,
-    claimed: Admitted<Reservation>,
-}
+struct Session(crate::adapter::Claimed);
 
 impl<
     T,
@@ -129,8 +125,8 @@ impl<
         let future = handler(self.value, self.context);
         match self.session {
             None => future.await,
-            Some(Session { handle, claimed }) => {
-                adapter::run_claimed(handle, claimed, Served::ByHandler, future).await
+            Some(Session(claimed)) => {
+                adapter::run_claimed(claimed, Served::ByHandler, future).await
             }
         }
     }
@@ -225,23 +221,23 @@ where
             let route = route.map_or("", MatchedPath::as_str);
             return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
         };
-        match adapter::prepare::<Detached>(&handle, &Self::ENDPOINT, request).await? {
+        match adapter::prepare(&handle, &Self::ENDPOINT, request).await? {
             Prepared::Pass(request) => T::from_request(request, state)
                 .await
                 .map(|value| plain(value, None))
                 .map_err(IntoResponse::into_response),
-            Prepared::Admitted(request, claimed) => {
+            Prepared::Claimed(request, claimed) => {
                 let extracted = T::from_request(request, state).await;
                 match extracted.map_err(IntoResponse::into_response) {
                     Ok(value) => Ok(Self {
                         value,
-                        context: claimed.context.clone(),
-                        session: Some(Session { handle, claimed }),
+                        context: claimed.context().cloned(),
+                        session: Some(Session(claimed)),
                         _source: PhantomData,
                     }),
                     // The extractor's rejection of a claimed request (malformed JSON, say) is
                     // its answer: recorded like any 4xx, so the retry gets the same rejection.
-                    Err(rejection) => Err(pipeline::settle(&handle, claimed.held, rejection).await),
+                    Err(rejection) => Err(claimed.settle(rejection).await),
                 }
             }
         }

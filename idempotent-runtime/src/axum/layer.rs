@@ -13,7 +13,7 @@ use tower_service::Service;
 use super::adapter::{self, Prepared};
 use crate::config::{EndpointConfig, FailureMode, Methods, Oversized, ReuseStatus};
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Detached, Handled, Served};
+use crate::pipeline::{self, Handled, Served};
 use crate::watch::LayerWatch;
 
 /// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
@@ -173,15 +173,12 @@ where
             }
             let require_key = shared.endpoint.require_key;
             request.extensions_mut().insert(Handled { require_key });
-            let response = match adapter::prepare::<Detached>(handle, &shared.endpoint, request)
-                .await
-            {
+            let response = match adapter::prepare(handle, &shared.endpoint, request).await {
                 Err(answer) => answer,
                 Ok(Prepared::Pass(request)) => inner.call(request).await.into_response(),
-                Ok(Prepared::Admitted(request, claimed)) => {
+                Ok(Prepared::Claimed(request, claimed)) => {
                     let handler = async move { inner.call(request).await.into_response() };
-                    adapter::run_claimed(handle.clone(), claimed, Served::ThroughRouter, handler)
-                        .await
+                    adapter::run_claimed(claimed, Served::ThroughRouter, handler).await
                 }
             };
             Ok(response)
