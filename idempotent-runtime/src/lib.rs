@@ -104,6 +104,7 @@ pub mod observe;
 #[cfg_attr(docsrs, doc(cfg(feature = "utoipa")))]
 pub mod openapi;
 pub mod pipeline;
+mod probe;
 pub mod problem;
 pub mod record;
 pub mod reservation;

@@ -148,13 +148,13 @@ pub mod __private {
     pub use super::handler::handle;
     #[cfg(feature = "postgres")]
     pub use super::handler::handle_enlisted;
-    pub use crate::__private::{BodyProbe, NotStreaming, StreamingBody};
     pub use crate::config::EndpointConfig as Endpoint;
     pub use crate::config::Methods;
     pub use crate::config::Oversized;
     pub use crate::context::IdempotencyContext as Context;
     #[cfg(feature = "postgres")]
     pub use crate::enlisted::EnlistedTx;
+    pub use crate::probe::{BodyProbe, NotStreaming, StreamingBody};
     pub use actix_web::dev::Payload as RawPayload;
     pub use actix_web::web::Payload;
     pub use actix_web::{FromRequest, HttpRequest as Request, HttpResponse as Response};

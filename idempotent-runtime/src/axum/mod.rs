@@ -71,9 +71,9 @@ pub mod __private {
     pub use super::enlisted::EnlistedIdempotent;
     pub use super::extract::{FromExtension, FromState, Idempotent, context_missing};
     pub use super::probe::ProvidesIdempotency;
-    pub use crate::__private::{BodyProbe, NotStreaming, StreamingBody};
     #[cfg(feature = "postgres")]
     pub use crate::enlisted::EnlistedTx;
+    pub use crate::probe::{BodyProbe, NotStreaming, StreamingBody};
     pub use axum::response::Response;
 
     /// The handler's answer as a response.
