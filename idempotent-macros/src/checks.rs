@@ -326,12 +326,10 @@ pub(crate) fn enlisted_params(
 /// The probe on an extractor, for a streaming body behind a name the syntactic check cannot
 /// see (`axum::body::Body`, `BodyDataStream`, `web::Payload` behind an alias): a constant that
 /// fails to evaluate, with the message on the user's type. `private` is the framework's
-/// `__private` module, whose `Probe::<T>::STREAMS` is `true` for streaming bodies only.
+/// `__private` module, whose `BodyProbe::<T>::STREAMS` is `true` for streaming bodies only.
 pub(crate) fn body_probe(private: &TokenStream, framework: Framework, ty: &Type) -> TokenStream {
-    let (probe, fallback) = match framework {
-        Framework::Axum => (quote!(BodyProbe), quote!(CheckOther)),
-        Framework::Actix => (quote!(Probe), quote!(NotStreaming)),
-    };
+    // One probe for both frameworks (`__private::BodyProbe`).
+    let (probe, fallback) = (quote!(BodyProbe), quote!(NotStreaming));
     let instead = match framework {
         Framework::Axum => "`Bytes`, `String`, `Json<T>` or `Form<T>`",
         Framework::Actix => "`web::Bytes`, `String`, `web::Json<T>` or `web::Form<T>`",

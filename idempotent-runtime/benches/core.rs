@@ -82,7 +82,7 @@ fn memory_store(c: &mut Criterion) {
                     input: input(&scope, &body),
                     endpoint: &endpoint,
                 };
-                match handle.begin(&req).await {
+                match idempotent_runtime::pipeline::begin(&handle, &req).await {
                     Begin::Run(reservation) => reservation.complete(&response).await,
                     other => panic!("{other:?}"),
                 }
@@ -96,7 +96,7 @@ fn memory_store(c: &mut Criterion) {
             input: input(&scope, &body),
             endpoint: &endpoint,
         };
-        match handle.begin(&req).await {
+        match idempotent_runtime::pipeline::begin(&handle, &req).await {
             Begin::Run(reservation) => reservation.complete(&response).await,
             other => panic!("{other:?}"),
         }
@@ -109,7 +109,7 @@ fn memory_store(c: &mut Criterion) {
                     input: input(&scope, &body),
                     endpoint: &endpoint,
                 };
-                match handle.begin(&req).await {
+                match idempotent_runtime::pipeline::begin(&handle, &req).await {
                     Begin::Replay(r) => black_box(Arc::clone(&r)),
                     other => panic!("{other:?}"),
                 }

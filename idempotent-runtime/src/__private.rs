@@ -4,6 +4,8 @@
 
 pub use crate::config::EndpointConfig;
 
+pub use crate::probe::{BodyProbe, NotStreaming, StreamingBody};
+
 /// The axum expansion's helpers.
 #[cfg(feature = "axum")]
 pub mod axum {

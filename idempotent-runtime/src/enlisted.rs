@@ -60,7 +60,6 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -71,17 +70,15 @@ use sqlx::{Database, Transaction};
 use tokio::sync::oneshot;
 
 use crate::config::Recording;
-use crate::handle::Idempotency;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
-use crate::pipeline::{Begin, BeginRequest, ClaimMode, ClaimPlan};
 use crate::problem::{Problem, ProblemCode};
-use crate::record::{self, ClaimOps, Claimed};
+use crate::record::{self, ClaimOps, Verdict};
 use crate::reservation::RunningGuard;
 use crate::scope::ScopeHash;
 use crate::store::erased::DynStore;
 use crate::store::{
-    Claim, ClaimRequest, Enlist, FencingToken, Glanced, Joinable, RecordedResponse, StoreError,
+    Claim, ClaimRequest, Enlist, FencingToken, Joinable, RecordedResponse, StoreError,
 };
 
 /// The transaction an enlisted handler writes through: take it as `tx: &mut EnlistedTx`.
@@ -121,7 +118,7 @@ pub struct EnlistedTx {
 const TAKEN: &str = "the enlisted transaction is held until the handler returns";
 
 impl EnlistedTx {
-    fn new(tx: Transaction<'static, Postgres>) -> Self {
+    pub(crate) fn new(tx: Transaction<'static, Postgres>) -> Self {
         Self {
             tx: Some(tx),
             back: None,
@@ -167,31 +164,6 @@ impl fmt::Debug for EnlistedTx {
     }
 }
 
-/// The enlisted claim mode for the framework pipelines.
-pub(crate) enum Enlisted {}
-
-impl ClaimMode for Enlisted {
-    type Held = Held;
-
-    /// The body of a request without a key is read before its transaction begins too, so a
-    /// slow client never holds a database connection.
-    const BUFFERS_UNKEYED: bool = true;
-
-    fn begin<'a>(
-        handle: &'a Idempotency,
-        req: &'a BeginRequest<'a>,
-    ) -> impl Future<Output = Begin<Held>> + Send + 'a {
-        begin(handle, req)
-    }
-
-    fn unkeyed<'a>(
-        handle: &'a Idempotency,
-        route: &'a str,
-    ) -> impl Future<Output = Result<Held, Problem>> + Send + 'a {
-        begin_unkeyed(handle, route)
-    }
-}
-
 /// An open transaction (holding the key's reservation, when the request has a key) and what
 /// settles it.
 pub(crate) struct Held {
@@ -199,29 +171,31 @@ pub(crate) struct Held {
     pub(crate) settle: Settle,
 }
 
-/// Settles an enlisted request's transaction once the handler answered.
+/// Settles an enlisted request's transaction once the handler answered. Built by the
+/// pipeline's enlisted claim (`pipeline::enlisted`), which decides what it holds.
 pub(crate) struct Settle {
-    store: Arc<dyn DynStore>,
-    reserved: Option<Reserved>,
-    retention: Duration,
-    max_response: usize,
-    recording: Recording,
-    store_retry_after: Duration,
-    route: Arc<str>,
-    back: Back,
-    _running: RunningGuard,
-    /// Keeps the key in [`InFlight`] until the transaction ended (dropped after it, with this).
-    _in_flight: Option<InFlightGuard>,
+    pub(crate) store: Arc<dyn DynStore>,
+    pub(crate) reserved: Option<Reserved>,
+    pub(crate) retention: Duration,
+    pub(crate) max_response: usize,
+    pub(crate) recording: Recording,
+    pub(crate) store_retry_after: Duration,
+    pub(crate) route: Arc<str>,
+    pub(crate) back: Back,
+    pub(crate) _running: RunningGuard,
+    /// Keeps the key in [`HeldKeys`] until the transaction ended (dropped after it, with this).
+    pub(crate) _in_flight: Option<HeldKey>,
 }
 
 /// The receiving end of [`EnlistedTx`]'s hand-back, set when the transaction goes to the
 /// handler.
-type Back = Option<oneshot::Receiver<Transaction<'static, Postgres>>>;
+pub(crate) type Back = Option<oneshot::Receiver<Transaction<'static, Postgres>>>;
 
-struct Reserved {
-    scope: ScopeHash,
-    key: IdempotencyKey,
-    token: FencingToken,
+/// The reservation a keyed enlisted request holds in its transaction.
+pub(crate) struct Reserved {
+    pub(crate) scope: ScopeHash,
+    pub(crate) key: IdempotencyKey,
+    pub(crate) token: FencingToken,
 }
 
 impl fmt::Debug for Held {
@@ -265,12 +239,12 @@ impl<DB: Database> ClaimOps for InTransaction<'_, DB> {
 /// Claims `req` inside the open transaction on `conn`: the key's try-lock, then the record's
 /// claim loop through the transaction. `None` when the try-lock is held by another transaction
 /// (the key is in progress; this transaction holds nothing).
-async fn claim_in<DB: Database>(
+pub(crate) async fn claim_in<DB: Database>(
     enlist: &dyn Enlist<DB>,
     conn: &mut DB::Connection,
     req: &ClaimRequest<'_>,
     same_request: impl Fn(&crate::fingerprint::Fingerprint) -> bool,
-) -> Result<Option<Claimed>, StoreError> {
+) -> Result<Option<Verdict>, StoreError> {
     if !enlist.lock(conn, req).await? {
         // Another request's transaction holds this key: its reservation is not visible yet,
         // so the only honest answer is "in progress", whatever this request's body.
@@ -297,184 +271,43 @@ pub(crate) fn not_postgres(route: &str) -> Problem {
     )
 }
 
-fn unavailable(handle: &Idempotency, route: &str, error: &StoreError) -> Problem {
-    observe::count(Event::StoreError, route);
-    tracing::warn!(route, %error, "enlisted transaction could not start or claim");
-    Problem::new(
-        503,
-        ProblemCode::StoreUnavailable,
-        "the idempotency store cannot be reached; retry later",
-    )
-    .with_retry_after(record::ceil_secs(handle.config().store_retry_after).max(1))
-}
-
-fn settle_for(
-    handle: &Idempotency,
-    store: Arc<dyn DynStore>,
-    reserved: Option<Reserved>,
-    retention: Duration,
-    max_response: usize,
-    route: &str,
-) -> Settle {
-    Settle {
-        store,
-        reserved,
-        retention,
-        max_response,
-        recording: Recording::default(),
-        store_retry_after: handle.config().store_retry_after,
-        route: route.into(),
-        back: None,
-        _running: handle.enter_running(),
-        _in_flight: None,
-    }
-}
-
-/// A transaction without a reservation, for a keyless request on an endpoint whose key is
-/// optional.
-pub(crate) async fn begin_unkeyed(handle: &Idempotency, route: &str) -> Result<Held, Problem> {
-    let store = Arc::clone(handle.store());
-    let Some(pg) = postgres(&*store) else {
-        return Err(not_postgres(route));
-    };
-    let tx = pg
-        .begin()
-        .await
-        .map_err(|e| unavailable(handle, route, &e))?;
-    let config = handle.config();
-    Ok(Held {
-        tx: EnlistedTx::new(tx),
-        settle: settle_for(handle, store, None, config.retention, 0, route),
-    })
-}
-
 /// The `(scope, key)`s held by this process's enlisted requests, from before their transaction
 /// begins until it ended: a duplicate of one is in progress, known without the database (whose
 /// pool the running requests may all hold).
 #[derive(Debug, Default)]
-pub(crate) struct InFlight(Arc<Mutex<HashSet<InFlightKey>>>);
+pub(crate) struct HeldKeys(Arc<Mutex<HashSet<InFlightKey>>>);
 
 type InFlightKey = (ScopeHash, Box<str>);
 
-impl InFlight {
-    fn contains(&self, scope: &ScopeHash, key: &str) -> bool {
+impl HeldKeys {
+    pub(crate) fn contains(&self, scope: &ScopeHash, key: &str) -> bool {
         let set = self.0.lock().unwrap_or_else(|p| p.into_inner());
         set.contains(&(*scope, Box::from(key)))
     }
 
     /// Marks the key held until the guard drops; `None` if it already is.
-    fn enter(&self, scope: &ScopeHash, key: &str) -> Option<InFlightGuard> {
+    pub(crate) fn enter(&self, scope: &ScopeHash, key: &str) -> Option<HeldKey> {
         let entry = Box::new((*scope, Box::from(key)));
         let mut set = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        set.insert((*entry).clone()).then(|| InFlightGuard {
+        set.insert((*entry).clone()).then(|| HeldKey {
             set: Arc::clone(&self.0),
             entry,
         })
     }
 }
 
-/// Holds a key in [`InFlight`]; dropped once the request's transaction ended.
-struct InFlightGuard {
+/// Holds a key in [`HeldKeys`]; dropped once the request's transaction ended.
+pub(crate) struct HeldKey {
     set: Arc<Mutex<HashSet<InFlightKey>>>,
     // Boxed: it travels in every enlisted request's `Settle`, which stays small.
     entry: Box<InFlightKey>,
 }
 
-impl Drop for InFlightGuard {
+impl Drop for HeldKey {
     fn drop(&mut self) {
         let mut set = self.set.lock().unwrap_or_else(|p| p.into_inner());
         set.remove(&*self.entry);
     }
-}
-
-/// 409 for a key another enlisted request holds.
-fn in_progress(handle: &Idempotency, req: &BeginRequest<'_>, lease: Duration) -> Begin<Held> {
-    let claimed = Claimed::InProgress { lease_left: lease };
-    handle.answer(req, claimed, || {
-        unreachable!("an in-progress key is not held")
-    })
-}
-
-/// Answers what needs no transaction, then opens the transaction, takes the key's try-lock
-/// and claims the key in it. A duplicate held by this process is 409 without the database; a
-/// replay, a reused key and a duplicate held by another replica are answered by one read on
-/// the store's reserved connections; only a request that may run waits for a pooled
-/// connection to begin its transaction.
-async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
-    let plan = ClaimPlan::new(req, handle.contributor());
-    let route = plan.route;
-    let store = Arc::clone(handle.store());
-    let Some(pg) = postgres(&*store) else {
-        return Begin::Refuse(not_postgres(route));
-    };
-    let (scope, key) = (req.input.scope.hash(), req.key.as_str());
-    let in_flight = handle.enlisted_in_flight();
-    if in_flight.contains(scope, key) {
-        return in_progress(handle, req, plan.claim.lease);
-    }
-    match pg.glance(&plan.claim).await {
-        Ok(Glanced::Completed {
-            fingerprint,
-            response,
-        }) => {
-            let claimed = if plan.same_request(&fingerprint) {
-                Claimed::Replay(response)
-            } else {
-                Claimed::KeyReused
-            };
-            return handle.answer(req, claimed, || unreachable!("a decided key is not held"));
-        }
-        Ok(Glanced::Held) => return in_progress(handle, req, plan.claim.lease),
-        Ok(Glanced::Open) => {}
-        Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
-    }
-    // Entered only now, so concurrent replays of a completed key all read it (none is 409).
-    let Some(guard) = in_flight.enter(scope, key) else {
-        return in_progress(handle, req, plan.claim.lease);
-    };
-    let mut tx = match pg.begin().await {
-        Ok(tx) => tx,
-        Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
-    };
-    let claimed = match claim_in(pg, &mut tx, &plan.claim, |f| plan.same_request(f)).await {
-        Ok(Some(claimed @ Claimed::Acquired { .. })) => claimed,
-        // The try-lock failed: this transaction holds nothing, and dropping it rolls it back
-        // as its connection returns to the pool, after the 409 is on its way.
-        Ok(None) => Claimed::InProgress {
-            lease_left: plan.claim.lease,
-        },
-        // It holds the key's lock: end it before answering, or the client's next request
-        // could still meet the lock and get a 409 for a key that is free.
-        Ok(Some(decided)) => {
-            pg.rollback(tx, route).await;
-            return handle.answer(req, decided, || {
-                unreachable!("only an acquired key is held")
-            });
-        }
-        Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
-    };
-    handle.answer(req, claimed, || {
-        let mut settle = Settle {
-            recording: req.endpoint.recording,
-            ..settle_for(
-                handle,
-                store,
-                Some(Reserved {
-                    scope: *req.input.scope.hash(),
-                    key: req.key.clone(),
-                    token: plan.claim.token,
-                }),
-                req.endpoint.retention,
-                req.endpoint.max_response,
-                route,
-            )
-        };
-        settle._in_flight = Some(guard);
-        Held {
-            tx: EnlistedTx::new(tx),
-            settle,
-        }
-    })
 }
 
 impl Settle {

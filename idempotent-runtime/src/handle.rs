@@ -7,13 +7,13 @@ use crate::budget::BufferBudget;
 use crate::config::Config;
 use crate::fingerprint::FingerprintContributor;
 use crate::observe::{self, AuditSink};
-use crate::pipeline::Watch;
 use crate::problem::{Problem, RefusalRenderer, RenderedRefusal};
 use crate::reservation::{Running, RunningGuard};
 use crate::scope::{RequestHead, Resolution, Resolver, ScopeHash};
 use crate::store::erased::DynStore;
 use crate::store::memory::MemoryStore;
 use crate::store::{RecordInfo, Store, StoreError};
+use crate::watch::Watch;
 
 /// Rows (or entries) a sweep deletes per statement.
 pub const SWEEP_BATCH: usize = 500;
@@ -51,7 +51,7 @@ struct Inner {
     /// The keys enlisted requests of this process hold now, so a duplicate is answered 409
     /// without the database.
     #[cfg(feature = "postgres")]
-    enlisted_in_flight: crate::enlisted::InFlight,
+    enlisted_in_flight: crate::enlisted::HeldKeys,
 }
 
 impl Drop for Inner {
@@ -189,7 +189,7 @@ impl Builder {
                 watch,
                 sweeper,
                 #[cfg(feature = "postgres")]
-                enlisted_in_flight: crate::enlisted::InFlight::default(),
+                enlisted_in_flight: crate::enlisted::HeldKeys::default(),
             }),
         }
     }
@@ -271,7 +271,7 @@ impl Idempotency {
 
     /// The keys this process's enlisted requests hold now.
     #[cfg(feature = "postgres")]
-    pub(crate) fn enlisted_in_flight(&self) -> &crate::enlisted::InFlight {
+    pub(crate) fn enlisted_in_flight(&self) -> &crate::enlisted::HeldKeys {
         &self.inner.enlisted_in_flight
     }
 

@@ -87,6 +87,7 @@
 #[cfg(feature = "actix")]
 #[cfg_attr(docsrs, doc(cfg(feature = "actix")))]
 pub mod actix;
+pub mod adapter;
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub mod axum;
@@ -108,6 +109,7 @@ pub mod observe;
 #[cfg_attr(docsrs, doc(cfg(feature = "utoipa")))]
 pub mod openapi;
 pub mod pipeline;
+mod probe;
 pub mod problem;
 // Private since the public API was narrowed (issue 28): `record::recorded_headers` is now used
 // only by record.rs's own tests, so record.rs's owner should gate it with `#[cfg(test)]` or
@@ -128,6 +130,7 @@ pub mod store;
 #[cfg(feature = "webhooks")]
 #[cfg_attr(docsrs, doc(cfg(feature = "webhooks")))]
 pub mod webhook;
+mod watch;
 
 pub use config::{Config, EndpointConfig, Methods};
 pub use context::IdempotencyContext;

@@ -60,9 +60,9 @@ pub fn decide(standing: &Standing, same_request: impl FnOnce(&Fingerprint) -> bo
     }
 }
 
-/// The outcome of claiming a key.
+/// The claim loop's verdict on a key ([`claim`]): run, replay, or refuse.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Claimed {
+pub enum Verdict {
     /// The request holds the key with `req.token`; run the handler.
     Acquired {
         /// `true` when an abandoned reservation was taken over (its handler may have run).
@@ -141,15 +141,15 @@ pub async fn claim(
     mut ops: impl ClaimOps,
     req: &ClaimRequest<'_>,
     same_request: impl Fn(&Fingerprint) -> bool,
-) -> Result<Claimed, StoreError> {
+) -> Result<Verdict, StoreError> {
     let mut outcome = ops.claim(req).await?;
     let mut reclaimed = false;
     for _ in 0..=MAX_TAKEOVERS {
         let standing = match outcome {
-            Claim::Acquired => return Ok(Claimed::Acquired { reclaimed }),
+            Claim::Acquired => return Ok(Verdict::Acquired { reclaimed }),
             // Our own token: a retried statement whose first attempt was written after all.
             Claim::Standing(standing) if standing.token == req.token => {
-                return Ok(Claimed::Acquired { reclaimed });
+                return Ok(Verdict::Acquired { reclaimed });
             }
             Claim::Standing(standing) => standing,
         };
@@ -158,13 +158,13 @@ pub async fn claim(
                 reclaimed = abandoned;
                 outcome = ops.reclaim(req, standing.token).await?;
             }
-            Decision::Replay(response) => return Ok(Claimed::Replay(response)),
-            Decision::InProgress { lease_left } => return Ok(Claimed::InProgress { lease_left }),
-            Decision::KeyReused => return Ok(Claimed::KeyReused),
+            Decision::Replay(response) => return Ok(Verdict::Replay(response)),
+            Decision::InProgress { lease_left } => return Ok(Verdict::InProgress { lease_left }),
+            Decision::KeyReused => return Ok(Verdict::KeyReused),
         }
     }
     // Every takeover lost to another request that acquired the key: it is running now.
-    Ok(Claimed::InProgress {
+    Ok(Verdict::InProgress {
         lease_left: req.lease,
     })
 }
@@ -430,7 +430,7 @@ mod tests {
         let claimed = claim(&WrittenBeforeTheConnectionDied, &req, |f| *f == fp(1))
             .await
             .unwrap();
-        assert_eq!(claimed, Claimed::Acquired { reclaimed: false });
+        assert_eq!(claimed, Verdict::Acquired { reclaimed: false });
     }
 
     #[test]

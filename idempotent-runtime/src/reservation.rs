@@ -22,7 +22,7 @@ use crate::store::{FencingToken, RecordedResponse, StoreError};
 /// the key in the background.
 #[derive(Debug)]
 pub struct Reservation {
-    guard: Option<Guard>,
+    guard: Option<ReleaseOnDrop>,
     lease: Duration,
     retention: Duration,
     max_response: usize,
@@ -51,8 +51,14 @@ impl Renewal {
     }
 }
 
+/// A claim's record identity that releases the key if dropped armed: the reservation's own (a
+/// reservation dropped unsettled frees its key), and a claim whose store call is in flight (the
+/// request's future dropped mid-call, the client gone: whatever the call may have written under
+/// the request's own token is released, so the key does not stand at 409 for a whole lease).
+/// The release is spawned on the current runtime; the token is the request's own, so it can
+/// free nothing but its claim.
 #[derive(Debug)]
-struct Guard {
+pub(crate) struct ReleaseOnDrop {
     store: Arc<dyn crate::store::erased::DynStore>,
     scope: ScopeHash,
     key: IdempotencyKey,
@@ -60,13 +66,29 @@ struct Guard {
     armed: bool,
 }
 
-impl Guard {
-    fn disarm(mut self) {
+impl ReleaseOnDrop {
+    pub(crate) fn new(
+        store: Arc<dyn crate::store::erased::DynStore>,
+        scope: ScopeHash,
+        key: IdempotencyKey,
+        token: FencingToken,
+    ) -> Self {
+        Self {
+            store,
+            scope,
+            key,
+            token,
+            armed: true,
+        }
+    }
+
+    /// Settled: nothing to release.
+    pub(crate) fn disarm(mut self) {
         self.armed = false;
     }
 }
 
-impl Drop for Guard {
+impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
         if !self.armed {
             return;
@@ -108,7 +130,7 @@ impl Reservation {
         running: RunningGuard,
     ) -> Self {
         Self {
-            guard: Some(Guard {
+            guard: Some(ReleaseOnDrop {
                 store,
                 scope,
                 key,
@@ -291,7 +313,7 @@ impl Reservation {
 /// the lease is kept. Only a renewal the store refuses (the token no longer holds the key)
 /// stops it.
 async fn renew_forever(
-    guard: &Guard,
+    guard: &ReleaseOnDrop,
     lease: Duration,
     route: &str,
     state: &mut Renewal,

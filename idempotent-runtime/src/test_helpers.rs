@@ -6,7 +6,7 @@
 /// The record's claim loop over a store, and what it decides (the store tests check the SQL
 /// stores' round trips through it).
 pub mod record {
-    pub use crate::record::{Claimed, claim};
+    pub use crate::record::{Verdict, claim};
 }
 
 /// The framework-free start of a request (the core bench measures a first request and a

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::fingerprint::Fingerprint;
-use idempotent_runtime::test_helpers::record::{self, Claimed};
+use idempotent_runtime::test_helpers::record::{self, Verdict};
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::mysql::{MySqlStore, MySqlStoreBuilder};
 use idempotent_runtime::store::{
@@ -394,7 +394,7 @@ async fn first_request_costs_two_round_trips_and_a_replay_two_that_write_nothing
     let first = req(&scope, "order-1", Duration::from_secs(30));
     assert_eq!(
         record::claim(&store, &first, SAME).await.unwrap(),
-        Claimed::Acquired { reclaimed: false }
+        Verdict::Acquired { reclaimed: false }
     );
     assert!(
         store
@@ -423,7 +423,7 @@ async fn first_request_costs_two_round_trips_and_a_replay_two_that_write_nothing
         )
         .await
         .unwrap();
-        assert_eq!(replay, Claimed::Replay(Arc::new(response(r#"{"id":1}"#))));
+        assert_eq!(replay, Verdict::Replay(Arc::new(response(r#"{"id":1}"#))));
     }
     let (lsn_after, statements) = (lsn(&db).await, store.statements_executed() - before);
     assert_eq!(
@@ -448,7 +448,7 @@ async fn first_request_costs_two_round_trips_and_a_replay_two_that_write_nothing
         )
         .await
         .unwrap(),
-        Claimed::InProgress { .. }
+        Verdict::InProgress { .. }
     ));
     assert_eq!(store.statements_executed() - before, 2);
 }
@@ -503,7 +503,7 @@ async fn replays_write_no_redo() {
             record::claim(&store, &req(&scope, "k", Duration::from_secs(30)), SAME)
                 .await
                 .unwrap(),
-            Claimed::Replay(_)
+            Verdict::Replay(_)
         ));
     }
     let elapsed = started.elapsed();
@@ -625,7 +625,7 @@ async fn a_claim_meeting_an_uncommitted_row_answers_in_progress_instead_of_waiti
     let waited = started.elapsed();
     assert_eq!(
         claimed,
-        Claimed::InProgress {
+        Verdict::InProgress {
             lease_left: Duration::from_secs(30)
         },
         "reported as running, with the request's lease"
@@ -776,7 +776,7 @@ async fn killed_connections_never_run_a_key_twice_and_the_pool_recovers() {
                     loop {
                         let r = req(&scope, &key, Duration::from_secs(2));
                         match record::claim(&*store, &r, SAME).await {
-                            Ok(Claimed::Acquired { .. }) => {
+                            Ok(Verdict::Acquired { .. }) => {
                                 *runs.lock().unwrap().entry(key.clone()).or_default() += 1;
                                 loop {
                                     match store
@@ -798,14 +798,14 @@ async fn killed_connections_never_run_a_key_twice_and_the_pool_recovers() {
                                 }
                                 break;
                             }
-                            Ok(Claimed::Replay(resp)) => {
+                            Ok(Verdict::Replay(resp)) => {
                                 assert_eq!(resp.body, key.as_bytes(), "another key's response");
                                 break;
                             }
-                            Ok(Claimed::InProgress { .. }) => {
+                            Ok(Verdict::InProgress { .. }) => {
                                 tokio::time::sleep(Duration::from_millis(50)).await
                             }
-                            Ok(Claimed::KeyReused) => panic!("{key}: reused"),
+                            Ok(Verdict::KeyReused) => panic!("{key}: reused"),
                             Err(StoreError::Unavailable(_)) => {
                                 errors.fetch_add(1, Ordering::Relaxed);
                                 // What the engine does before its 503.

@@ -21,7 +21,7 @@ use idempotent_runtime::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store,
     StoreError, contract,
 };
-use idempotent_runtime::test_helpers::record::{self, Claimed};
+use idempotent_runtime::test_helpers::record::{self, Verdict};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
 mod support;
@@ -346,7 +346,7 @@ async fn first_request_costs_two_round_trips_and_a_replay_one_that_writes_nothin
     let first = req(&scope, "order-1", Duration::from_secs(30));
     assert_eq!(
         record::claim(&store, &first, same).await.unwrap(),
-        Claimed::Acquired { reclaimed: false }
+        Verdict::Acquired { reclaimed: false }
     );
     assert!(
         store
@@ -378,7 +378,7 @@ async fn first_request_costs_two_round_trips_and_a_replay_one_that_writes_nothin
         .unwrap();
         assert_eq!(
             replay,
-            Claimed::Replay(Arc::new(response(r#"{"id":1}"#))),
+            Verdict::Replay(Arc::new(response(r#"{"id":1}"#))),
             "the replay carries the recorded response"
         );
         assert_eq!(
@@ -406,7 +406,7 @@ async fn first_request_costs_two_round_trips_and_a_replay_one_that_writes_nothin
         )
         .await
         .unwrap(),
-        Claimed::InProgress { .. }
+        Verdict::InProgress { .. }
     ));
     assert_eq!(store.statements_executed() - before, 1);
     assert_eq!(xmin(&db, &scope, "order-2").await, reserved);
@@ -476,7 +476,7 @@ async fn a_claim_meeting_an_uncommitted_row_answers_in_progress_instead_of_waiti
     .unwrap();
     assert_eq!(
         claimed,
-        Claimed::InProgress {
+        Verdict::InProgress {
             lease_left: Duration::from_secs(30)
         },
         "reported as running, with the request's lease"
@@ -601,7 +601,7 @@ async fn terminated_connections_never_run_a_key_twice_and_the_pool_recovers() {
                     loop {
                         let r = req(&scope, &key, Duration::from_secs(2));
                         match record::claim(&*store, &r, |f: &Fingerprint| *f == fp(1)).await {
-                            Ok(Claimed::Acquired { .. }) => {
+                            Ok(Verdict::Acquired { .. }) => {
                                 *runs.lock().unwrap().entry(key.clone()).or_default() += 1;
                                 // A careful caller retries its completion while it holds the
                                 // key, so a lost write cannot make the key run twice here.
@@ -625,7 +625,7 @@ async fn terminated_connections_never_run_a_key_twice_and_the_pool_recovers() {
                                 }
                                 break;
                             }
-                            Ok(Claimed::Replay(resp)) => {
+                            Ok(Verdict::Replay(resp)) => {
                                 assert_eq!(
                                     resp.body,
                                     key.as_bytes(),
@@ -633,10 +633,10 @@ async fn terminated_connections_never_run_a_key_twice_and_the_pool_recovers() {
                                 );
                                 break;
                             }
-                            Ok(Claimed::InProgress { .. }) => {
+                            Ok(Verdict::InProgress { .. }) => {
                                 tokio::time::sleep(Duration::from_millis(50)).await
                             }
-                            Ok(Claimed::KeyReused) => panic!("{key}: reused"),
+                            Ok(Verdict::KeyReused) => panic!("{key}: reused"),
                             Err(StoreError::Unavailable(_)) => {
                                 errors.fetch_add(1, Ordering::Relaxed);
                                 // What the engine does before its 503: free the key if the
@@ -1644,7 +1644,7 @@ async fn claims_dropped_while_their_statement_waits_leave_their_keys_free() {
                 // The claim loop a retry runs: the abandoned record is taken over again.
                 let retry = req(&scope, key, lease);
                 match record::claim(&*store, &retry, |_| true).await.unwrap() {
-                    Claimed::Acquired { .. } => break,
+                    Verdict::Acquired { .. } => break,
                     other => assert!(
                         Instant::now() < deadline,
                         "batch_rows({rows}), {hold:?}: {key} still stands after its claim was \

@@ -23,7 +23,7 @@ use idempotent_runtime::store::redis::{RECORD_HEADER_LEN, RedisStore};
 use idempotent_runtime::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, StandingState, Store, contract,
 };
-use idempotent_runtime::test_helpers::record::{self, Claimed};
+use idempotent_runtime::test_helpers::record::{self, Verdict};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -190,7 +190,7 @@ async fn a_first_request_is_one_round_trip_and_a_replay_one() {
     let before = store.round_trips();
     assert_eq!(
         record::claim(&store, &first, same).await.unwrap(),
-        Claimed::Acquired { reclaimed: false }
+        Verdict::Acquired { reclaimed: false }
     );
     assert_eq!(
         store.round_trips() - before,
@@ -218,7 +218,7 @@ async fn a_first_request_is_one_round_trip_and_a_replay_one() {
         )
         .await
         .unwrap(),
-        Claimed::Replay(Arc::new(response("{}")))
+        Verdict::Replay(Arc::new(response("{}")))
     );
     assert_eq!(store.round_trips() - before, 1, "a replay is one script");
     delete_prefix(&url, &prefix).await;

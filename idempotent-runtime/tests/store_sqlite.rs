@@ -15,7 +15,7 @@ use idempotent_runtime::store::sqlite::SqliteStore;
 use idempotent_runtime::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, StandingState, Store, contract,
 };
-use idempotent_runtime::test_helpers::record::{self, Claimed};
+use idempotent_runtime::test_helpers::record::{self, Verdict};
 
 /// A database file of its own, removed (with its WAL files) when the test ends.
 struct TempDb(PathBuf);
@@ -157,7 +157,7 @@ async fn first_request_costs_two_statements_and_a_replay_one() {
     let first = req(&scope, "order-1", Duration::from_secs(30));
     assert_eq!(
         record::claim(&store, &first, same).await.unwrap(),
-        Claimed::Acquired { reclaimed: false }
+        Verdict::Acquired { reclaimed: false }
     );
     assert_eq!(
         store.statements_executed() - before,
@@ -185,7 +185,7 @@ async fn first_request_costs_two_statements_and_a_replay_one() {
         )
         .await
         .unwrap(),
-        Claimed::Replay(Arc::new(response("{}")))
+        Verdict::Replay(Arc::new(response("{}")))
     );
     assert_eq!(
         store.statements_executed() - before,

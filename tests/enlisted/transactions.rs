@@ -270,7 +270,10 @@ async fn serve(idempotency: Idempotency, hold: Duration) -> TestServer {
     };
     let app = Router::new()
         .route("/orders", post(create_order))
-        .route("/loose", post(loose_order))
+        .route(
+            "/loose",
+            post(loose_order).put(loose_order).get(loose_order),
+        )
         .route("/receipts", post(create_receipt))
         .with_state(state);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -802,6 +805,78 @@ async fn keyless_request_commits_or_rolls_back_by_its_status() {
         .await
         .expect("orders");
     assert_eq!(items, ["kept"]);
+    assert_eq!(
+        scalar(&pool, "SELECT count(*) FROM idempotency_records").await,
+        0
+    );
+}
+
+/// An enlisted handler honours its methods like the others: a request with another method runs
+/// in a transaction without a claim (never replayed); a keyed PUT under the default POST and
+/// PATCH is a setup mistake, refused 500 in strict mode with nothing written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enlisted_handlers_apply_to_their_methods_only() {
+    let Some(schema) = Schema::new("methods").await else {
+        return;
+    };
+    let strict = |on| idempotent_runtime::Config::builder().strict(on).build();
+    let store = postgres_store(&schema, 4).await;
+    let handle = Idempotency::builder(store).config(strict(true)).build();
+    let server = serve(handle, Duration::ZERO).await;
+    let pool = checking_pool(&schema).await;
+    let url = format!("{}/loose", server.url);
+    let send = |method: reqwest::Method, key: &'static str, item: &'static str| {
+        let request = server
+            .client
+            .request(method, &url)
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .body(json!({ "item": item }).to_string());
+        async move {
+            let response = request.send().await.expect("send");
+            let replayed = response.headers().contains_key("idempotency-replayed");
+            let status = response.status().as_u16();
+            (status, replayed, response.text().await.expect("body"))
+        }
+    };
+    let (status, _, body) = send(reqwest::Method::PUT, "p", "put").await;
+    assert_eq!(status, 500, "{body}");
+    assert!(body.contains("IDEMPOTENCY_MISCONFIGURED"), "{body}");
+    for _ in 0..2 {
+        let (status, replayed, body) = send(reqwest::Method::GET, "g", "got").await;
+        assert_eq!((status, replayed), (201, false), "{body}");
+    }
+    let items: Vec<String> = sqlx::query_scalar("SELECT item FROM orders ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .expect("orders");
+    assert_eq!(items, ["got", "got"], "the PUT wrote nothing; each GET ran");
+    assert_eq!(
+        scalar(&pool, "SELECT count(*) FROM idempotency_records").await,
+        0
+    );
+    drop(server);
+
+    let store = postgres_store(&schema, 4).await;
+    let handle = Idempotency::builder(store).config(strict(false)).build();
+    let server = serve(handle, Duration::ZERO).await;
+    let url = format!("{}/loose", server.url);
+    for _ in 0..2 {
+        let request = server
+            .client
+            .put(&url)
+            .header("content-type", "application/json")
+            .header("idempotency-key", "p")
+            .body(json!({ "item": "put" }).to_string());
+        let response = request.send().await.expect("send");
+        assert_eq!(response.status().as_u16(), 201);
+        assert!(!response.headers().contains_key("idempotency-replayed"));
+    }
+    assert_eq!(
+        scalar(&pool, "SELECT count(*) FROM orders WHERE item = 'put'").await,
+        2,
+        "outside strict mode the PUT passes, unclaimed, as before"
+    );
     assert_eq!(
         scalar(&pool, "SELECT count(*) FROM idempotency_records").await,
         0

@@ -14,8 +14,8 @@ use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
 use bytes::Bytes;
 use futures_util::Stream;
 
+use crate::adapter::{Chunks, Head, REPLAYED_HEADER, Reply};
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Chunks, Ended, Head, REPLAYED_HEADER, Reply};
 use crate::scope::Identity;
 
 /// A request head as the pipeline reads it: the request, with its matched route and decoded
@@ -208,24 +208,25 @@ pub(crate) fn handle_of(req: &HttpRequest) -> Option<Idempotency> {
 }
 
 /// The fix to log when no [`Idempotency`] handle is registered.
-pub(crate) const STORE_MISSING_FIX: &str = "register it once, outside the HttpServer factory: \
+pub(crate) const HANDLE_MISSING_FIX: &str = "register it once, outside the HttpServer factory: \
     `let idempotency = web::Data::new(Idempotency::memory());` then \
     `App::new().app_data(idempotency.clone())`";
 
 /// Runs claimed work to its end on actix's runtime (its futures are `!Send`), in a task of its
 /// own when it is not done at its first poll. Boxes the work when called, as
-/// [`pipeline::drive`] does.
+/// [`crate::pipeline::drive`] does.
+#[cfg(feature = "postgres")]
 pub(crate) fn drive<'a, W, T, E>(
     handle: &'a Idempotency,
     route: &'a str,
     work: W,
-) -> impl Future<Output = Ended<HttpResponse, T, E>> + 'a
+) -> impl Future<Output = crate::adapter::Ended<HttpResponse, T, E>> + 'a
 where
-    W: Future<Output = Ended<HttpResponse, T, E>> + 'static,
+    W: Future<Output = crate::adapter::Ended<HttpResponse, T, E>> + 'static,
     T: 'static,
     E: 'static,
 {
-    pipeline::drive(handle, route, work, actix_web::rt::spawn)
+    crate::pipeline::drive(handle, route, work, actix_web::rt::spawn)
 }
 
 /// A panicked handler's 500 as the error actix's service chain expects from a middleware.

@@ -5,7 +5,7 @@ use std::future::{Ready, ready};
 use actix_web::error::InternalError;
 use actix_web::{FromRequest, HttpRequest, HttpResponse, dev};
 
-use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
+use super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
 use crate::pipeline;
 use crate::scope::{Scope, ScopeHash};
 
@@ -77,7 +77,7 @@ impl FromRequest for CallerScope {
         let head = ActixHead::matched(req);
         let Some(handle) = adapter::handle_of(req) else {
             let route = head.route.as_deref().unwrap_or("");
-            let response: HttpResponse = pipeline::store_missing(route, STORE_MISSING_FIX);
+            let response: HttpResponse = pipeline::handle_missing(route, HANDLE_MISSING_FIX);
             return ready(Err(refused(response)));
         };
         ready(

@@ -10,11 +10,12 @@ use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{self, ResourceDef, Service, ServiceRequest, ServiceResponse, Transform};
 use actix_web::{Error, HttpMessage, HttpResponse};
 use futures_util::future::LocalBoxFuture;
-use tracing::Instrument as _;
 
-use super::adapter::{self, ActixHead, STORE_MISSING_FIX};
+use super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
+use crate::adapter::{self as sequence, Ended, Prepared, Served};
 use crate::config::{EndpointConfig, FailureMode, Methods, Oversized, ReuseStatus};
-use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch, Served};
+use crate::pipeline::{self, Handled};
+use crate::watch::LayerWatch;
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
 /// with the same semantics as `#[idempotent]` on each handler (runtime checks only); the
@@ -22,7 +23,7 @@ use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch
 ///
 /// Requests with other methods (HEAD, OPTIONS, GET, …) and requests that match no route
 /// (default services) pass through untouched. Where this middleware and the attribute both
-/// apply, the outer one decides and the attribute steps aside. The store is the
+/// apply, the outer one decides and the attribute steps aside. The handle is the
 /// `web::Data<Idempotency>` of the application data.
 ///
 /// Claimed handlers run in their own task, so a client that disconnects does not cancel them:
@@ -35,8 +36,8 @@ use crate::pipeline::{self, Claimed, Detached, Ended, Front, Handled, LayerWatch
 /// use idempotent_runtime::actix::IdempotencyMiddleware;
 ///
 /// # #[actix_web::main] async fn main() {
-/// let store = web::Data::new(Idempotency::memory());
-/// let app = App::new().app_data(store).service(
+/// let idempotency = web::Data::new(Idempotency::memory());
+/// let app = App::new().app_data(idempotency).service(
 ///     web::scope("/payments")
 ///         .wrap(IdempotencyMiddleware::new().require_key())
 ///         .route("", web::post().to(|| async { HttpResponse::Created().finish() })),
@@ -201,14 +202,13 @@ where
             return Box::pin(async move { Ok(service.call(req).await?.map_into_boxed_body()) });
         };
         let Some(handle) = handle else {
-            let response: HttpResponse = pipeline::store_missing(&pattern, STORE_MISSING_FIX);
+            let response: HttpResponse = pipeline::handle_missing(&pattern, HANDLE_MISSING_FIX);
             return Box::pin(async move { Ok(req.into_response(response)) });
         };
         let params = self.params(&req, &pattern);
         let endpoint = self.endpoint;
         let require_key = endpoint.require_key;
         req.extensions_mut().insert(Handled { require_key });
-        let span = crate::observe::request_span(&pattern);
         let steps = async move {
             let payload = req.take_payload();
             let head = ActixHead {
@@ -216,34 +216,19 @@ where
                 route: Some(pattern),
                 params,
             };
-            let buffered =
-                match pipeline::front::<Detached, _, _>(&handle, &endpoint, &head, payload).await {
-                    Front::Pass(payload) => {
-                        req.set_payload(payload);
-                        return Ok(service.call(req).await?.map_into_boxed_body());
-                    }
-                    Front::Refuse(problem) => {
-                        let refusal: HttpResponse = pipeline::refuse(&handle, &problem);
-                        return Ok(req.into_response(refusal));
-                    }
-                    Front::Buffered(buffered) => buffered,
-                };
-            let claimed =
-                pipeline::claim::<Detached, _, HttpResponse>(&handle, &head, buffered).await;
-            let Claimed {
-                held,
-                body,
-                permit,
-                context,
-                route,
-                span,
-            } = match claimed {
-                Ok(claimed) => claimed,
-                Err(answer) => return Ok(req.into_response(answer)),
+            let prepared =
+                sequence::prepare::<_, _, HttpResponse>(&handle, &endpoint, &head, payload);
+            let claimed = match prepared.await {
+                Prepared::Pass(payload) => {
+                    req.set_payload(payload);
+                    return Ok(service.call(req).await?.map_into_boxed_body());
+                }
+                Prepared::Answer(answer) => return Ok(req.into_response(answer)),
+                Prepared::Claimed(claimed) => claimed,
             };
-            req.set_payload(dev::Payload::from(body));
-            if let Some(context) = context {
-                req.extensions_mut().insert(context);
+            req.set_payload(dev::Payload::from(claimed.body().clone()));
+            if let Some(context) = claimed.context() {
+                req.extensions_mut().insert(context.clone());
             }
             // The inner router matches inside `call`, and needs the only reference to the
             // request: nothing here may keep a clone of it.
@@ -252,21 +237,12 @@ where
                 let (req, response) = inner.await?.into_parts();
                 Ok((response.map_into_boxed_body(), req))
             };
-            let work = pipeline::work(
-                handle.clone(),
-                held,
-                permit,
-                route.clone(),
-                Served::ThroughRouter,
-                handler,
-            )
-            .instrument(span);
-            match adapter::drive(&handle, &route, work).await {
+            match claimed.run_local(Served::ThroughRouter, handler).await {
                 Ended::Answered(response, req) => Ok(ServiceResponse::new(req, response)),
                 Ended::Failed(error) => Err(error),
                 Ended::Panicked(response) => Err(adapter::panicked_error(response)),
             }
         };
-        Box::pin(steps.instrument(span))
+        Box::pin(steps)
     }
 }

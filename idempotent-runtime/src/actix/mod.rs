@@ -1,7 +1,7 @@
 //! actix-web 4 integration: the `#[idempotent]` attribute for handlers and
 //! [`IdempotencyMiddleware`] for whole scopes.
 //!
-//! Register the store once as application data; both read it from there:
+//! Register the handle once as application data; both read it from there:
 //!
 //! ```
 //! use actix_web::{App, HttpResponse, Responder, post, web};
@@ -15,11 +15,11 @@
 //! }
 //!
 //! # #[actix_web::main] async fn main() {
-//! let store = web::Data::new(Idempotency::memory());
-//! let app = App::new().app_data(store.clone()).service(create_order);
+//! let idempotency = web::Data::new(Idempotency::memory());
+//! let app = App::new().app_data(idempotency.clone()).service(create_order);
 //! # let _ = actix_web::test::init_service(app).await;
 //! // after the server stopped: let claimed handlers finish
-//! store.shutdown().await;
+//! idempotency.shutdown().await;
 //! # }
 //! ```
 //!
@@ -75,7 +75,6 @@ mod adapter;
 mod caller;
 mod handler;
 mod middleware;
-mod probe;
 #[cfg(test)]
 mod tests;
 
@@ -149,13 +148,13 @@ pub mod __private {
     pub use super::handler::handle;
     #[cfg(feature = "postgres")]
     pub use super::handler::handle_enlisted;
-    pub use super::probe::{NotStreaming, Probe, Streaming};
     pub use crate::config::EndpointConfig as Endpoint;
     pub use crate::config::Methods;
     pub use crate::config::Oversized;
     pub use crate::context::IdempotencyContext as Context;
     #[cfg(feature = "postgres")]
     pub use crate::enlisted::EnlistedTx;
+    pub use crate::probe::{BodyProbe, NotStreaming, StreamingBody};
     pub use actix_web::dev::Payload as RawPayload;
     pub use actix_web::web::Payload;
     pub use actix_web::{FromRequest, HttpRequest as Request, HttpResponse as Response};

@@ -667,13 +667,15 @@ async fn put_only(runs: web::Data<Runs>, body: String) -> HttpResponse {
 }
 
 /// The attribute applies to POST and PATCH by default, like the middleware: a PUT with a key
-/// runs every time. With `methods = ["PUT"]` the PUT is claimed and replayed, and POST passes.
+/// runs every time (outside strict mode, see below). With `methods = ["PUT"]` the PUT is claimed
+/// and replayed, and POST passes.
 #[actix_web::test]
 async fn the_attribute_applies_to_its_methods_post_and_patch_by_default() {
+    let (logs, _guard) = crate::testlog::Logs::capture();
     let runs = web::Data::new(Runs::default());
     let app = test::init_service(
         App::new()
-            .app_data(web::Data::new(Idempotency::memory()))
+            .app_data(web::Data::new(strict(false)))
             .app_data(runs.clone())
             .route("/default", web::route().to(by_default))
             .route("/put-only", web::route().to(put_only)),
@@ -712,4 +714,49 @@ async fn the_attribute_applies_to_its_methods_post_and_patch_by_default() {
         "default PUT runs twice, PATCH replays; methods = [\"PUT\"]: PUT replays, POST runs twice"
     );
     assert_eq!(runs.get(), 6);
+    let errors = logs.errors();
+    assert_eq!(errors.len(), 1, "said once per handle: {errors:?}");
+    assert!(errors[0].contains("/default"), "{errors:?}");
+}
+
+/// A keyed unsafe request outside the attribute's methods (`web::put()`, `web::delete()` to a
+/// plain `#[idempotent]` handler) is a setup mistake: said once with the fix, and refused 500
+/// in strict mode. Safe methods and keyless requests still pass untouched.
+#[actix_web::test]
+async fn strict_a_keyed_put_or_delete_outside_the_methods_is_refused_and_said() {
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let runs = web::Data::new(Runs::default());
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(strict(true)))
+            .app_data(runs.clone())
+            .route("/unlisted", web::route().to(by_default)),
+    )
+    .await;
+    let request = |method: Method, key: Option<&str>| {
+        post("/unlisted", key)
+            .method(method)
+            .set_payload("b")
+            .to_request()
+    };
+    for method in [Method::PUT, Method::DELETE, Method::PUT] {
+        let res = test::call_service(&app, request(method.clone(), Some("k"))).await;
+        let (status, _, body) = parts(res).await;
+        assert_eq!(status, 500, "{method}: {body:?}");
+        assert_eq!(code(&body), "IDEMPOTENCY_MISCONFIGURED");
+    }
+    assert_eq!(runs.get(), 0, "nothing ran unprotected");
+    let errors = logs.errors();
+    assert_eq!(errors.len(), 1, "said once: {errors:?}");
+    for part in ["/unlisted", "PUT", r#"methods = ["PUT"]"#] {
+        assert!(errors[0].contains(part), "{part}: {errors:?}");
+    }
+    let res = test::call_service(&app, request(Method::PUT, None)).await;
+    assert_eq!(parts(res).await, (200, false, Bytes::from("run 1 b")));
+    let res = test::call_service(&app, request(Method::GET, Some("g"))).await;
+    assert_eq!(parts(res).await, (200, false, Bytes::from("run 2 b")));
+    let (s1, r1, _) = parts(test::call_service(&app, request(Method::POST, Some("p"))).await).await;
+    let (s2, r2, _) = parts(test::call_service(&app, request(Method::POST, Some("p"))).await).await;
+    assert_eq!((s1, r1, s2, r2), (200, false, 200, true));
+    assert_eq!(logs.errors().len(), 1);
 }

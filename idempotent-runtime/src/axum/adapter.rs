@@ -15,15 +15,13 @@ use futures_util::{FutureExt as _, StreamExt as _};
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use http_body::{Body as _, Frame, SizeHint};
-use tracing::Instrument as _;
 
+use crate::adapter::{self, Chunks, Ended, Head, REPLAYED_HEADER, Reply, Served};
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
-use crate::pipeline::{
-    self, ClaimMode, Claimed, Ended, Front, Head, REPLAYED_HEADER, Reply, Served,
-};
+#[cfg(feature = "postgres")]
+use crate::pipeline::{self, Admitted};
 use crate::problem::Problem;
-use crate::reservation::Reservation;
 use crate::scope::{Identity, Scope};
 
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(crate::key::HEADER_NAME);
@@ -108,7 +106,7 @@ impl Head for AxumHead<'_> {
     }
 }
 
-impl pipeline::Chunks for Body {
+impl Chunks for Body {
     type Error = axum::Error;
 
     fn exact_len(&self) -> Option<u64> {
@@ -279,41 +277,78 @@ impl Reply for Response {
 /// The caller's scope exactly as the pipeline resolves it for this request (the one function
 /// both call), or the pipeline's refusal when it cannot be resolved.
 pub(crate) fn caller_scope(handle: &Idempotency, parts: &mut Parts) -> Result<Scope, Problem> {
-    pipeline::scope_of(handle, &AxumHead::new(parts))
+    adapter::caller_scope(handle, &AxumHead::new(parts))
 }
 
 /// A request after the steps before the handler.
-pub(crate) enum Prepared<H> {
+pub(crate) enum Prepared<C = adapter::Claimed> {
     /// No key on an optional endpoint: the request, untouched.
     Pass(Request),
     /// The key is held: the request with its buffered body (and its context in the
     /// extensions), and what holds the key.
-    Claimed(Request, Claimed<H>),
+    Claimed(Request, C),
 }
 
-/// Takes the request apart for the pipeline's steps before the handler (key, body, scope,
-/// claim) and puts it back together; `Err` is the answer instead of the handler's.
-pub(crate) async fn prepare<M: ClaimMode>(
+/// Takes the request apart for [`adapter::prepare`] (key, body, scope, claim) and puts it back
+/// together; `Err` is the answer instead of the handler's.
+pub(crate) async fn prepare(
     handle: &Idempotency,
     endpoint: &EndpointConfig,
     request: Request,
-) -> Result<Prepared<M::Held>, Response> {
+) -> Result<Prepared, Response> {
+    let (mut parts, body) = request.into_parts();
+    let prepared = adapter::prepare(handle, endpoint, &AxumHead::new(&mut parts), body).await;
+    match prepared {
+        adapter::Prepared::Pass(body) => Ok(Prepared::Pass(Request::from_parts(parts, body))),
+        adapter::Prepared::Answer(answer) => Err(answer),
+        adapter::Prepared::Claimed(claimed) => {
+            if let Some(context) = claimed.context() {
+                parts.extensions.insert(context.clone());
+            }
+            let body = Body::from(claimed.body().clone());
+            Ok(Prepared::Claimed(Request::from_parts(parts, body), claimed))
+        }
+    }
+}
+
+/// Runs a claimed handler where no disconnect cancels it and records or releases its response.
+pub(crate) async fn run_claimed<F>(
+    claimed: adapter::Claimed,
+    served: Served,
+    handler: F,
+) -> Response
+where
+    F: Future<Output = Response> + Send + 'static,
+{
+    let handler = handler.map(|response| Ok::<_, Infallible>((response, ())));
+    match claimed.run(served, handler).await {
+        Ended::Answered(response, ()) | Ended::Panicked(response) => response,
+        Ended::Failed(never) => match never {},
+    }
+}
+
+/// [`prepare`] in enlisted mode: the claim inside the transaction the handler writes through.
+#[cfg(feature = "postgres")]
+pub(crate) async fn prepare_enlisted(
+    handle: &Idempotency,
+    endpoint: &EndpointConfig,
+    request: Request,
+) -> Result<Prepared<Admitted<crate::enlisted::Held>>, Response> {
+    use crate::pipeline::{Enlisted, Front};
+    use tracing::Instrument as _;
     let (mut parts, body) = request.into_parts();
     let head = AxumHead::new(&mut parts);
     let span = crate::observe::request_span(head.route().unwrap_or(""));
     let steps = async {
-        match pipeline::front::<M, _, _>(handle, endpoint, &head, body).await {
-            Front::Pass(body) => Ok(Err(body)),
+        match pipeline::front::<Enlisted, _, _>(handle, endpoint, &head, body).await {
+            Front::Pass(_) => unreachable!("enlisted mode reads every body before it begins"),
             Front::Refuse(problem) => Err(pipeline::refuse(handle, &problem)),
-            Front::Buffered(buffered) => pipeline::claim::<M, _, Response>(handle, &head, buffered)
-                .await
-                .map(Ok),
+            Front::Buffered(buffered) => {
+                pipeline::claim::<Enlisted, _, Response>(handle, &head, buffered).await
+            }
         }
     };
-    let claimed = match steps.instrument(span).await? {
-        Err(body) => return Ok(Prepared::Pass(Request::from_parts(parts, body))),
-        Ok(claimed) => claimed,
-    };
+    let claimed = steps.instrument(span).await?;
     if let Some(context) = &claimed.context {
         parts.extensions.insert(context.clone());
     }
@@ -321,48 +356,19 @@ pub(crate) async fn prepare<M: ClaimMode>(
     Ok(Prepared::Claimed(Request::from_parts(parts, body), claimed))
 }
 
-/// Runs claimed work to its end in a task of its own when it is not done at its first poll.
-/// Boxes the work when called, as [`pipeline::drive`] does.
-pub(crate) fn drive<'a, W>(
-    handle: &'a Idempotency,
-    route: &'a str,
-    work: W,
-) -> impl Future<Output = Response> + Send + 'a
+/// Runs claimed enlisted work to its end in a task of its own when it is not done at its
+/// first poll.
+#[cfg(feature = "postgres")]
+pub(crate) async fn drive<W>(handle: &Idempotency, route: &str, work: W) -> Response
 where
     W: Future<Output = Ended<Response, (), Infallible>> + Send + 'static,
 {
-    let driven = pipeline::drive(handle, route, work, tokio::spawn);
-    async move {
-        match driven.await {
-            Ended::Answered(response, ()) | Ended::Panicked(response) => response,
-            Ended::Failed(never) => match never {},
-        }
+    match pipeline::drive(handle, route, work, tokio::spawn).await {
+        Ended::Answered(response, ()) | Ended::Panicked(response) => response,
+        Ended::Failed(never) => match never {},
     }
 }
 
-/// Runs a detached claimed handler and records or releases its response.
-pub(crate) async fn run_claimed<F>(
-    handle: Idempotency,
-    claimed: Claimed<Reservation>,
-    served: Served,
-    handler: F,
-) -> Response
-where
-    F: Future<Output = Response> + Send + 'static,
-{
-    let Claimed {
-        held,
-        permit,
-        route,
-        span,
-        ..
-    } = claimed;
-    let handler = handler.map(|response| Ok((response, ())));
-    let work = pipeline::work(handle.clone(), held, permit, route.clone(), served, handler)
-        .instrument(span);
-    drive(&handle, &route, work).await
-}
-
 /// The fix to log when a handler finds no [`Idempotency`] handle in the request extensions.
-pub(crate) const STORE_MISSING_FIX: &str =
+pub(crate) const HANDLE_MISSING_FIX: &str =
     "add `.layer(Extension(idempotency))` to the router, or take it from the state (FromRef)";

@@ -6,8 +6,8 @@ use axum::extract::{FromRequestParts, MatchedPath};
 use axum::response::Response;
 use http::request::Parts;
 
-use super::adapter::{self, STORE_MISSING_FIX};
-use super::extract::{FromState, StoreSource};
+use super::adapter::{self, HANDLE_MISSING_FIX};
+use super::extract::{FromState, HandleSource};
 use crate::pipeline;
 use crate::scope::{Scope, ScopeHash};
 
@@ -82,15 +82,15 @@ impl<Src> std::fmt::Debug for CallerScope<Src> {
 impl<S, Src> FromRequestParts<S> for CallerScope<Src>
 where
     S: Send + Sync,
-    Src: StoreSource<S>,
+    Src: HandleSource<S>,
 {
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        let Some(handle) = Src::store(&parts.extensions, state) else {
+        let Some(handle) = Src::handle(&parts.extensions, state) else {
             let route = parts.extensions.get::<MatchedPath>();
             let route = route.map_or("", MatchedPath::as_str);
-            return Err(pipeline::store_missing(route, STORE_MISSING_FIX));
+            return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
         };
         let scope = adapter::caller_scope(&handle, parts)
             .map_err(|problem| pipeline::refuse(&handle, &problem))?;

@@ -7,13 +7,13 @@ use std::marker::PhantomData;
 use axum::extract::{FromRequest, MatchedPath, Request};
 use axum::response::{IntoResponse, Response};
 
-use super::adapter::{self, Prepared, STORE_MISSING_FIX};
-use super::extract::{FromState, StoreSource, Via};
+use super::adapter::{self, HANDLE_MISSING_FIX, Prepared};
+use super::extract::{FromState, HandleSource, Via};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
-use crate::enlisted::{Enlisted, EnlistedTx, Held};
+use crate::enlisted::{EnlistedTx, Held};
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Claimed, Handled};
+use crate::pipeline::{self, Admitted, Handled};
 
 /// The wrapper `#[idempotent(enlisted)]` puts around a handler's last parameter. Extracting it
 /// opens the transaction and claims the key in it; [`run`](Self::run) hands the transaction to
@@ -57,7 +57,7 @@ pub struct EnlistedIdempotent<
 
 struct Session {
     handle: Idempotency,
-    claimed: Claimed<Held>,
+    claimed: Admitted<Held>,
 }
 
 impl<
@@ -85,7 +85,7 @@ impl<
         T: Send + 'static,
     {
         let Session { handle, claimed } = self.session;
-        let Claimed {
+        let Admitted {
             held,
             permit,
             route,
@@ -116,7 +116,7 @@ impl<
 where
     T: FromRequest<S, M> + Send,
     S: Send + Sync,
-    Src: StoreSource<S>,
+    Src: HandleSource<S>,
 {
     type Rejection = Response;
 
@@ -126,11 +126,11 @@ where
         if request.extensions().get::<Handled>().is_some() {
             return Err(pipeline::enlisted_behind_layer(route));
         }
-        let Some(handle) = Src::store(request.extensions(), state) else {
-            return Err(pipeline::store_missing(route, STORE_MISSING_FIX));
+        let Some(handle) = Src::handle(request.extensions(), state) else {
+            return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
         };
         let (request, claimed) =
-            match adapter::prepare::<Enlisted>(&handle, &Self::ENDPOINT, request).await? {
+            match adapter::prepare_enlisted(&handle, &Self::ENDPOINT, request).await? {
                 Prepared::Claimed(request, claimed) => (request, claimed),
                 Prepared::Pass(_) => {
                     unreachable!("enlisted mode reads every body before it begins")

@@ -10,17 +10,16 @@ use axum::extract::{
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 
-use super::adapter::{self, Prepared, STORE_MISSING_FIX};
+use super::adapter::{self, HANDLE_MISSING_FIX, Prepared};
 use crate::config::{EndpointConfig, Methods, Oversized};
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Claimed, Detached, Handled, Served};
-use crate::reservation::Reservation;
+use crate::pipeline::{self, Handled, Served};
 
 /// Where the extractor finds the [`Idempotency`].
-pub trait StoreSource<S>: Send + Sync + 'static {
+pub trait HandleSource<S>: Send + Sync + 'static {
     /// The handle, or `None` when the application did not provide one.
-    fn store(parts: &http::Extensions, state: &S) -> Option<Idempotency>;
+    fn handle(extensions: &http::Extensions, state: &S) -> Option<Idempotency>;
 }
 
 /// From the application state: `Idempotency: FromRef<S>`, checked at compile time (the
@@ -28,22 +27,22 @@ pub trait StoreSource<S>: Send + Sync + 'static {
 #[derive(Debug)]
 pub enum FromState {}
 
-impl<S> StoreSource<S> for FromState
+impl<S> HandleSource<S> for FromState
 where
     Idempotency: FromRef<S>,
 {
-    fn store(_: &http::Extensions, state: &S) -> Option<Idempotency> {
+    fn handle(_: &http::Extensions, state: &S) -> Option<Idempotency> {
         Some(Idempotency::from_ref(state))
     }
 }
 
-/// From the request extensions (`.layer(Extension(store))`), checked only at run time: a
-/// missing store answers 500. Chosen when the handler takes an `Extension<Idempotency>`.
+/// From the request extensions (`.layer(Extension(idempotency))`), checked only at run time: a
+/// missing handle answers 500. Chosen when the handler takes an `Extension<Idempotency>`.
 #[derive(Debug)]
 pub enum FromExtension {}
 
-impl<S> StoreSource<S> for FromExtension {
-    fn store(extensions: &http::Extensions, _: &S) -> Option<Idempotency> {
+impl<S> HandleSource<S> for FromExtension {
+    fn handle(extensions: &http::Extensions, _: &S) -> Option<Idempotency> {
         extensions.get::<Idempotency>().cloned()
     }
 }
@@ -80,10 +79,7 @@ pub struct Idempotent<
     _source: PhantomData<fn() -> Src>,
 }
 
-struct Session {
-    handle: Idempotency,
-    claimed: Claimed<Reservation>,
-}
+struct Session(crate::adapter::Claimed);
 
 impl<
     T,
@@ -129,8 +125,8 @@ impl<
         let future = handler(self.value, self.context);
         match self.session {
             None => future.await,
-            Some(Session { handle, claimed }) => {
-                adapter::run_claimed(handle, claimed, Served::ByHandler, future).await
+            Some(Session(claimed)) => {
+                adapter::run_claimed(claimed, Served::ByHandler, future).await
             }
         }
     }
@@ -181,7 +177,7 @@ impl<
 where
     T: FromRequest<S, M> + Send,
     S: Send + Sync,
-    Src: StoreSource<S>,
+    Src: HandleSource<S>,
 {
     type Rejection = Response;
 
@@ -196,7 +192,7 @@ where
         if let Some(outer) = request.extensions().get::<Handled>().copied() {
             let context = request.extensions().get::<IdempotencyContext>().cloned();
             if R && !outer.require_key {
-                let handle = Src::store(request.extensions(), state);
+                let handle = Src::handle(request.extensions(), state);
                 let route = request.extensions().get::<MatchedPath>();
                 let route = route.map_or("", MatchedPath::as_str);
                 let keyed = context.is_some();
@@ -211,9 +207,10 @@ where
                 .map(|value| plain(value, context))
                 .map_err(IntoResponse::into_response);
         }
-        let handle = Src::store(request.extensions(), state);
-        let config = handle.as_ref().map(Idempotency::config);
-        if !Self::ENDPOINT.applies_to(config, request.method().as_str()) {
+        let handle = Src::handle(request.extensions(), state);
+        // With a handle, the pipeline's first step decides what a method it does not apply to
+        // means (a pass, or a setup mistake); without one, such a request needs none.
+        if handle.is_none() && !Self::ENDPOINT.applies_to(None, request.method().as_str()) {
             return T::from_request(request, state)
                 .await
                 .map(|value| plain(value, None))
@@ -222,9 +219,9 @@ where
         let Some(handle) = handle else {
             let route = request.extensions().get::<MatchedPath>();
             let route = route.map_or("", MatchedPath::as_str);
-            return Err(pipeline::store_missing(route, STORE_MISSING_FIX));
+            return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
         };
-        match adapter::prepare::<Detached>(&handle, &Self::ENDPOINT, request).await? {
+        match adapter::prepare(&handle, &Self::ENDPOINT, request).await? {
             Prepared::Pass(request) => T::from_request(request, state)
                 .await
                 .map(|value| plain(value, None))
@@ -234,13 +231,13 @@ where
                 match extracted.map_err(IntoResponse::into_response) {
                     Ok(value) => Ok(Self {
                         value,
-                        context: claimed.context.clone(),
-                        session: Some(Session { handle, claimed }),
+                        context: claimed.context().cloned(),
+                        session: Some(Session(claimed)),
                         _source: PhantomData,
                     }),
                     // The extractor's rejection of a claimed request (malformed JSON, say) is
                     // its answer: recorded like any 4xx, so the retry gets the same rejection.
-                    Err(rejection) => Err(pipeline::settle(&handle, claimed.held, rejection).await),
+                    Err(rejection) => Err(claimed.settle(rejection).await),
                 }
             }
         }

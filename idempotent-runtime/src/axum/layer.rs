@@ -13,7 +13,8 @@ use tower_service::Service;
 use super::adapter::{self, Prepared};
 use crate::config::{EndpointConfig, FailureMode, Methods, Oversized, ReuseStatus};
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Detached, Handled, LayerWatch, Served};
+use crate::pipeline::{self, Handled, Served};
+use crate::watch::LayerWatch;
 
 /// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
 /// checks only). It applies to the [`methods`](EndpointConfig::methods) of its endpoint
@@ -32,10 +33,10 @@ use crate::pipeline::{self, Detached, Handled, LayerWatch, Served};
 /// use idempotent_runtime::axum::IdempotencyLayer;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// let store = Idempotency::memory();
+/// let idempotency = Idempotency::memory();
 /// let app: Router = Router::new()
 ///     .route("/payments", post(|| async { "paid" }))
-///     .layer(IdempotencyLayer::new(store).require_key());
+///     .layer(IdempotencyLayer::new(idempotency).require_key());
 /// # }
 /// ```
 #[derive(Clone, Debug)]
@@ -45,17 +46,17 @@ pub struct IdempotencyLayer {
 
 #[derive(Debug, Clone)]
 struct Shared {
-    store: Idempotency,
+    handle: Idempotency,
     endpoint: EndpointConfig,
     watch: Arc<LayerWatch>,
 }
 
 impl IdempotencyLayer {
-    /// A layer over `store`: key optional, POST and PATCH.
-    pub fn new(store: Idempotency) -> Self {
+    /// A layer over the handle `idempotency`: key optional, POST and PATCH.
+    pub fn new(idempotency: Idempotency) -> Self {
         Self {
             shared: Arc::new(Shared {
-                store,
+                handle: idempotency,
                 endpoint: EndpointConfig::OPTIONAL,
                 watch: Arc::default(),
             }),
@@ -154,7 +155,7 @@ where
         let shared = Arc::clone(&self.shared);
         let wraps_router = self.wraps_router;
         Box::pin(async move {
-            let handle = &shared.store;
+            let handle = &shared.handle;
             let method = request.method().as_str();
             let by_method = shared.endpoint.applies_to(Some(handle.config()), method);
             let matched = request.extensions().get::<MatchedPath>().is_some();
@@ -172,15 +173,12 @@ where
             }
             let require_key = shared.endpoint.require_key;
             request.extensions_mut().insert(Handled { require_key });
-            let response = match adapter::prepare::<Detached>(handle, &shared.endpoint, request)
-                .await
-            {
+            let response = match adapter::prepare(handle, &shared.endpoint, request).await {
                 Err(answer) => answer,
                 Ok(Prepared::Pass(request)) => inner.call(request).await.into_response(),
                 Ok(Prepared::Claimed(request, claimed)) => {
                     let handler = async move { inner.call(request).await.into_response() };
-                    adapter::run_claimed(handle.clone(), claimed, Served::ThroughRouter, handler)
-                        .await
+                    adapter::run_claimed(claimed, Served::ThroughRouter, handler).await
                 }
             };
             Ok(response)

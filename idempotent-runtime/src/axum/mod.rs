@@ -55,7 +55,7 @@ pub use caller::CallerScope;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use enlisted::EnlistedIdempotent;
-pub use extract::{FromExtension, FromState, Idempotent, StoreSource, Via, context_missing};
+pub use extract::{FromExtension, FromState, HandleSource, Idempotent, Via, context_missing};
 pub use layer::{IdempotencyLayer, IdempotencyService};
 pub use probe::ProvidesIdempotency;
 
@@ -70,9 +70,10 @@ pub mod __private {
     #[cfg(feature = "postgres")]
     pub use super::enlisted::EnlistedIdempotent;
     pub use super::extract::{FromExtension, FromState, Idempotent, context_missing};
-    pub use super::probe::{BodyProbe, CheckOther, ProvidesIdempotency, StreamingBody};
+    pub use super::probe::ProvidesIdempotency;
     #[cfg(feature = "postgres")]
     pub use crate::enlisted::EnlistedTx;
+    pub use crate::probe::{BodyProbe, NotStreaming, StreamingBody};
     pub use axum::response::Response;
 
     /// The handler's answer as a response.

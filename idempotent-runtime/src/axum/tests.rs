@@ -807,9 +807,11 @@ async fn put_only(State(app): State<App>, body: String) -> String {
 }
 
 /// The attribute applies to POST and PATCH by default, like the layer: a PUT with a key runs
-/// every time. With `methods = ["PUT"]` the PUT is claimed and replayed, and POST passes.
+/// every time (outside strict mode, see below). With `methods = ["PUT"]` the PUT is claimed and
+/// replayed, and POST passes.
 #[tokio::test]
 async fn the_attribute_applies_to_its_methods_post_and_patch_by_default() {
+    let (logs, _guard) = crate::testlog::Logs::capture();
     let runs = Arc::new(AtomicUsize::new(0));
     let router = Router::new()
         .route(
@@ -818,7 +820,7 @@ async fn the_attribute_applies_to_its_methods_post_and_patch_by_default() {
         )
         .route("/put-only", post(put_only).put(put_only))
         .with_state(App {
-            store: Idempotency::memory(),
+            store: strict(false),
             runs: Arc::clone(&runs),
         })
         .layer(peer());
@@ -862,6 +864,61 @@ async fn the_attribute_applies_to_its_methods_post_and_patch_by_default() {
         "default PUT runs twice, PATCH replays; methods = [\"PUT\"]: PUT replays, POST runs twice"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 6);
+    let errors = logs.errors();
+    assert_eq!(errors.len(), 1, "said once per handle: {errors:?}");
+    assert!(errors[0].contains("/default"), "{errors:?}");
+}
+
+/// A keyed unsafe request outside the attribute's methods (`put(…)`, `delete(…)` under a plain
+/// `#[idempotent]`) is a setup mistake: said once with the fix, and refused 500 in strict mode.
+/// Safe methods and keyless requests still pass untouched.
+#[tokio::test]
+async fn strict_a_keyed_put_or_delete_outside_the_methods_is_refused_and_said() {
+    let (logs, _guard) = crate::testlog::Logs::capture();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = Router::new()
+        .route(
+            "/unlisted",
+            post(by_default)
+                .put(by_default)
+                .delete(by_default)
+                .get(by_default),
+        )
+        .with_state(App {
+            store: strict(true),
+            runs: Arc::clone(&runs),
+        })
+        .layer(peer());
+    let request = |method: &str, key: Option<&str>| {
+        let request = Request::builder().method(method).uri("/unlisted");
+        let request = match key {
+            Some(key) => request.header("idempotency-key", key),
+            None => request,
+        };
+        request.body(Body::from("b")).unwrap()
+    };
+    for method in ["PUT", "DELETE", "PUT"] {
+        let (status, headers, body) = call(&router, request(method, Some("k"))).await;
+        assert_eq!(status, 500, "{method}: {body}");
+        assert_eq!(headers["content-type"], "application/problem+json");
+        assert_eq!(code(&body), "IDEMPOTENCY_MISCONFIGURED");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran unprotected");
+    let errors = logs.errors();
+    assert_eq!(errors.len(), 1, "said once: {errors:?}");
+    for part in ["/unlisted", "PUT", r#"methods = ["PUT"]"#] {
+        assert!(errors[0].contains(part), "{part}: {errors:?}");
+    }
+    let (status, _, text) = call(&router, request("PUT", None)).await;
+    assert_eq!((status, text.as_str()), (StatusCode::OK, "run 1 b"));
+    let (status, headers, text) = call(&router, request("GET", Some("g"))).await;
+    assert_eq!((status, text.as_str()), (StatusCode::OK, "run 2 b"));
+    assert!(!headers.contains_key("idempotency-replayed"));
+    let (s1, _, _) = call(&router, request("POST", Some("p"))).await;
+    let (s2, h2, _) = call(&router, request("POST", Some("p"))).await;
+    assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK));
+    assert_eq!(h2["idempotency-replayed"], "true");
+    assert_eq!(logs.errors().len(), 1);
 }
 
 /// An answer whose body streams its data, then trailers: gRPC's status (always recorded), one

@@ -12,12 +12,12 @@ use crate::budget::{BufferBudget, BufferPermit};
 
 /// Fields a body sends after its data (HTTP trailers, gRPC's status): lowercase names and
 /// values, in the order sent.
-pub(crate) type Trailers = Vec<(String, Bytes)>;
+pub type Trailers = Vec<(String, Bytes)>;
 
 /// A body as the pipeline reads it: data chunks, then the end or an error. Each framework
 /// implements it for its request and response bodies (empty chunks skipped; trailers skipped by
 /// [`poll_chunk`](Self::poll_chunk), kept by [`poll_chunk_keeping`](Self::poll_chunk_keeping)).
-pub(crate) trait Chunks: Unpin {
+pub trait Chunks: Unpin {
     /// What a broken body reports.
     type Error;
 

@@ -1,21 +1,197 @@
-//! The run and settle steps in enlisted mode ([the contract](crate::design) §5): the handler writes through the
+//! Enlisted mode's steps ([the contract](crate::design) §5): the claim inside a transaction
+//! ([`Enlisted`], a [`ClaimMode`]), then the run and settle: the handler writes through the
 //! transaction that holds the reservation; the final status decides whether its response is
-//! recorded in that transaction and committed, or everything is rolled back.
+//! recorded in that transaction and committed, or everything is rolled back. The transaction
+//! itself, and how it commits or rolls back, is [`crate::enlisted`]'s.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::FutureExt as _;
 
 use super::body::{self, Chunks, Collected};
-use super::{Ended, Reply, refuse};
+use super::claim::{ClaimMode, ClaimPlan, answer};
+use super::{Begin, BeginRequest, Ended, Reply, refuse};
 use crate::budget::BufferPermit;
-use crate::config::Oversized;
-use crate::enlisted::{self, EnlistedTx, Held, Settle};
+use crate::config::{Oversized, Recording};
+use crate::enlisted::{self, EnlistedTx, Held, Reserved, Settle, claim_in, not_postgres, postgres};
 use crate::handle::Idempotency;
-use crate::record;
-use crate::store::RecordedResponse;
+use crate::observe::{self, Event};
+use crate::problem::{Problem, ProblemCode};
+use crate::record::{self, Verdict};
+use crate::store::erased::DynStore;
+use crate::store::{Glanced, RecordedResponse, StoreError};
+
+/// The enlisted claim mode for the framework pipelines.
+pub(crate) enum Enlisted {}
+
+impl ClaimMode for Enlisted {
+    type Held = Held;
+
+    /// The body of a request without a key is read before its transaction begins too, so a
+    /// slow client never holds a database connection.
+    const BUFFERS_UNKEYED: bool = true;
+
+    fn begin<'a>(
+        handle: &'a Idempotency,
+        req: &'a BeginRequest<'a>,
+    ) -> impl Future<Output = Begin<Held>> + Send + 'a {
+        begin(handle, req)
+    }
+
+    fn unkeyed<'a>(
+        handle: &'a Idempotency,
+        route: &'a str,
+    ) -> impl Future<Output = Result<Held, Problem>> + Send + 'a {
+        begin_unkeyed(handle, route)
+    }
+}
+
+fn unavailable(handle: &Idempotency, route: &str, error: &StoreError) -> Problem {
+    observe::count(Event::StoreError, route);
+    tracing::warn!(route, %error, "enlisted transaction could not start or claim");
+    Problem::new(
+        503,
+        ProblemCode::StoreUnavailable,
+        "the idempotency store cannot be reached; retry later",
+    )
+    .with_retry_after(record::ceil_secs(handle.config().store_retry_after).max(1))
+}
+
+fn settle_for(
+    handle: &Idempotency,
+    store: Arc<dyn DynStore>,
+    reserved: Option<Reserved>,
+    retention: Duration,
+    max_response: usize,
+    route: &str,
+) -> Settle {
+    Settle {
+        store,
+        reserved,
+        retention,
+        max_response,
+        recording: Recording::default(),
+        store_retry_after: handle.config().store_retry_after,
+        route: route.into(),
+        back: None,
+        _running: handle.enter_running(),
+        _in_flight: None,
+    }
+}
+
+/// A transaction without a reservation, for a keyless request on an endpoint whose key is
+/// optional.
+pub(crate) async fn begin_unkeyed(handle: &Idempotency, route: &str) -> Result<Held, Problem> {
+    let store = Arc::clone(handle.store());
+    let Some(pg) = postgres(&*store) else {
+        return Err(not_postgres(route));
+    };
+    let tx = pg
+        .begin()
+        .await
+        .map_err(|e| unavailable(handle, route, &e))?;
+    let config = handle.config();
+    Ok(Held {
+        tx: EnlistedTx::new(tx),
+        settle: settle_for(handle, store, None, config.retention, 0, route),
+    })
+}
+
+/// 409 for a key another enlisted request holds.
+fn in_progress(handle: &Idempotency, req: &BeginRequest<'_>, lease: Duration) -> Begin<Held> {
+    let claimed = Verdict::InProgress { lease_left: lease };
+    answer(handle, req, claimed, || {
+        unreachable!("an in-progress key is not held")
+    })
+}
+
+/// Answers what needs no transaction, then opens the transaction, takes the key's try-lock
+/// and claims the key in it. A duplicate held by this process is 409 without the database; a
+/// replay, a reused key and a duplicate held by another replica are answered by one read on
+/// the store's reserved connections; only a request that may run waits for a pooled
+/// connection to begin its transaction.
+async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
+    let plan = ClaimPlan::new(req, handle.contributor());
+    let route = plan.route;
+    let store = Arc::clone(handle.store());
+    let Some(pg) = postgres(&*store) else {
+        return Begin::Refuse(not_postgres(route));
+    };
+    let (scope, key) = (req.input.scope.hash(), req.key.as_str());
+    let in_flight = handle.enlisted_in_flight();
+    if in_flight.contains(scope, key) {
+        return in_progress(handle, req, plan.claim.lease);
+    }
+    match pg.glance(&plan.claim).await {
+        Ok(Glanced::Completed {
+            fingerprint,
+            response,
+        }) => {
+            let claimed = if plan.same_request(&fingerprint) {
+                Verdict::Replay(response)
+            } else {
+                Verdict::KeyReused
+            };
+            return answer(handle, req, claimed, || {
+                unreachable!("a decided key is not held")
+            });
+        }
+        Ok(Glanced::Held) => return in_progress(handle, req, plan.claim.lease),
+        Ok(Glanced::Open) => {}
+        Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
+    }
+    // Entered only now, so concurrent replays of a completed key all read it (none is 409).
+    let Some(guard) = in_flight.enter(scope, key) else {
+        return in_progress(handle, req, plan.claim.lease);
+    };
+    let mut tx = match pg.begin().await {
+        Ok(tx) => tx,
+        Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
+    };
+    let claimed = match claim_in(pg, &mut tx, &plan.claim, |f| plan.same_request(f)).await {
+        Ok(Some(claimed @ Verdict::Acquired { .. })) => claimed,
+        // The try-lock failed: this transaction holds nothing, and dropping it rolls it back
+        // as its connection returns to the pool, after the 409 is on its way.
+        Ok(None) => Verdict::InProgress {
+            lease_left: plan.claim.lease,
+        },
+        // It holds the key's lock: end it before answering, or the client's next request
+        // could still meet the lock and get a 409 for a key that is free.
+        Ok(Some(decided)) => {
+            pg.rollback(tx, route).await;
+            return answer(handle, req, decided, || {
+                unreachable!("only an acquired key is held")
+            });
+        }
+        Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
+    };
+    answer(handle, req, claimed, || {
+        let mut settle = Settle {
+            recording: req.endpoint.recording,
+            ..settle_for(
+                handle,
+                store,
+                Some(Reserved {
+                    scope: *req.input.scope.hash(),
+                    key: req.key.clone(),
+                    token: plan.claim.token,
+                }),
+                req.endpoint.retention,
+                req.endpoint.max_response,
+                route,
+            )
+        };
+        settle._in_flight = Some(guard);
+        Held {
+            tx: EnlistedTx::new(tx),
+            settle,
+        }
+    })
+}
 
 /// An enlisted handler's whole run: `handler` gets the transaction and hands it back with its
 /// response, which then commits or rolls back. A panic rolls the transaction back before the
@@ -44,7 +220,7 @@ where
         }
         Err(_) => {
             settle.panicked().await;
-            Ended::Panicked(refuse(&handle, &handle.panicked(&route)))
+            Ended::Panicked(refuse(&handle, &super::refusals::panicked(&route)))
         }
     }
 }

@@ -24,8 +24,7 @@ mod body;
 mod claim;
 #[cfg(feature = "postgres")]
 mod enlisted;
-mod misuse;
-mod refuse;
+mod refusals;
 #[cfg(test)]
 mod tests;
 
@@ -38,16 +37,16 @@ use std::task::Poll;
 
 use bytes::Bytes;
 
-pub(crate) use body::{BodyError, Chunks, Collected};
-#[cfg(feature = "postgres")]
-pub(crate) use claim::ClaimPlan;
-pub use claim::{Begin, BeginRequest};
+pub use body::Chunks;
+pub(crate) use body::{BodyError, Collected};
+pub use claim::{Begin, BeginRequest, begin};
 pub(crate) use claim::{ClaimMode, Detached};
-#[cfg(feature = "postgres")]
-pub(crate) use enlisted::enlisted_work;
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub(crate) use enlisted::settle_enlisted;
-pub(crate) use misuse::{LayerWatch, Watch, misconfigured, required_under_optional};
+#[cfg(feature = "postgres")]
+pub(crate) use enlisted::{Enlisted, enlisted_work};
+#[cfg(feature = "axum")]
+pub(crate) use refusals::misconfigured;
 
 use crate::budget::BufferPermit;
 use crate::config::{Effective, EndpointConfig, Oversized};
@@ -55,7 +54,7 @@ use crate::context::IdempotencyContext;
 use crate::fingerprint::FingerprintInput;
 use crate::handle::Idempotency;
 use crate::key::{self, IdempotencyKey};
-use crate::problem::{Problem, RenderedRefusal};
+use crate::problem::{Problem, ProblemCode, RenderedRefusal};
 use crate::reservation::{Outcome, Reservation};
 use crate::scope::{self, Identity, Resolution};
 use crate::store::RecordedResponse;
@@ -72,8 +71,8 @@ pub(crate) struct Handled {
     pub(crate) require_key: bool,
 }
 
-/// What the pipeline reads of a request's head.
-pub(crate) trait Head {
+/// What the pipeline reads of a request's head (see [`crate::adapter`]).
+pub trait Head {
     /// The method, e.g. `POST`.
     fn method(&self) -> &str;
     /// The matched route pattern (with any nest or scope prefix); `None` outside a route.
@@ -92,15 +91,19 @@ pub(crate) trait Head {
 
 /// What the pipeline needs of a framework's response: read it apart, put it back together,
 /// and build the answers the pipeline gives itself.
-pub(crate) trait Reply: Sized {
+pub trait Reply: Sized {
     /// Everything but the body.
     type Head;
     /// The body, read to record it.
     type Body: Chunks;
 
+    /// The status code.
     fn status(&self) -> u16;
+    /// Every header line, in order (names lowercase, as HTTP/2 and the `http` crate keep them).
     fn headers(&self) -> impl Iterator<Item = (&str, &[u8])>;
+    /// The response taken apart, to read its body.
     fn into_parts(self) -> (Self::Head, Self::Body);
+    /// The response put back together, unchanged.
     fn from_parts(head: Self::Head, body: Self::Body) -> Self;
     /// The response with its body recorded in full; `drained` is the original body, read to
     /// its end (kept where the framework distinguishes "no body" from an empty one).
@@ -162,7 +165,7 @@ pub(crate) trait Reply: Sized {
 
 /// The answer when the application provided no [`Idempotency`] handle: a setup mistake, logged
 /// with `fix`.
-pub(crate) fn store_missing<R: Reply>(route: &str, fix: &str) -> R {
+pub(crate) fn handle_missing<R: Reply>(route: &str, fix: &str) -> R {
     tracing::error!(route, "#[idempotent] found no Idempotency handle: {fix}");
     R::internal("the idempotency store is not configured")
 }
@@ -188,6 +191,33 @@ pub(crate) fn enlisted_behind_layer<R: Reply>(route: &str) -> R {
          the handler"
     );
     R::internal("an enlisted handler cannot run behind the idempotency layer")
+}
+
+/// An attribute with `require_key` under an outer layer whose key is optional (the watch says
+/// it once). In strict mode every request is refused (500), keyed or not; otherwise a keyless
+/// one, which the outer step let through, is refused as the attribute alone would (400), and a
+/// keyed one (`None`) goes on under the outer step's claim.
+pub(crate) fn required_under_optional<R: Reply>(
+    handle: Option<&Idempotency>,
+    route: &str,
+    keyed: bool,
+) -> Option<R> {
+    crate::watch::required_under_optional(handle.map(Idempotency::watch), route);
+    let strict = handle.map_or(cfg!(debug_assertions), |h| h.config().strict());
+    let problem = match handle {
+        _ if strict => refusals::misconfigured(),
+        _ if keyed => return None,
+        Some(handle) => refusals::key_missing(handle.config(), route),
+        None => Problem::new(
+            400,
+            ProblemCode::KeyRequired,
+            "an Idempotency-Key header is required",
+        ),
+    };
+    Some(match handle {
+        Some(handle) => refuse(handle, &problem),
+        None => R::problem(&problem, RenderedRefusal::problem_json(&problem)),
+    })
 }
 
 /// A refusal as the framework's response, rendered by the handle's renderer.
@@ -219,6 +249,11 @@ fn route_of<H: Head>(head: &H) -> &str {
     head.route().unwrap_or("")
 }
 
+/// GET, HEAD, OPTIONS and TRACE: repeating them changes nothing, so they always pass.
+fn is_safe(method: &str) -> bool {
+    matches!(method, "GET" | "HEAD" | "OPTIONS" | "TRACE")
+}
+
 /// A request whose body was read in full, ready to be scoped and claimed.
 pub(crate) struct Buffered {
     /// `None` only in a mode that buffers requests without a key (enlisted).
@@ -226,6 +261,13 @@ pub(crate) struct Buffered {
     pub(crate) body: Bytes,
     permit: BufferPermit,
     effective: Effective,
+}
+
+impl Buffered {
+    /// The endpoint's rules for what is recorded.
+    pub(crate) fn recording(&self) -> crate::config::Recording {
+        self.effective.recording
+    }
 }
 
 /// What to do after the key and body steps.
@@ -248,11 +290,31 @@ pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
 ) -> Front<B> {
     let route = route_of(head);
     let effective = endpoint.resolve(handle.config());
-    let key = match key::parse_header_values(head.header_values(handle.config().key_header())) {
-        Err(error) => return Front::Refuse(handle.key_invalid(error, route)),
-        Ok(None) if effective.require_key => return Front::Refuse(handle.key_missing(route)),
-        Ok(None) if !M::BUFFERS_UNKEYED => return Front::Pass(body),
-        Ok(key) => key,
+    let keys = head.header_values(handle.config().key_header());
+    let key = if effective.methods.contains(head.method()) {
+        match key::parse_header_values(keys) {
+            Err(error) => return Front::Refuse(refusals::key_invalid(error, route)),
+            Ok(None) if effective.require_key => {
+                return Front::Refuse(refusals::key_missing(handle.config(), route));
+            }
+            Ok(None) if !M::BUFFERS_UNKEYED => return Front::Pass(body),
+            Ok(key) => key,
+        }
+    } else {
+        // Not this endpoint's method: it passes untouched (enlisted: in a transaction, as a
+        // request without a key). A keyed unsafe one shows a handler routed for a method its
+        // attribute does not list.
+        let method = head.method();
+        if keys.count() > 0 && !is_safe(method) {
+            handle.watch().unlisted_method(route, method);
+            if handle.config().strict() {
+                return Front::Refuse(refusals::misconfigured());
+            }
+        }
+        if !M::BUFFERS_UNKEYED {
+            return Front::Pass(body);
+        }
+        None
     };
     let announced = first_header(head, "content-length")
         .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse::<u64>().ok());
@@ -273,17 +335,19 @@ pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
             effective,
         }),
         Err(BodyError::TooLarge) => {
-            Front::Refuse(handle.payload_too_large(effective.max_body, route))
+            Front::Refuse(refusals::payload_too_large(effective.max_body, route))
         }
-        Err(BodyError::Timeout) => Front::Refuse(handle.body_timeout(route)),
-        Err(BodyError::BuffersFull) => Front::Refuse(handle.buffers_full(route)),
-        Err(BodyError::Broken) => Front::Refuse(handle.body_invalid(route)),
+        Err(BodyError::Timeout) => Front::Refuse(refusals::body_timeout(handle.config(), route)),
+        Err(BodyError::BuffersFull) => {
+            Front::Refuse(refusals::buffers_full(handle.config(), route))
+        }
+        Err(BodyError::Broken) => Front::Refuse(refusals::body_invalid(route)),
     }
 }
 
-/// A request that holds its key (or, enlisted without a key, its transaction): run the
+/// A request admitted to run: it holds its key (or, enlisted without a key, its transaction); run the
 /// handler on `body`, then settle `held`.
-pub(crate) struct Claimed<H> {
+pub(crate) struct Admitted<H> {
     pub(crate) held: H,
     pub(crate) body: Bytes,
     pub(crate) permit: BufferPermit,
@@ -300,7 +364,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
     handle: &Idempotency,
     head: &H,
     buffered: Buffered,
-) -> Result<Claimed<M::Held>, R> {
+) -> Result<Admitted<M::Held>, R> {
     let Buffered {
         key,
         body,
@@ -308,7 +372,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
         effective,
     } = buffered;
     let route = route_of(head);
-    let claimed = |held, context| Claimed {
+    let claimed = |held, context| Admitted {
         held,
         body: body.clone(),
         permit,
@@ -345,7 +409,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
     // Before the claim, so strict mode refuses a second memory store's request with nothing
     // written.
     if handle.watch().served(route) && handle.config().strict() {
-        return Err(refuse(handle, &misuse::misconfigured()));
+        return Err(refuse(handle, &refusals::misconfigured()));
     }
     match M::begin(handle, &request).await {
         Begin::Run(held) => {
@@ -394,7 +458,7 @@ pub(crate) fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope:
         let peer = if named { None } else { peer()? };
         scope::resolve(identity, credential, peer, config.anonymous())
     };
-    let unresolved = |error| handle.scope_unresolved(error, route);
+    let unresolved = |error| refusals::scope_unresolved(error, route);
     if let Some(scoped) = head.with_identity(|published| published.map(|i| resolve(Some(i)))) {
         return scoped.map_err(unresolved);
     }
@@ -411,7 +475,7 @@ pub(crate) fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope:
     match resolver(&request) {
         Resolution::Identity(identity) => resolve(Some(&identity)).map_err(unresolved),
         Resolution::Unknown => resolve(None).map_err(unresolved),
-        Resolution::Refuse(problem) => Err(handle.resolver_refused(problem, route)),
+        Resolution::Refuse(problem) => Err(refusals::resolver_refused(problem, route)),
     }
 }
 
@@ -425,7 +489,7 @@ impl<H: Head> scope::HeaderLookup for Headers<'_, H> {
 }
 
 /// How claimed work ended, for the adapter to answer.
-pub(crate) enum Ended<R, T, E> {
+pub enum Ended<R, T, E> {
     /// The handler answered `R` (recorded or released by now); `T` travels beside it.
     Answered(R, T),
     /// The handler failed without an answer (an inner service's error): the key was released.
@@ -437,7 +501,7 @@ pub(crate) enum Ended<R, T, E> {
 /// What answered a claimed request: the handler itself (the attribute), or a router the
 /// layer or middleware sits in front of, which may refuse a request no handler serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Served {
+pub enum Served {
     /// The handler's own answer: settled as it is.
     ByHandler,
     /// Through a router: its refusals (see [`routing_refusal`]) release the key unrecorded.
@@ -480,7 +544,7 @@ where
     R: Reply,
 {
     match reservation.run(handler).await {
-        Outcome::Panicked => Ended::Panicked(refuse(&handle, &handle.panicked(&route))),
+        Outcome::Panicked => Ended::Panicked(refuse(&handle, &refusals::panicked(&route))),
         Outcome::Returned(Err(error)) => {
             reservation.release().await;
             Ended::Failed(error)
@@ -540,9 +604,9 @@ where
             Ok(Poll::Ready(ended)) => ended,
             Ok(Poll::Pending) => match spawn(work).await {
                 Ok(ended) => ended,
-                Err(_) => Ended::Panicked(refuse(handle, &handle.task_failed(route))),
+                Err(_) => Ended::Panicked(refuse(handle, &refusals::task_failed(route))),
             },
-            Err(_) => Ended::Panicked(refuse(handle, &handle.task_failed(route))),
+            Err(_) => Ended::Panicked(refuse(handle, &refusals::task_failed(route))),
         }
     }
 }

@@ -316,7 +316,7 @@ async fn claimed(
     handle: &Idempotency,
     head: &TestHead,
     body: &'static [u8],
-) -> Claimed<Reservation> {
+) -> Admitted<Reservation> {
     let buffered = buffered(handle, head, TestBody::of(&[body])).await;
     match claim::<Detached, _, Sent>(handle, head, buffered).await {
         Ok(claimed) => claimed,
@@ -949,7 +949,7 @@ async fn claimed_on(
     handle: &Idempotency,
     endpoint: &EndpointConfig,
     head: &TestHead,
-) -> Claimed<Reservation> {
+) -> Admitted<Reservation> {
     let front = front::<Detached, _, _>(handle, endpoint, head, TestBody::of(&[b"{}"])).await;
     let Front::Buffered(buffered) = front else {
         panic!("not buffered");

@@ -1,6 +1,6 @@
 //! Setups that would silently turn protection off, detected on the request that shows them and
 //! said once, loudly, with the fix: a `tracing` error and the `misconfigured` counter. In strict
-//! mode ([`Config::strict`](crate::Config::strict)) the first three are also refused, on every
+//! mode ([`Config::strict`](crate::Config::strict)) the first four are also refused, on every
 //! request that shows them, with 500 `IDEMPOTENCY_MISCONFIGURED` before anything is claimed:
 //!
 //! - two different memory stores serving one route in one process (actix builds app data per
@@ -9,18 +9,23 @@
 //!   router, so it passes everything through);
 //! - a `require_key` attribute under a layer whose key is optional (the attribute enforces its
 //!   own requirement: the request is refused, not passed);
+//! - a keyed request with an unsafe method (PUT, DELETE, …) that an `#[idempotent]` handler is
+//!   routed for but does not list in its `methods` (it would run unprotected);
 //! - one peer address sending many distinct forwarded addresses while no proxy is trusted (every
 //!   client behind that proxy would share its address as scope).
+//!
+//! The watch is what one handle has seen: the handle owns one ([`Watch`]), each router-level
+//! layer its own ([`LayerWatch`]). It only says; the pipeline decides the answer.
+
+// Asked by the framework integrations only.
+#![cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
 
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use super::Reply;
-use crate::handle::Idempotency;
 use crate::observe::{self, Event};
-use crate::problem::{Problem, ProblemCode, RenderedRefusal};
 
 /// Each trap is said once per process (or once per layer), however often it shows.
 fn once(flag: &AtomicBool) -> bool {
@@ -56,16 +61,6 @@ fn server() -> Option<usize> {
     worker.then_some(usize::MAX)
 }
 
-/// The answer to a request that shows a setup mistake in strict mode; the log line says the
-/// fix, the client only that the server is misconfigured.
-pub(crate) fn misconfigured() -> Problem {
-    Problem::new(
-        500,
-        ProblemCode::Misconfigured,
-        "idempotency is misconfigured on this server (strict mode); its log names the fix",
-    )
-}
-
 /// What one handle has seen: the routes it registered for its memory store, and the forwarded
 /// addresses each peer sent while no proxy is trusted.
 #[derive(Debug)]
@@ -80,6 +75,7 @@ pub(crate) struct Watch {
     split_said: AtomicBool,
     proxy_said: AtomicBool,
     keyless_said: AtomicBool,
+    unlisted_said: AtomicBool,
 }
 
 /// A `(server, route)` key looked up without allocating one: hashed as the tuple it stands for.
@@ -110,6 +106,7 @@ impl Watch {
             split_said: AtomicBool::new(false),
             proxy_said: AtomicBool::new(false),
             keyless_said: AtomicBool::new(false),
+            unlisted_said: AtomicBool::new(false),
         }
     }
 
@@ -146,6 +143,22 @@ impl Watch {
             );
         }
         other && server.is_some()
+    }
+
+    /// A keyed request with an unsafe method the endpoint does not list reached an
+    /// `#[idempotent]` handler (routed with `put(…)` or `delete(…)` under the default POST and
+    /// PATCH, say): it would pass through unprotected. Said once.
+    pub(crate) fn unlisted_method(&self, route: &str, method: &str) {
+        if once(&self.unlisted_said) {
+            observe::count(Event::Misconfigured, route);
+            tracing::error!(
+                route,
+                method,
+                "a keyed {method} request reached an #[idempotent] handler that does not apply to \
+                 {method} (by default POST and PATCH), so it runs unprotected: add \
+                 `methods = [\"{method}\"]` to #[idempotent] (beside any other method it serves)"
+            );
+        }
     }
 
     /// A request from `peer` carried `X-Forwarded-For` although no proxy is trusted.
@@ -212,6 +225,7 @@ impl LayerWatch {
     /// service stack around one): a request without a matched route then certainly shows the
     /// layer misplaced, as that router sets the matched route only for its own handlers. (Put
     /// behind another router's route, with `route_service`, its requests arrive matched.)
+    #[cfg(feature = "axum")]
     pub(crate) fn wraps_router(inner: &str) -> bool {
         // The type's name is the only sign the layer gets; a name that ever stopped matching
         // leaves the request count of `saw` to speak.
@@ -220,6 +234,7 @@ impl LayerWatch {
 
     /// An applicable request without a matched route reached a layer around a finished
     /// router: said once, on the first.
+    #[cfg(feature = "axum")]
     pub(crate) fn outside_router(&self, path: &str) {
         if once(&self.said) {
             observe::count(Event::Misconfigured, path);
@@ -252,17 +267,11 @@ impl LayerWatch {
     }
 }
 
-/// An attribute with `require_key` under an outer layer whose key is optional. Said once. In
-/// strict mode every request is refused (500), keyed or not; otherwise a keyless one, which the
-/// outer step let through, is refused as the attribute alone would (400), and a keyed one
-/// (`None`) goes on under the outer step's claim.
-pub(crate) fn required_under_optional<R: Reply>(
-    handle: Option<&Idempotency>,
-    route: &str,
-    keyed: bool,
-) -> Option<R> {
+/// An attribute with `require_key` under an outer layer whose key is optional: said once
+/// per handle (or once per process without one). The pipeline decides the answer.
+pub(crate) fn required_under_optional(watch: Option<&Watch>, route: &str) {
     static WITHOUT_HANDLE: AtomicBool = AtomicBool::new(false);
-    let said = handle.map_or(&WITHOUT_HANDLE, |h| &h.watch().keyless_said);
+    let said = watch.map_or(&WITHOUT_HANDLE, |w| &w.keyless_said);
     if once(said) {
         observe::count(Event::Misconfigured, route);
         tracing::error!(
@@ -273,21 +282,6 @@ pub(crate) fn required_under_optional<R: Reply>(
              or remove it from this route"
         );
     }
-    let strict = handle.map_or(cfg!(debug_assertions), |h| h.config().strict());
-    let problem = match handle {
-        _ if strict => misconfigured(),
-        _ if keyed => return None,
-        Some(handle) => handle.key_missing(route),
-        None => Problem::new(
-            400,
-            ProblemCode::KeyRequired,
-            "an Idempotency-Key header is required",
-        ),
-    };
-    Some(match handle {
-        Some(handle) => super::refuse(handle, &problem),
-        None => R::problem(&problem, RenderedRefusal::problem_json(&problem)),
-    })
 }
 
 #[cfg(test)]
