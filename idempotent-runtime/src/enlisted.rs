@@ -455,7 +455,7 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
     };
     handle.answer(req, claimed, || {
         let mut settle = Settle {
-            recording: req.endpoint.recording,
+            recording: req.endpoint.recording.clone(),
             ..settle_for(
                 handle,
                 store,
@@ -485,7 +485,7 @@ impl Settle {
 
     /// The endpoint's rules for what is recorded.
     pub(crate) fn recording(&self) -> Recording {
-        self.recording
+        self.recording.clone()
     }
 
     /// The matched route, for log lines.

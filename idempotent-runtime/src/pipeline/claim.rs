@@ -189,7 +189,7 @@ impl Idempotency {
                     route,
                     self.enter_running(),
                 )
-                .with_recording(req.endpoint.recording)
+                .with_recording(req.endpoint.recording.clone())
             }),
             Err(error) => {
                 let mode = req.endpoint.failure_mode;

@@ -549,7 +549,7 @@ pub(crate) async fn settle<R: Reply>(
 ) -> R {
     let config = handle.config();
     let status = response.status();
-    let recording = *reservation.recording();
+    let recording = reservation.recording().clone();
     if !reservation.is_guarded() || !recording.is_recordable_status(config, status) {
         reservation.release().await;
         return response;
