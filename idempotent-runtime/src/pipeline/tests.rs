@@ -15,6 +15,11 @@ use crate::config::Config;
 use crate::problem::ProblemCode;
 use crate::store::memory::MemoryStore;
 
+// `'static` references: an `EndpointConfig` owns its lists, so `&EndpointConfig::REQUIRED` is a
+// temporary.
+const OPTIONAL: &EndpointConfig = &EndpointConfig::OPTIONAL;
+const REQUIRED: &EndpointConfig = &EndpointConfig::REQUIRED;
+
 #[derive(Default)]
 struct TestHead {
     headers: Vec<(&'static str, Vec<u8>)>,
@@ -305,7 +310,7 @@ fn refusal<B>(front: Front<B>) -> ProblemCode {
 }
 
 async fn buffered(handle: &Idempotency, head: &TestHead, body: TestBody) -> Buffered {
-    match front::<Detached, _, _>(handle, &EndpointConfig::REQUIRED, head, body).await {
+    match front::<Detached, _, _>(handle, REQUIRED, head, body).await {
         Front::Buffered(buffered) => buffered,
         Front::Refuse(problem) => panic!("refused: {problem:?}"),
         Front::Pass(_) => panic!("passed"),
@@ -338,7 +343,7 @@ async fn key_syntax_and_presence_are_checked_before_the_body() {
     let bad = TestHead::keyed("a,b");
     let step = front::<Detached, _, _>(
         &handle,
-        &EndpointConfig::OPTIONAL,
+        OPTIONAL,
         &bad,
         TestBody::stalled(),
     );
@@ -346,14 +351,14 @@ async fn key_syntax_and_presence_are_checked_before_the_body() {
     let none = TestHead::default();
     let required = front::<Detached, _, _>(
         &handle,
-        &EndpointConfig::REQUIRED,
+        REQUIRED,
         &none,
         TestBody::stalled(),
     );
     assert_eq!(refusal(required.await), ProblemCode::KeyRequired);
     let optional = front::<Detached, _, _>(
         &handle,
-        &EndpointConfig::OPTIONAL,
+        OPTIONAL,
         &none,
         TestBody::of(&[b"x"]),
     );
@@ -369,7 +374,7 @@ async fn an_announced_length_over_the_cap_is_refused_without_reading() {
     let head = TestHead::keyed("k").header("content-length", "2000000");
     let step = front::<Detached, _, _>(
         &handle,
-        &EndpointConfig::REQUIRED,
+        REQUIRED,
         &head,
         TestBody::stalled(),
     );
@@ -383,7 +388,7 @@ async fn a_body_is_refused_when_what_arrived_passes_the_cap() {
         .build();
     let head = TestHead::keyed("k");
     let body = TestBody::of(&[b"abc", b"de"]);
-    let step = front::<Detached, _, _>(&handle, &EndpointConfig::REQUIRED, &head, body);
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &head, body);
     assert_eq!(refusal(step.await), ProblemCode::PayloadTooLarge);
     assert_eq!(
         handle.buffered_bytes(),
@@ -398,7 +403,7 @@ async fn a_body_broken_mid_read_is_body_invalid() {
     let mut body = TestBody::of(&[b"abc"]);
     body.chunks.push_back(Err("connection reset"));
     let head = TestHead::keyed("k");
-    let step = front::<Detached, _, _>(&handle, &EndpointConfig::REQUIRED, &head, body);
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &head, body);
     assert_eq!(refusal(step.await), ProblemCode::BodyInvalid);
 }
 
@@ -414,7 +419,7 @@ async fn a_body_slower_than_the_timeout_is_refused() {
     let head = TestHead::keyed("k");
     let step = front::<Detached, _, _>(
         &handle,
-        &EndpointConfig::REQUIRED,
+        REQUIRED,
         &head,
         TestBody::stalled(),
     );
@@ -429,7 +434,7 @@ async fn announced_bodies_that_never_arrive_hold_no_budget() {
     for _ in 0..300 {
         let step = front::<Detached, _, _>(
             &handle,
-            &EndpointConfig::REQUIRED,
+            REQUIRED,
             &idle,
             TestBody::stalled(),
         );
@@ -458,7 +463,7 @@ async fn bytes_that_arrived_beyond_the_budget_are_refused_with_store_full() {
     let handle = handle_with_budget(8);
     let head = TestHead::keyed("k");
     let body = TestBody::of(&[b"12345", b"6789"]);
-    let step = front::<Detached, _, _>(&handle, &EndpointConfig::REQUIRED, &head, body);
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &head, body);
     assert_eq!(refusal(step.await), ProblemCode::StoreFull);
     assert_eq!(handle.buffered_bytes(), 0);
 }
@@ -672,7 +677,7 @@ async fn the_key_header_is_a_setting() {
     let default_name = TestHead::keyed("k");
     let step = front::<Detached, _, _>(
         &handle,
-        &EndpointConfig::REQUIRED,
+        REQUIRED,
         &default_name,
         TestBody::stalled(),
     );
@@ -680,7 +685,7 @@ async fn the_key_header_is_a_setting() {
     let bad = TestHead::default().header("x-idempotency-key", "a,b");
     let step = front::<Detached, _, _>(
         &handle,
-        &EndpointConfig::OPTIONAL,
+        OPTIONAL,
         &bad,
         TestBody::stalled(),
     );
@@ -1044,7 +1049,7 @@ async fn an_oversized_answer_releases_its_key_by_default() {
     let handle = handle_with(Config::builder().max_response(4).build());
     let head = TestHead::keyed("k-receipt");
     for sized in [true, false] {
-        let claimed = claimed_on(&handle, &EndpointConfig::REQUIRED, &head).await;
+        let claimed = claimed_on(&handle, REQUIRED, &head).await;
         let sent = settle(&handle, claimed.held, oversized_answer(sized)).await;
         assert_eq!(sent.0.status, 201);
         assert!(
