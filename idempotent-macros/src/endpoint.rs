@@ -14,8 +14,8 @@
 //!
 //! Each value goes through the runtime's parser or check (the grammar the file form reads
 //! too), spanned at the literal it came from: a bad value panics in the `const`, and the
-//! compiler reports that at the user's token. Constants of non-generic impls are evaluated
-//! whether or not the handler is routed, `cargo check` included.
+//! compiler reports that at the user's token. A free `const _` naming the impl's constant makes
+//! the compiler evaluate it whether or not the handler is routed, `cargo check` included.
 
 use proc_macro2::{Group, Literal, Span, TokenStream, TokenTree};
 use quote::quote;
@@ -124,5 +124,10 @@ pub(crate) fn item(
         impl #private::Endpoint for #name {
             const CONFIG: &'static #private::EndpointConfig = #config;
         }
+        // A free constant is evaluated whether or not anything uses it; the impl's constant
+        // only where the extractor is instantiated (a routed handler), which `cargo check`
+        // never does.
+        #(#attrs)*
+        const _: &'static #private::EndpointConfig = <#name as #private::Endpoint>::CONFIG;
     }
 }

@@ -219,6 +219,8 @@ pub struct Config {
     pub(crate) credential_headers: Vec<String>,
     pub(crate) methods: Methods,
     pub(crate) strict: bool,
+    pub(crate) max_buffered_bytes: usize,
+    pub(crate) sweeper: bool,
 }
 
 impl Default for Config {
@@ -252,6 +254,8 @@ impl Default for Config {
             credential_headers: vec!["authorization".to_owned()],
             methods: Methods::DEFAULT,
             strict: cfg!(debug_assertions),
+            max_buffered_bytes: 256 << 20,
+            sweeper: true,
         }
     }
 }
@@ -348,6 +352,15 @@ impl Config {
     /// debug builds, see [`ConfigBuilder::strict`]).
     pub fn strict(&self) -> bool {
         self.strict
+    }
+    /// Bound on the bytes of request and response bodies buffered at once across all requests
+    /// (default 256 MiB; see [`ConfigBuilder::max_buffered_bytes`]).
+    pub fn max_buffered_bytes(&self) -> usize {
+        self.max_buffered_bytes
+    }
+    /// Whether the handle runs the background sweeper (default on).
+    pub fn sweeper(&self) -> bool {
+        self.sweeper
     }
 
     /// Whether a response with this final status may be recorded and replayed.
@@ -498,6 +511,21 @@ impl ConfigBuilder {
     /// turned into an outage. Set it either way to decide for yourself.
     pub fn strict(mut self, on: bool) -> Self {
         self.0.strict = on;
+        self
+    }
+    /// Bound on the bytes of request and response bodies buffered at once across all requests
+    /// (default 256 MiB). Past it, new requests get 503 `IDEMPOTENCY_STORE_FULL`. The handle
+    /// builder's [`max_buffered_bytes`](crate::handle::Builder::max_buffered_bytes), where
+    /// given, wins.
+    pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
+        self.0.max_buffered_bytes = bytes;
+        self
+    }
+    /// Whether the handle runs the background sweeper, when built inside a Tokio runtime
+    /// (default on). Turn it off when another process sweeps the shared store. The handle
+    /// builder's [`sweeper`](crate::handle::Builder::sweeper), where given, wins.
+    pub fn sweeper(mut self, on: bool) -> Self {
+        self.0.sweeper = on;
         self
     }
     /// The finished configuration.
@@ -977,280 +1005,5 @@ mod tests {
     }
 }
 
-/// `Config` from a service's own configuration file (feature `serde`): every field optional,
-/// defaulting as [`Config::default`]; durations and sizes in human units.
 #[cfg(feature = "serde")]
-mod file {
-    use std::time::Duration;
-
-    use serde::Deserialize;
-    use serde::de::{self, Deserializer};
-
-    use super::{Config, FailureMode, Methods, MissingKeyStatus, Oversized, ReuseStatus, grammar};
-    use crate::scope::Anonymous;
-
-    /// A duration or a size in [the grammar](super::grammar) the attribute shares, or a number
-    /// (of seconds for a duration, of bytes for a size).
-    struct Human<T>(T);
-
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Raw {
-        Number(f64),
-        Text(String),
-    }
-
-    impl<'de> Deserialize<'de> for Human<Duration> {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            match Raw::deserialize(d)? {
-                Raw::Number(secs) => Duration::try_from_secs_f64(secs).map_err(|_| {
-                    de::Error::custom(format!(
-                        "{secs} is not a duration: a number is seconds, at least zero"
-                    ))
-                }),
-                Raw::Text(text) => grammar::parse_duration(&text)
-                    .map_err(|e| de::Error::custom(format!("{text:?} {e}"))),
-            }
-            .map(Human)
-        }
-    }
-
-    impl<'de> Deserialize<'de> for Human<usize> {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            match Raw::deserialize(d)? {
-                Raw::Number(n) if n >= 0.0 && n.fract() == 0.0 && n <= usize::MAX as f64 => {
-                    Ok(n as usize)
-                }
-                Raw::Number(n) => Err(de::Error::custom(format!(
-                    "{n} is not a size: a number is a whole number of bytes"
-                ))),
-                Raw::Text(text) => grammar::parse_size(&text)
-                    .map_err(|e| de::Error::custom(format!("{text:?} {e}"))),
-            }
-            .map(Human)
-        }
-    }
-
-    #[derive(Deserialize)]
-    #[serde(rename_all = "snake_case")]
-    enum Mode {
-        Closed,
-        Open,
-    }
-
-    #[derive(Deserialize)]
-    #[serde(rename_all = "snake_case")]
-    enum OversizedPolicy {
-        RunAgain,
-        RecordWithoutBody,
-    }
-
-    #[derive(Deserialize)]
-    #[serde(rename_all = "snake_case")]
-    enum AnonymousPolicy {
-        PeerIp,
-        Refuse,
-    }
-
-    #[derive(Deserialize, Default)]
-    #[serde(default, deny_unknown_fields)]
-    struct File {
-        lease: Option<Human<Duration>>,
-        retention: Option<Human<Duration>>,
-        in_progress_retry_after: Option<Human<Duration>>,
-        store_retry_after: Option<Human<Duration>>,
-        max_body: Option<Human<usize>>,
-        max_response: Option<Human<usize>>,
-        body_timeout: Option<Human<Duration>>,
-        non_replayable: Option<Vec<u16>>,
-        recorded_headers: Option<Vec<String>>,
-        reuse_status: Option<u16>,
-        missing_key_status: Option<u16>,
-        failure_mode: Option<Mode>,
-        oversized: Option<OversizedPolicy>,
-        anonymous: Option<AnonymousPolicy>,
-        trusted_proxies: Option<Vec<String>>,
-        shutdown_grace: Option<Human<Duration>>,
-        methods: Option<Vec<String>>,
-        strict: Option<bool>,
-    }
-
-    /// Every field is optional and defaults as [`Config::default`]. Durations are strings with
-    /// a unit (`ms`, `s`, `m`, `h`, `d`) or seconds as a number; sizes are strings with a unit
-    /// (`KiB`, `MiB`, `GiB`, `kB`, `MB`, `GB`) or bytes as a number; `reuse_status` is 422 or
-    /// 409, `missing_key_status` 400 or 428, `failure_mode` `"closed"` or `"open"`, `oversized`
-    /// `"run_again"` or `"record_without_body"`, `anonymous` `"peer_ip"` or `"refuse"`,
-    /// `trusted_proxies` CIDR strings, `methods` a list of `"POST"`, `"PUT"`, `"PATCH"`,
-    /// `"DELETE"`, `strict` a boolean. Unknown fields are refused, so a misspelt setting never
-    /// silently keeps its default.
-    ///
-    /// ```
-    /// # fn main() -> Result<(), serde_json::Error> {
-    /// use std::time::Duration;
-    /// use idempotent_runtime::Config;
-    ///
-    /// let config: Config = serde_json::from_str(r#"{"lease": "30s", "max_body": "64KiB"}"#)?;
-    /// assert_eq!(config.lease(), Duration::from_secs(30));
-    /// assert_eq!(config.max_body(), 64 * 1024);
-    /// # Ok(()) }
-    /// ```
-    impl<'de> Deserialize<'de> for Config {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            let f = File::deserialize(d)?;
-            let mut b = Config::builder();
-            if let Some(Human(v)) = f.lease {
-                b = b.lease(v);
-            }
-            if let Some(Human(v)) = f.retention {
-                b = b.retention(v);
-            }
-            if let Some(Human(v)) = f.in_progress_retry_after {
-                b = b.in_progress_retry_after(v);
-            }
-            if let Some(Human(v)) = f.store_retry_after {
-                b = b.store_retry_after(v);
-            }
-            if let Some(Human(v)) = f.max_body {
-                b = b.max_body(v);
-            }
-            if let Some(Human(v)) = f.max_response {
-                b = b.max_response(v);
-            }
-            if let Some(Human(v)) = f.body_timeout {
-                b = b.body_timeout(v);
-            }
-            if let Some(Human(v)) = f.shutdown_grace {
-                b = b.shutdown_grace(v);
-            }
-            if let Some(v) = f.non_replayable {
-                b = b.non_replayable(v);
-            }
-            if let Some(v) = f.recorded_headers {
-                b = b.recorded_headers(v);
-            }
-            b = match f.reuse_status {
-                None => b,
-                Some(422) => b.reuse_status(ReuseStatus::UnprocessableContent),
-                Some(409) => b.reuse_status(ReuseStatus::Conflict),
-                Some(other) => {
-                    return Err(de::Error::custom(format!(
-                        "reuse_status {other}: 422 or 409"
-                    )));
-                }
-            };
-            b = match f.missing_key_status {
-                None => b,
-                Some(400) => b.missing_key_status(MissingKeyStatus::BadRequest),
-                Some(428) => b.missing_key_status(MissingKeyStatus::PreconditionRequired),
-                Some(other) => {
-                    return Err(de::Error::custom(format!(
-                        "missing_key_status {other}: 400 or 428"
-                    )));
-                }
-            };
-            b = match f.failure_mode {
-                None => b,
-                Some(Mode::Closed) => b.failure_mode(FailureMode::Closed),
-                Some(Mode::Open) => b.failure_mode(FailureMode::Open),
-            };
-            b = match f.oversized {
-                None => b,
-                Some(OversizedPolicy::RunAgain) => b.oversized(Oversized::RunAgain),
-                Some(OversizedPolicy::RecordWithoutBody) => {
-                    b.oversized(Oversized::RecordWithoutBody)
-                }
-            };
-            b = match f.anonymous {
-                None => b,
-                Some(AnonymousPolicy::PeerIp) => b.anonymous(Anonymous::PeerIp),
-                Some(AnonymousPolicy::Refuse) => b.anonymous(Anonymous::Refuse),
-            };
-            if let Some(nets) = f.trusted_proxies {
-                let nets = nets
-                    .iter()
-                    .map(|n| {
-                        n.parse().map_err(|_| {
-                            de::Error::custom(format!("trusted_proxies: {n:?} is not a CIDR"))
-                        })
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                b = b.trusted_proxies(nets);
-            }
-            if let Some(names) = f.methods {
-                let methods = names
-                    .iter()
-                    .map(|n| {
-                        Methods::parse(n)
-                            .map_err(|why| de::Error::custom(format!("methods: {n:?}: {why}")))
-                    })
-                    .collect::<Result<Methods, _>>()?;
-                b = b.methods(methods);
-            }
-            if let Some(on) = f.strict {
-                b = b.strict(on);
-            }
-            Ok(b.build())
-        }
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        /// The file form reads durations and sizes through the one grammar: it accepts what
-        /// the grammar accepts, with the same value, and refuses the rest with its message.
-        #[test]
-        fn durations_and_sizes_read_through_the_grammar() {
-            let texts = [
-                "500ms", "1.5s", "1.5m", "2m", "24h", "7d", "30", "0s", "30 s", "1min", "30S",
-                "64KiB", "0.5KiB", "2MB", "4096", "1 MiB", "64kib", "64kB", "1.3B", "1m", "",
-                "MiB", "-1s", "1e3s", "soon",
-            ];
-            for text in texts {
-                let retention =
-                    serde_json::from_str::<Config>(&format!("{{\"retention\": {text:?}}}"));
-                match grammar::parse_duration(text) {
-                    Ok(d) => assert_eq!(retention.unwrap().retention(), d, "{text:?}"),
-                    Err(e) => {
-                        let error = retention.unwrap_err().to_string();
-                        assert!(error.contains(e.message()), "{text:?}: {error}");
-                    }
-                }
-                let size = serde_json::from_str::<Config>(&format!("{{\"max_body\": {text:?}}}"));
-                match grammar::parse_size(text) {
-                    Ok(n) => assert_eq!(size.unwrap().max_body(), n, "{text:?}"),
-                    Err(e) => {
-                        let error = size.unwrap_err().to_string();
-                        assert!(error.contains(e.message()), "{text:?}: {error}");
-                    }
-                }
-            }
-            let numbers: Config =
-                serde_json::from_str(r#"{"lease": 30, "max_body": 4096}"#).unwrap();
-            assert_eq!(numbers.lease(), Duration::from_secs(30));
-            assert_eq!(numbers.max_body(), 4096);
-        }
-
-        #[test]
-        fn unknown_fields_and_bad_values_are_refused() {
-            for bad in [
-                r#"{"leese": "30s"}"#,
-                r#"{"lease": "soon"}"#,
-                r#"{"reuse_status": 418}"#,
-                r#"{"failure_mode": "maybe"}"#,
-                r#"{"oversized": "truncate"}"#,
-                r#"{"trusted_proxies": ["10.0.0.0/99"]}"#,
-                r#"{"methods": ["GET"]}"#,
-                r#"{"methods": ["post"]}"#,
-                r#"{"strict": "yes"}"#,
-            ] {
-                assert!(
-                    serde_json::from_str::<Config>(bad).is_err(),
-                    "{bad} accepted"
-                );
-            }
-            let empty: Config = serde_json::from_str("{}").unwrap();
-            assert_eq!(format!("{empty:?}"), format!("{:?}", Config::default()));
-        }
-    }
-}
+mod file;
