@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use idempotent_runtime::config::grammar::{parse_duration, parse_size};
 use idempotent_runtime::config::{FailureMode, Methods, MissingKeyStatus, Oversized, ReuseStatus};
-use idempotent_runtime::{Config, EndpointConfig};
 use idempotent_runtime::scope::Anonymous;
+use idempotent_runtime::{Config, EndpointConfig};
 
 #[derive(serde::Deserialize)]
 struct ServiceConfig {
@@ -201,7 +201,9 @@ fn a_bad_duration_or_size_gets_the_attribute_s_message() {
         let file = format!("{setting} = {literal:?}");
         let err = toml::from_str::<Config>(&file).unwrap_err().to_string();
         assert!(err.contains(compile_error), "{case}: {err}");
-        let err = toml::from_str::<EndpointConfig>(&file).unwrap_err().to_string();
+        let err = toml::from_str::<EndpointConfig>(&file)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains(compile_error), "{case}: {err}");
     }
 }

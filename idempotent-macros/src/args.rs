@@ -325,7 +325,10 @@ fn list_value<T>(
     }
     let list;
     syn::bracketed!(list in input);
-    Ok(list.parse_terminated(item, Token![,])?.into_iter().collect())
+    Ok(list
+        .parse_terminated(item, Token![,])?
+        .into_iter()
+        .collect())
 }
 
 /// `[401, 403]`: integers that are `u16`s; which statuses may be listed is the runtime's check.
@@ -502,7 +505,10 @@ mod tests {
         let statuses = args.non_replayable.unwrap();
         assert_eq!(statuses.iter().map(|s| s.0).collect::<Vec<_>>(), [401, 404]);
         let headers = args.recorded_headers.unwrap();
-        assert_eq!(headers.iter().map(LitStr::value).collect::<Vec<_>>(), ["content-type", "x-trace"]);
+        assert_eq!(
+            headers.iter().map(LitStr::value).collect::<Vec<_>>(),
+            ["content-type", "x-trace"]
+        );
         let empty: Args = syn::parse_str("non_replayable = [], recorded_headers = []").unwrap();
         assert_eq!(empty.non_replayable.map(|l| l.len()), Some(0));
         for (bad, why) in [

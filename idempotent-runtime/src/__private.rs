@@ -73,7 +73,9 @@ mod tests {
     /// its `const`, a compile error; the ui tests show it at the literal).
     #[test]
     fn the_expansion_reads_the_grammar() {
-        for text in ["30s", "1.5m", "64KiB", "64KB", "512", "30", "30 s", "64kib", "1.3B", "0s"] {
+        for text in [
+            "30s", "1.5m", "64KiB", "64KB", "512", "30", "30 s", "64kib", "1.3B", "0s",
+        ] {
             let expanded = std::panic::catch_unwind(|| duration(text));
             let parsed = crate::config::grammar::parse_duration(text);
             assert_eq!(expanded.ok(), parsed.ok(), "{text:?}");

@@ -623,7 +623,10 @@ impl HeaderNames {
             Self::Static(list) => (Some(list.iter().copied()), None),
             Self::Shared(list) => (None, Some(list.iter().map(|n| &**n))),
         };
-        fixed.into_iter().flatten().chain(shared.into_iter().flatten())
+        fixed
+            .into_iter()
+            .flatten()
+            .chain(shared.into_iter().flatten())
     }
 }
 
@@ -693,8 +696,20 @@ pub(crate) const fn header_refusal(name: &str) -> Option<&'static str> {
             || b.is_ascii_digit()
             || matches!(
                 b,
-                b'!' | b'#' | b'$' | b'%' | b'&' | b'\'' | b'*' | b'+' | b'-' | b'.' | b'^' | b'_'
-                    | b'`' | b'|' | b'~'
+                b'!' | b'#'
+                    | b'$'
+                    | b'%'
+                    | b'&'
+                    | b'\''
+                    | b'*'
+                    | b'+'
+                    | b'-'
+                    | b'.'
+                    | b'^'
+                    | b'_'
+                    | b'`'
+                    | b'|'
+                    | b'~'
             );
         if !token {
             return Some("a name in `recorded_headers` is not a header name (an HTTP token)");
@@ -905,7 +920,9 @@ impl Recording {
     /// Whether a response header (lowercase name) is kept in the record.
     pub fn records_header(&self, config: &Config, lowercase_name: &str) -> bool {
         match &self.recorded_headers {
-            Some(list) => !NEVER_RECORDED.contains(&lowercase_name) && list.contains(lowercase_name),
+            Some(list) => {
+                !NEVER_RECORDED.contains(&lowercase_name) && list.contains(lowercase_name)
+            }
             None => config.records_header(lowercase_name),
         }
     }

@@ -117,8 +117,9 @@ async fn middleware_applies_to_the_methods_it_is_given() {
             .app_data(runs.clone())
             .service(
                 web::resource("/x")
-                    .wrap(IdempotencyMiddleware::new()
-                        .endpoint(crate::EndpointConfig::new().methods(crate::config::Methods::PUT)))
+                    .wrap(IdempotencyMiddleware::new().endpoint(
+                        crate::EndpointConfig::new().methods(crate::config::Methods::PUT),
+                    ))
                     .route(web::put().to(counted))
                     .route(web::post().to(counted)),
             ),

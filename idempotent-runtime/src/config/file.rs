@@ -358,13 +358,12 @@ mod tests {
     #[test]
     fn durations_and_sizes_read_through_the_grammar() {
         let texts = [
-            "500ms", "1.5s", "1.5m", "2m", "24h", "7d", "30", "0s", "30 s", "1min", "30S",
-            "64KiB", "0.5KiB", "2MB", "4096", "1 MiB", "64kib", "64kB", "1.3B", "1m", "", "MiB",
-            "-1s", "1e3s", "soon",
+            "500ms", "1.5s", "1.5m", "2m", "24h", "7d", "30", "0s", "30 s", "1min", "30S", "64KiB",
+            "0.5KiB", "2MB", "4096", "1 MiB", "64kib", "64kB", "1.3B", "1m", "", "MiB", "-1s",
+            "1e3s", "soon",
         ];
         for text in texts {
-            let retention =
-                serde_json::from_str::<Config>(&format!("{{\"retention\": {text:?}}}"));
+            let retention = serde_json::from_str::<Config>(&format!("{{\"retention\": {text:?}}}"));
             match grammar::parse_duration(text) {
                 Ok(d) => assert_eq!(retention.unwrap().retention(), d, "{text:?}"),
                 Err(e) => {
@@ -425,7 +424,9 @@ mod tests {
             (r#"{"require_key": "yes"}"#, "bool"),
             (r#"{"key_header": "x-key"}"#, "unknown field"),
         ] {
-            let error = serde_json::from_str::<EndpointConfig>(bad).unwrap_err().to_string();
+            let error = serde_json::from_str::<EndpointConfig>(bad)
+                .unwrap_err()
+                .to_string();
             assert!(error.contains(why), "{bad}: {error}");
         }
         let empty: EndpointConfig = serde_json::from_str("{}").unwrap();

@@ -353,7 +353,10 @@ mod tests {
             ("24h", Duration::from_secs(86_400)),
             ("7d", Duration::from_secs(7 * 86_400)),
             ("0.000000001s", Duration::from_nanos(1)),
-            ("0.5000000000000000000000000000s", Duration::from_millis(500)),
+            (
+                "0.5000000000000000000000000000s",
+                Duration::from_millis(500),
+            ),
         ];
         for (text, want) in ok {
             assert_eq!(parse_duration(text), Ok(want), "{text:?}");
@@ -378,7 +381,10 @@ mod tests {
             ("0.0ms", Reason::Zero),
             ("0.0000000001s", Reason::NotWhole),
             ("0.000000000000000000000000000001d", Reason::NotWhole),
-            ("99999999999999999999999999999999999999999d", Reason::TooLarge),
+            (
+                "99999999999999999999999999999999999999999d",
+                Reason::TooLarge,
+            ),
             ("999999999999999999999d", Reason::TooLarge),
         ];
         for (text, reason) in bad {
@@ -423,7 +429,11 @@ mod tests {
             ("0KiB", Reason::Zero),
         ];
         for (text, reason) in bad {
-            assert_eq!(parse_size(text), Err(GrammarError::size(reason)), "{text:?}");
+            assert_eq!(
+                parse_size(text),
+                Err(GrammarError::size(reason)),
+                "{text:?}"
+            );
         }
         #[cfg(target_pointer_width = "64")]
         assert_eq!(
@@ -444,8 +454,16 @@ mod tests {
             Reason::Zero,
             Reason::TooLarge,
         ] {
-            assert!(GrammarError::duration(reason).message().starts_with("not a duration"));
-            assert!(GrammarError::size(reason).message().starts_with("not a size"));
+            assert!(
+                GrammarError::duration(reason)
+                    .message()
+                    .starts_with("not a duration")
+            );
+            assert!(
+                GrammarError::size(reason)
+                    .message()
+                    .starts_with("not a size")
+            );
         }
     }
 }

@@ -341,27 +341,12 @@ async fn answer_of(handle: &Idempotency, head: &TestHead, body: &'static [u8]) -
 async fn key_syntax_and_presence_are_checked_before_the_body() {
     let handle = handle_with_budget(1 << 20);
     let bad = TestHead::keyed("a,b");
-    let step = front::<Detached, _, _>(
-        &handle,
-        OPTIONAL,
-        &bad,
-        TestBody::stalled(),
-    );
+    let step = front::<Detached, _, _>(&handle, OPTIONAL, &bad, TestBody::stalled());
     assert_eq!(refusal(step.await), ProblemCode::KeyInvalid);
     let none = TestHead::default();
-    let required = front::<Detached, _, _>(
-        &handle,
-        REQUIRED,
-        &none,
-        TestBody::stalled(),
-    );
+    let required = front::<Detached, _, _>(&handle, REQUIRED, &none, TestBody::stalled());
     assert_eq!(refusal(required.await), ProblemCode::KeyRequired);
-    let optional = front::<Detached, _, _>(
-        &handle,
-        OPTIONAL,
-        &none,
-        TestBody::of(&[b"x"]),
-    );
+    let optional = front::<Detached, _, _>(&handle, OPTIONAL, &none, TestBody::of(&[b"x"]));
     let Front::Pass(body) = optional.await else {
         panic!("a keyless request on an optional endpoint passes");
     };
@@ -372,12 +357,7 @@ async fn key_syntax_and_presence_are_checked_before_the_body() {
 async fn an_announced_length_over_the_cap_is_refused_without_reading() {
     let handle = handle_with_budget(1 << 20);
     let head = TestHead::keyed("k").header("content-length", "2000000");
-    let step = front::<Detached, _, _>(
-        &handle,
-        REQUIRED,
-        &head,
-        TestBody::stalled(),
-    );
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &head, TestBody::stalled());
     assert_eq!(refusal(step.await), ProblemCode::PayloadTooLarge);
 }
 
@@ -417,12 +397,7 @@ async fn a_body_slower_than_the_timeout_is_refused() {
         )
         .build();
     let head = TestHead::keyed("k");
-    let step = front::<Detached, _, _>(
-        &handle,
-        REQUIRED,
-        &head,
-        TestBody::stalled(),
-    );
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &head, TestBody::stalled());
     assert_eq!(refusal(step.await), ProblemCode::BodyTimeout);
 }
 
@@ -432,12 +407,7 @@ async fn announced_bodies_that_never_arrive_hold_no_budget() {
     let idle = TestHead::keyed("idle").header("content-length", "1000");
     let mut waiting = Vec::new();
     for _ in 0..300 {
-        let step = front::<Detached, _, _>(
-            &handle,
-            REQUIRED,
-            &idle,
-            TestBody::stalled(),
-        );
+        let step = front::<Detached, _, _>(&handle, REQUIRED, &idle, TestBody::stalled());
         let mut front = Box::pin(step);
         assert!(
             (&mut front).now_or_never().is_none(),
@@ -675,20 +645,10 @@ async fn the_key_header_is_a_setting() {
     claimed.held.release().await;
     // The default name is just another header now.
     let default_name = TestHead::keyed("k");
-    let step = front::<Detached, _, _>(
-        &handle,
-        REQUIRED,
-        &default_name,
-        TestBody::stalled(),
-    );
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &default_name, TestBody::stalled());
     assert_eq!(refusal(step.await), ProblemCode::KeyRequired);
     let bad = TestHead::default().header("x-idempotency-key", "a,b");
-    let step = front::<Detached, _, _>(
-        &handle,
-        OPTIONAL,
-        &bad,
-        TestBody::stalled(),
-    );
+    let step = front::<Detached, _, _>(&handle, OPTIONAL, &bad, TestBody::stalled());
     assert_eq!(refusal(step.await), ProblemCode::KeyInvalid);
 }
 
