@@ -27,7 +27,7 @@ use actix_web::{
 use idempotent_examples::admin;
 use idempotent_examples::conformance::{Executions, Options, RunLog, identity, init_logging};
 use idempotent_runtime::actix::{CallerScope, IdempotencyMiddleware, idempotent};
-use idempotent_runtime::{Idempotency, IdempotencyContext};
+use idempotent_runtime::{EndpointConfig, Idempotency, IdempotencyContext};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 #[path = "support/prometheus.rs"]
@@ -326,17 +326,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .route("/panic", web::post().to(panic))
                 .service(
                     web::resource("/big")
-                        .wrap(IdempotencyMiddleware::new().require_key())
+                        .wrap(IdempotencyMiddleware::new().endpoint(EndpointConfig::REQUIRED))
                         .route(web::post().to(big)),
                 )
                 .service(
                     web::resource("/search")
-                        .wrap(IdempotencyMiddleware::new().require_key())
+                        .wrap(IdempotencyMiddleware::new().endpoint(EndpointConfig::REQUIRED))
                         .route(web::post().to(search)),
                 )
                 .service(
                     web::scope("/shops")
-                        .wrap(IdempotencyMiddleware::new().require_key())
+                        .wrap(IdempotencyMiddleware::new().endpoint(EndpointConfig::REQUIRED))
                         .route("/{shop}/orders", web::post().to(create_shop_order)),
                 );
             #[cfg(feature = "postgres")]

@@ -29,7 +29,7 @@ use idempotent_examples::conformance::{
     Executions, Options, RunLog, identity, init_logging, shutdown_signal,
 };
 use idempotent_runtime::axum::{CallerScope, IdempotencyLayer, idempotent};
-use idempotent_runtime::{Idempotency, IdempotencyContext};
+use idempotent_runtime::{EndpointConfig, Idempotency, IdempotencyContext};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 #[path = "support/prometheus.rs"]
@@ -332,7 +332,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let layered = Router::new()
         .route("/search", post(search))
         .route("/big", post(big))
-        .route_layer(IdempotencyLayer::new(idempotency.clone()).require_key());
+        .route_layer(IdempotencyLayer::new(idempotency.clone()).endpoint(EndpointConfig::REQUIRED));
     let app = Router::new()
         .route("/orders", post(create_order))
         .route("/orders/{id}", get(get_order))

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotent_runtime::Idempotency;
-use idempotent_runtime::config::{Config, MissingKeyStatus, Oversized, ReuseStatus};
+use idempotent_runtime::config::{Config, MissingKeyStatus, Oversized, ReuseStatus, grammar};
 use idempotent_runtime::problem::{Problem, ProblemCode};
 use idempotent_runtime::scope::{ClientId, Identity, RequestHead, Resolution};
 use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
@@ -134,8 +134,10 @@ impl Options {
                 "--redis-prefix" => o.redis_prefix = value,
                 "--lease" => o.lease = secs(&value).ok_or_else(|| bad("not seconds"))?,
                 "--retention" => o.retention = secs(&value).ok_or_else(|| bad("not seconds"))?,
-                "--max-body" => o.max_body = value.parse().map_err(|_| bad("not bytes"))?,
-                "--max-response" => o.max_response = value.parse().map_err(|_| bad("not bytes"))?,
+                "--max-body" => o.max_body = bytes(&value).ok_or_else(|| bad("not bytes"))?,
+                "--max-response" => {
+                    o.max_response = bytes(&value).ok_or_else(|| bad("not bytes"))?;
+                }
                 "--body-timeout" => {
                     o.body_timeout = secs(&value).ok_or_else(|| bad("not seconds"))?;
                 }
@@ -397,9 +399,18 @@ pub mod ledger {
     }
 }
 
+/// Seconds as CONFORMANCE.md writes them (`0.5`), or a duration in the runtime's grammar
+/// (`"500ms"`), the one the attribute and the file form read.
 fn secs(v: &str) -> Option<Duration> {
-    let s: f64 = v.parse().ok()?;
-    (s.is_finite() && s > 0.0).then(|| Duration::from_secs_f64(s))
+    match v.parse::<f64>() {
+        Ok(s) => (s.is_finite() && s > 0.0).then(|| Duration::from_secs_f64(s)),
+        Err(_) => grammar::parse_duration(v).ok(),
+    }
+}
+
+/// Bytes as CONFORMANCE.md writes them, or a size in the runtime's grammar (`"64KiB"`).
+fn bytes(v: &str) -> Option<usize> {
+    v.parse().ok().or_else(|| grammar::parse_size(v).ok())
 }
 
 /// Who the caller is, from its headers: `Authorization: Bearer <tenant>:<subject>`,

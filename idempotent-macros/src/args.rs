@@ -1,12 +1,16 @@
 //! The attribute's arguments: `require_key`, `lease = "30s"`, `retention = "24h"`,
 //! `max_body = "64KiB"`, `max_response = "1MiB"`, `oversized = "run_again"|"record_without_body"`,
-//! `methods = ["POST", "PUT"]`, `crate = path`, `framework = axum|actix` and `enlisted`. Values are
-//! checked here, at compile time, with errors on the offending token.
+//! `reuse_status = 422|409`, `failure_mode = "closed"|"open"`, `non_replayable = [401, …]`,
+//! `recorded_headers = ["content-type", …]`, `methods = ["POST", "PUT"]`, `crate = path`,
+//! `framework = axum|actix` and `enlisted`. Their shape and the choices are checked here, with
+//! errors on the offending token; durations, sizes, statuses and header names are checked by the
+//! runtime's own `const fn`s, which the expansion evaluates in a `const` spanned at the literal
+//! (one grammar for the attribute and the file form: this crate has none of its own).
 
 use proc_macro2::Span;
 use syn::ext::IdentExt as _;
 use syn::parse::{Parse, ParseStream};
-use syn::{Error, LitStr, Path, Token};
+use syn::{Error, LitInt, LitStr, Path, Token};
 
 mod kw {
     syn::custom_keyword!(require_key);
@@ -15,6 +19,10 @@ mod kw {
     syn::custom_keyword!(max_body);
     syn::custom_keyword!(max_response);
     syn::custom_keyword!(oversized);
+    syn::custom_keyword!(reuse_status);
+    syn::custom_keyword!(failure_mode);
+    syn::custom_keyword!(non_replayable);
+    syn::custom_keyword!(recorded_headers);
     syn::custom_keyword!(methods);
     syn::custom_keyword!(framework);
     syn::custom_keyword!(enlisted);
@@ -47,21 +55,43 @@ impl Oversized {
     }
 }
 
+/// `reuse_status = 422 | 409`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReuseStatus {
+    UnprocessableContent,
+    Conflict,
+}
+
+/// `failure_mode = "closed" | "open"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FailureMode {
+    Closed,
+    Open,
+}
+
 /// The parsed arguments of `#[idempotent(...)]`.
 #[derive(Default)]
 pub(crate) struct Args {
     /// `require_key`: refuse requests without a key.
     pub require_key: bool,
-    /// `lease = "…"`, in milliseconds.
-    pub lease_ms: Option<u64>,
-    /// `retention = "…"`, in milliseconds.
-    pub retention_ms: Option<u64>,
-    /// `max_body = "…"`, in bytes.
-    pub max_body: Option<u64>,
-    /// `max_response = "…"`, in bytes.
-    pub max_response: Option<u64>,
+    /// `lease = "…"`, as written (the runtime's grammar reads it in the expansion's `const`).
+    pub lease: Option<LitStr>,
+    /// `retention = "…"`, as written.
+    pub retention: Option<LitStr>,
+    /// `max_body = "…"`, as written.
+    pub max_body: Option<LitStr>,
+    /// `max_response = "…"`, as written.
+    pub max_response: Option<LitStr>,
     /// `oversized = "run_again" | "record_without_body"`.
     pub oversized: Option<Oversized>,
+    /// `reuse_status = 422 | 409`.
+    pub reuse_status: Option<ReuseStatus>,
+    /// `failure_mode = "closed" | "open"`.
+    pub failure_mode: Option<FailureMode>,
+    /// `non_replayable = [401, 403, …]`, each status with its token's span.
+    pub non_replayable: Option<Vec<(u16, Span)>>,
+    /// `recorded_headers = ["content-type", …]`, as written.
+    pub recorded_headers: Option<Vec<LitStr>>,
     /// `methods = ["POST", …]`, as the runtime's `Methods` bits (POST 1, PUT 2, PATCH 4,
     /// DELETE 8).
     pub methods: Option<u8>,
@@ -113,28 +143,65 @@ impl Parse for Args {
             } else if lookahead.peek(kw::lease) {
                 input.parse::<kw::lease>()?;
                 once("lease")?;
-                let lease = duration_value(input, "lease")?;
-                args.lease_ms = Some(lease.0);
-                // The lease is renewed every third of it: a few milliseconds would renew in a
-                // busy loop.
-                if lease.0 < 30 {
-                    return Err(Error::new(
-                        lease.1,
-                        "`lease` must be at least 30ms: it is renewed every third of it",
-                    ));
-                }
+                args.lease = Some(string_value(input, "lease", "30s")?);
             } else if lookahead.peek(kw::retention) {
                 input.parse::<kw::retention>()?;
                 once("retention")?;
-                args.retention_ms = Some(duration_value(input, "retention")?.0);
+                args.retention = Some(string_value(input, "retention", "24h")?);
             } else if lookahead.peek(kw::max_body) {
                 input.parse::<kw::max_body>()?;
                 once("max_body")?;
-                args.max_body = Some(size_value(input, "max_body")?);
+                args.max_body = Some(string_value(input, "max_body", "64KiB")?);
             } else if lookahead.peek(kw::max_response) {
                 input.parse::<kw::max_response>()?;
                 once("max_response")?;
-                args.max_response = Some(size_value(input, "max_response")?);
+                args.max_response = Some(string_value(input, "max_response", "1MiB")?);
+            } else if lookahead.peek(kw::reuse_status) {
+                input.parse::<kw::reuse_status>()?;
+                once("reuse_status")?;
+                input.parse::<Token![=]>()?;
+                let expected = "`reuse_status` is 422 (Unprocessable Content, the default) or 409 \
+                                (Conflict), e.g. `reuse_status = 409`";
+                if !input.peek(LitInt) {
+                    return Err(Error::new(input.span(), expected));
+                }
+                let lit: LitInt = input.parse()?;
+                args.reuse_status = Some(match lit.base10_digits() {
+                    "422" => ReuseStatus::UnprocessableContent,
+                    "409" => ReuseStatus::Conflict,
+                    _ => return Err(Error::new(lit.span(), expected)),
+                });
+            } else if lookahead.peek(kw::failure_mode) {
+                input.parse::<kw::failure_mode>()?;
+                once("failure_mode")?;
+                let lit = string_value(input, "failure_mode", "open")?;
+                args.failure_mode = Some(match lit.value().as_str() {
+                    "closed" => FailureMode::Closed,
+                    "open" => FailureMode::Open,
+                    other => {
+                        return Err(Error::new(
+                            lit.span(),
+                            format!(
+                                "invalid `failure_mode` {other:?}: expected \"closed\" (refuse with \
+                                 503 while the store is unreachable, the default) or \"open\" \
+                                 (run the handler unprotected)"
+                            ),
+                        ));
+                    }
+                });
+            } else if lookahead.peek(kw::non_replayable) {
+                input.parse::<kw::non_replayable>()?;
+                once("non_replayable")?;
+                args.non_replayable = Some(statuses_value(input)?);
+            } else if lookahead.peek(kw::recorded_headers) {
+                input.parse::<kw::recorded_headers>()?;
+                once("recorded_headers")?;
+                args.recorded_headers = Some(list_value(
+                    input,
+                    "recorded_headers",
+                    "[\"content-type\", \"location\"]",
+                    |i| i.parse::<LitStr>(),
+                )?);
             } else if lookahead.peek(kw::oversized) {
                 input.parse::<kw::oversized>()?;
                 once("oversized")?;
@@ -197,8 +264,9 @@ impl Parse for Args {
                         "unknown argument `{ident}` in #[idempotent]; expected one of: require_key, \
                          lease = \"30s\", retention = \"24h\", max_body = \"64KiB\", \
                          max_response = \"1MiB\", oversized = \"record_without_body\", \
-                         methods = [\"POST\", \"PUT\"], crate = path, framework = axum|actix, \
-                         enlisted"
+                         reuse_status = 409, failure_mode = \"open\", non_replayable = [401, …], \
+                         recorded_headers = [\"content-type\", …], methods = [\"POST\", \"PUT\"], \
+                         crate = path, framework = axum|actix, enlisted"
                     ),
                 ));
             } else {
@@ -241,25 +309,49 @@ fn string_value(input: ParseStream<'_>, name: &str, example: &str) -> syn::Resul
     input.parse()
 }
 
-fn duration_value(input: ParseStream<'_>, name: &str) -> syn::Result<(u64, Span)> {
-    let lit = string_value(input, name, "30s")?;
-    let ms = parse_duration(&lit.value()).map_err(|why| {
-        Error::new(
-            lit.span(),
-            format!("invalid `{name}` {:?}: {why}", lit.value()),
-        )
-    })?;
-    Ok((ms, lit.span()))
+/// `[a, b, …]` of items `item` parses (a trailing comma allowed, empty allowed).
+fn list_value<T>(
+    input: ParseStream<'_>,
+    name: &str,
+    example: &str,
+    item: fn(ParseStream<'_>) -> syn::Result<T>,
+) -> syn::Result<Vec<T>> {
+    input.parse::<Token![=]>()?;
+    if !input.peek(syn::token::Bracket) {
+        return Err(Error::new(
+            input.span(),
+            format!("`{name}` takes a list, e.g. `{name} = {example}`"),
+        ));
+    }
+    let list;
+    syn::bracketed!(list in input);
+    Ok(list
+        .parse_terminated(item, Token![,])?
+        .into_iter()
+        .collect())
 }
 
-fn size_value(input: ParseStream<'_>, name: &str) -> syn::Result<u64> {
-    let lit = string_value(input, name, "64KiB")?;
-    parse_size(&lit.value()).map_err(|why| {
-        Error::new(
-            lit.span(),
-            format!("invalid `{name}` {:?}: {why}", lit.value()),
-        )
-    })
+/// `[401, 403]`: integers that are `u16`s; which statuses may be listed is the runtime's check.
+fn statuses_value(input: ParseStream<'_>) -> syn::Result<Vec<(u16, Span)>> {
+    let lits = list_value(input, "non_replayable", "[401, 403, 404]", |i| {
+        if i.peek(LitInt) {
+            i.parse::<LitInt>()
+        } else {
+            Err(Error::new(
+                i.span(),
+                "`non_replayable` lists status codes as numbers, e.g. `[401, 403, 404]`",
+            ))
+        }
+    })?;
+    lits.iter()
+        .map(|lit| match lit.base10_parse::<u16>() {
+            Ok(status) if lit.suffix().is_empty() => Ok((status, lit.span())),
+            _ => Err(Error::new(
+                lit.span(),
+                "not a status code: write it as a plain number, e.g. 404",
+            )),
+        })
+        .collect()
 }
 
 /// `["POST", "PUT"]` → the runtime's `Methods` bits; each name is checked at its token.
@@ -325,57 +417,6 @@ pub(crate) fn method_bit(name: &str) -> Result<u8, String> {
     }
 }
 
-fn split_number(text: &str) -> Option<(u64, &str)> {
-    let digits = text.bytes().take_while(u8::is_ascii_digit).count();
-    if digits == 0 {
-        return None;
-    }
-    Some((text[..digits].parse().ok()?, &text[digits..]))
-}
-
-/// `500ms`, `30s`, `5m`, `24h`, `7d` → milliseconds (positive).
-pub(crate) fn parse_duration(text: &str) -> Result<u64, &'static str> {
-    const EXPECTED: &str = "expected a whole number and a unit (ms, s, m, h or d), e.g. \"30s\"";
-    let (n, unit) = split_number(text).ok_or(EXPECTED)?;
-    let factor = match unit {
-        "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => return Err(EXPECTED),
-    };
-    let ms = n.checked_mul(factor).ok_or("too long")?;
-    if ms == 0 {
-        return Err("must be longer than zero");
-    }
-    Ok(ms)
-}
-
-/// `512`, `512B`, `64KiB`, `1MiB`, `1GiB`, `64KB`, `1MB` → bytes (positive).
-pub(crate) fn parse_size(text: &str) -> Result<u64, &'static str> {
-    const EXPECTED: &str = "expected a whole number of bytes with an optional unit (B, KiB, MiB, GiB, KB, MB, GB), e.g. \"64KiB\"";
-    let (n, unit) = split_number(text).ok_or(EXPECTED)?;
-    let factor: u64 = match unit {
-        "" | "B" => 1,
-        "KiB" => 1 << 10,
-        "MiB" => 1 << 20,
-        "GiB" => 1 << 30,
-        "KB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        _ => return Err(EXPECTED),
-    };
-    let bytes = n.checked_mul(factor).ok_or("too large")?;
-    if bytes == 0 {
-        return Err("must be at least one byte");
-    }
-    if bytes > u64::from(u32::MAX) {
-        return Err("must be at most 4GiB");
-    }
-    Ok(bytes)
-}
-
 /// `enlisted` needs the runtime's `postgres` feature (forwarded to this crate, so the error
 /// names the cause instead of a missing path in the expansion).
 pub(crate) fn check_enlisted(args: &Args, postgres: bool) -> syn::Result<()> {
@@ -429,38 +470,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn durations() {
-        assert_eq!(parse_duration("500ms"), Ok(500));
-        assert_eq!(parse_duration("30s"), Ok(30_000));
-        assert_eq!(parse_duration("5m"), Ok(300_000));
-        assert_eq!(parse_duration("24h"), Ok(86_400_000));
-        assert!(parse_duration("0s").is_err());
-        assert!(parse_duration("30").is_err());
-        assert!(parse_duration("30 s").is_err());
-        assert!(parse_duration("s").is_err());
-        assert!(parse_duration("1.5s").is_err());
-    }
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("512"), Ok(512));
-        assert_eq!(parse_size("64KiB"), Ok(65_536));
-        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
-        assert_eq!(parse_size("1MB"), Ok(1_000_000));
-        assert!(parse_size("0").is_err());
-        assert!(parse_size("64kib").is_err());
-        assert!(parse_size("8GiB").is_err());
-    }
-
-    #[test]
     fn arguments() {
         let args: Args = syn::parse_str(
             "require_key, lease = \"30s\", max_body = \"64KiB\", crate = my::rt, framework = axum",
         )
         .unwrap();
         assert!(args.require_key);
-        assert_eq!(args.lease_ms, Some(30_000));
-        assert_eq!(args.max_body, Some(65_536));
+        assert_eq!(args.lease.map(|l| l.value()).as_deref(), Some("30s"));
+        assert_eq!(args.max_body.map(|l| l.value()).as_deref(), Some("64KiB"));
         assert!(args.krate.is_some());
         assert_eq!(args.framework.map(|f| f.0), Some(Framework::Axum));
         assert!(syn::parse_str::<Args>("require_key, require_key").is_err());
@@ -474,6 +491,42 @@ mod tests {
         assert_eq!(again.oversized, Some(Oversized::RunAgain));
         assert!(syn::parse_str::<Args>("oversized = \"truncate\"").is_err());
         assert!(syn::parse_str::<Args>("oversized = record_without_body").is_err());
+    }
+
+    #[test]
+    fn every_per_route_setting() {
+        let args: Args = syn::parse_str(
+            r#"reuse_status = 409, failure_mode = "open", non_replayable = [401, 404,],
+               recorded_headers = ["content-type", "x-trace"]"#,
+        )
+        .unwrap();
+        assert_eq!(args.reuse_status, Some(ReuseStatus::Conflict));
+        assert_eq!(args.failure_mode, Some(FailureMode::Open));
+        let statuses = args.non_replayable.unwrap();
+        assert_eq!(statuses.iter().map(|s| s.0).collect::<Vec<_>>(), [401, 404]);
+        let headers = args.recorded_headers.unwrap();
+        assert_eq!(
+            headers.iter().map(LitStr::value).collect::<Vec<_>>(),
+            ["content-type", "x-trace"]
+        );
+        let empty: Args = syn::parse_str("non_replayable = [], recorded_headers = []").unwrap();
+        assert_eq!(empty.non_replayable.map(|l| l.len()), Some(0));
+        for (bad, why) in [
+            ("reuse_status = 418", "422"),
+            ("reuse_status = \"409\"", "422"),
+            ("failure_mode = \"maybe\"", "closed"),
+            ("failure_mode = open", "takes a string"),
+            ("non_replayable = 404", "a list"),
+            ("non_replayable = [\"404\"]", "numbers"),
+            ("non_replayable = [70000]", "not a status"),
+            ("non_replayable = [404u8]", "not a status"),
+            ("recorded_headers = \"etag\"", "a list"),
+            ("recorded_headers = [etag]", "expected string literal"),
+            ("reuse_status = 409, reuse_status = 422", "twice"),
+        ] {
+            let error = syn::parse_str::<Args>(bad).err().expect(bad).to_string();
+            assert!(error.contains(why), "{bad}: {error}");
+        }
     }
 
     #[test]

@@ -10,8 +10,12 @@
 //! #[post("/orders")]
 //! async fn create(__idempotent_req: HttpRequest, __idempotent_payload: web::Payload) -> HttpResponse {
 //!     async fn create(db: web::Data<Db>, web::Json(req): web::Json<New>) -> R { body }
-//!     const __IDEMPOTENT_ENDPOINT: EndpointConfig = EndpointConfig { require_key: true, … };
-//!     rt::__private::actix::handle(__idempotent_req, __idempotent_payload, &__IDEMPOTENT_ENDPOINT,
+//!     enum __IdempotentEndpoint {}
+//!     impl rt::__private::Endpoint for __IdempotentEndpoint {
+//!         const CONFIG: &'static EndpointConfig = &EndpointConfig::new().require_key(true);
+//!     }
+//!     rt::__private::actix::handle(__idempotent_req, __idempotent_payload,
+//!         <__IdempotentEndpoint as rt::__private::Endpoint>::CONFIG,
 //!         |req, mut payload| async move {
 //!             let __idempotent_arg0 = match <web::Data<Db> as FromRequest>::from_request(&req, &mut payload).await { … };
 //!             let __idempotent_arg1 = …;
@@ -22,7 +26,7 @@
 //! The runtime buffers the payload and claims the key first; the original extractors then run,
 //! in order, on the buffered body, inside the task that runs the handler.
 
-use proc_macro2::{Ident, Literal, TokenStream};
+use proc_macro2::{Ident, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 
@@ -89,7 +93,8 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
     let inner_fn = handler.inner_fn();
     let vis = &item.vis;
     let name = &item.sig.ident;
-    let endpoint = endpoint(args, &private);
+    let endpoint = format_ident!("__IdempotentEndpoint");
+    let endpoint_item = crate::endpoint::item(args, &endpoint, &syn::Visibility::Inherited, &[]);
     quote! {
         #(#attrs)*
         #vis async fn #name(
@@ -98,11 +103,11 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
         ) -> #private::Response {
             #(#probes)*
             #inner_fn
-            const __IDEMPOTENT_ENDPOINT: #private::Endpoint = #endpoint;
+            #endpoint_item
             #handle(
                 #req,
                 #payload,
-                &__IDEMPOTENT_ENDPOINT,
+                <#endpoint as #rt::__private::Endpoint>::CONFIG,
                 |#req: #private::Request, mut #payload: #private::RawPayload| async move {
                     #(#extract)*
                     ::core::result::Result::Ok::<_, #private::Response>((#(#extracted,)*))
@@ -116,48 +121,6 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
                 },
             )
             .await
-        }
-    }
-}
-
-fn endpoint(args: &Args, private: &TokenStream) -> TokenStream {
-    let require_key = args.require_key;
-    let some = |v: Option<TokenStream>| match v {
-        Some(v) => quote!(::core::option::Option::Some(#v)),
-        None => quote!(::core::option::Option::None),
-    };
-    let millis = |ms: Option<u64>| {
-        some(ms.map(|ms| {
-            let ms = Literal::u64_suffixed(ms);
-            quote!(#private::Duration::from_millis(#ms))
-        }))
-    };
-    let bytes = |n: Option<u64>| {
-        some(n.map(|n| {
-            let n = Literal::u64_unsuffixed(n);
-            quote!(#n)
-        }))
-    };
-    let (lease, retention) = (millis(args.lease_ms), millis(args.retention_ms));
-    let (max_body, max_response) = (bytes(args.max_body), bytes(args.max_response));
-    let oversized = some(args.oversized.map(|o| {
-        let variant = o.variant();
-        quote!(#private::Oversized::#variant)
-    }));
-    let methods = some(args.methods.map(|bits| {
-        let bits = Literal::u8_unsuffixed(bits);
-        quote!(#private::Methods::from_bits(#bits))
-    }));
-    quote! {
-        #private::Endpoint {
-            require_key: #require_key,
-            lease: #lease,
-            retention: #retention,
-            max_body: #max_body,
-            max_response: #max_response,
-            oversized: #oversized,
-            methods: #methods,
-            ..#private::Endpoint::OPTIONAL
         }
     }
 }

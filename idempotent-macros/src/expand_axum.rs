@@ -6,21 +6,27 @@
 //! ```
 //! becomes
 //! ```text
+//! enum __idempotent_endpoint_create {}
+//! impl rt::__private::Endpoint for __idempotent_endpoint_create {
+//!     const CONFIG: &'static EndpointConfig = &EndpointConfig::new().require_key(true);
+//! }
 //! async fn create(
 //!     __idempotent_arg0: State<Db>,
-//!     __idempotent_last: rt::__private::axum::Idempotent<Json<New>, FromState, true, 0, 0, 0, 0, 0>,
+//!     __idempotent_last: rt::__private::axum::Idempotent<Json<New>, FromState, __idempotent_endpoint_create>,
 //! ) -> rt::__private::axum::Response {
 //!     async fn create(State(db): State<Db>, Json(req): Json<New>) -> R { body }
 //!     __idempotent_last.run(move |v, ctx| async move { into_response(create(__idempotent_arg0, v).await) }).await
 //! }
 //! ```
 //! The last extractor is wrapped in the runtime's, which does the whole pipeline before the body
-//! runs: replays and refusals are its rejection, so the handler never runs for them.
+//! runs: replays and refusals are its rejection, so the handler never runs for them. The
+//! endpoint's settings are a type beside the handler (see [`crate::endpoint`]): the extractor's
+//! type parameter, so the signature can name them.
 
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
-use crate::args::{Args, Framework, Oversized};
+use crate::args::{Args, Framework};
 use crate::checks;
 use crate::detect::Beside;
 use crate::signature::{self, Handler, Names, Role};
@@ -51,24 +57,15 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
     } else {
         quote!(#private::FromState)
     };
-    let endpoint = {
-        let require = args.require_key;
-        let [lease, retention, max_body, max_response] = [
-            args.lease_ms,
-            args.retention_ms,
-            args.max_body,
-            args.max_response,
-        ]
-        .map(|v| v.unwrap_or(0));
-        // The runtime's `oversized` const parameter: 0 unset, 1 run_again, 2 record_without_body.
-        let oversized: u8 = match args.oversized {
-            None => 0,
-            Some(Oversized::RunAgain) => 1,
-            Some(Oversized::RecordWithoutBody) => 2,
-        };
-        let methods = proc_macro2::Literal::u8_unsuffixed(args.methods.unwrap_or(0));
-        quote!(#require, #lease, #retention, #max_body, #max_response, #oversized, #methods)
-    };
+    let item = handler.item;
+    let endpoint = format_ident!("__idempotent_endpoint_{}", item.sig.ident);
+    let cfgs: Vec<_> = handler
+        .outer_attrs
+        .iter()
+        .copied()
+        .filter(|a| a.path().is_ident("cfg"))
+        .collect();
+    let endpoint_item = crate::endpoint::item(args, &endpoint, &item.vis, &cfgs);
     let wrapper = if handler.enlisted {
         quote!(#private::EnlistedIdempotent)
     } else {
@@ -116,12 +113,12 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
         }
     };
 
-    let item = handler.item;
     let attrs = &handler.outer_attrs;
     let vis = &item.vis;
     let name = &item.sig.ident;
     let inner_fn = handler.inner_fn();
     quote! {
+        #endpoint_item
         #(#attrs)*
         #vis async fn #name(#(#outer_inputs),*) -> #private::Response {
             #(#probes)*

@@ -12,6 +12,7 @@ use crate::detect::Beside;
 mod args;
 mod checks;
 mod detect;
+mod endpoint;
 mod expand_actix;
 mod expand_axum;
 mod signature;
@@ -30,13 +31,21 @@ mod types;
 ///                                                an answer over max_response is replayed as its
 ///                                                status and headers with an empty body
 /// #[idempotent(methods = ["POST", "PUT"])]       the methods it applies to (default POST, PATCH)
+/// #[idempotent(reuse_status = 409, failure_mode = "open",
+///              non_replayable = [401, 403, 404], recorded_headers = ["content-type", "x-id"])]
+///                                                the rest of the per-route settings
 /// #[idempotent(crate = my_runtime)]              for a renamed idempotent-runtime dependency
 /// #[idempotent(require_key, enlisted)]           PostgreSQL: the response commits with the
 ///                                                handler's writes (take `tx: &mut EnlistedTx`)
 /// ```
 ///
 /// Durations take `ms`, `s`, `m`, `h` or `d`; sizes take `B`, `KiB`, `MiB`, `GiB`, `KB`, `MB`,
-/// `GB` (or none, for bytes). The handler's last parameter is wrapped in the runtime's
+/// `GB` (or none, for bytes); a fraction is allowed where the value stays whole (`"1.5m"`,
+/// `"1.5MiB"`) and units are case-sensitive. That is the runtime's grammar
+/// (`idempotent_runtime::config::grammar`, which the file form reads through too): the
+/// expansion evaluates it in a `const`, so a bad value is a compile error at its literal, as
+/// is a status outside 200-499 in `non_replayable` or a header name that is not a lowercase
+/// token in `recorded_headers`. The handler's last parameter is wrapped in the runtime's
 /// extractor, which buffers the body, claims the key and answers replays and refusals before
 /// the handler runs; the store comes from the application state (`Idempotency:
 /// FromRef<AppState>`), or from the request extensions when the handler takes an
@@ -87,6 +96,9 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
 ///                                                an answer over max_response is replayed as its
 ///                                                status and headers with an empty body
 /// #[idempotent(methods = ["POST", "PUT"])]       the methods it applies to (default POST, PATCH)
+/// #[idempotent(reuse_status = 409, failure_mode = "open",
+///              non_replayable = [401, 403, 404], recorded_headers = ["content-type", "x-id"])]
+///                                                the rest of the per-route settings
 /// #[idempotent(crate = my_runtime)]              for a renamed idempotent-runtime dependency
 /// #[idempotent(require_key, enlisted)]           PostgreSQL: the response commits with the
 ///                                                handler's writes (take `tx: &mut EnlistedTx`)

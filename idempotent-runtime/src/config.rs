@@ -1,10 +1,13 @@
 //! Settings, with the defaults of [the contract](crate::design), and the per-endpoint overrides the attribute emits.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use ipnet::IpNet;
 
 use crate::scope::Anonymous;
+
+pub mod grammar;
 
 /// Status for a key reused with a different request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -68,10 +71,7 @@ pub enum FailureMode {
 /// use idempotent_runtime::config::Oversized;
 ///
 /// // A charge must never run twice, however large its receipt.
-/// const CHARGE: EndpointConfig = EndpointConfig {
-///     oversized: Some(Oversized::RecordWithoutBody),
-///     ..EndpointConfig::REQUIRED
-/// };
+/// const CHARGE: EndpointConfig = EndpointConfig::REQUIRED.oversized(Oversized::RecordWithoutBody);
 /// # let _ = CHARGE;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -219,6 +219,8 @@ pub struct Config {
     pub(crate) credential_headers: Vec<String>,
     pub(crate) methods: Methods,
     pub(crate) strict: bool,
+    pub(crate) max_buffered_bytes: usize,
+    pub(crate) sweeper: bool,
 }
 
 impl Default for Config {
@@ -252,6 +254,8 @@ impl Default for Config {
             credential_headers: vec!["authorization".to_owned()],
             methods: Methods::DEFAULT,
             strict: cfg!(debug_assertions),
+            max_buffered_bytes: 256 << 20,
+            sweeper: true,
         }
     }
 }
@@ -348,6 +352,15 @@ impl Config {
     /// debug builds, see [`ConfigBuilder::strict`]).
     pub fn strict(&self) -> bool {
         self.strict
+    }
+    /// Bound on the bytes of request and response bodies buffered at once across all requests
+    /// (default 256 MiB; see [`ConfigBuilder::max_buffered_bytes`]).
+    pub fn max_buffered_bytes(&self) -> usize {
+        self.max_buffered_bytes
+    }
+    /// Whether the handle runs the background sweeper (default on).
+    pub fn sweeper(&self) -> bool {
+        self.sweeper
     }
 
     /// Whether a response with this final status may be recorded and replayed.
@@ -500,80 +513,346 @@ impl ConfigBuilder {
         self.0.strict = on;
         self
     }
+    /// Bound on the bytes of request and response bodies buffered at once across all requests
+    /// (default 256 MiB). Past it, new requests get 503 `IDEMPOTENCY_STORE_FULL`. The handle
+    /// builder's [`max_buffered_bytes`](crate::handle::Builder::max_buffered_bytes), where
+    /// given, wins.
+    pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
+        self.0.max_buffered_bytes = bytes;
+        self
+    }
+    /// Whether the handle runs the background sweeper, when built inside a Tokio runtime
+    /// (default on). Turn it off when another process sweeps the shared store. The handle
+    /// builder's [`sweeper`](crate::handle::Builder::sweeper), where given, wins.
+    pub fn sweeper(mut self, on: bool) -> Self {
+        self.0.sweeper = on;
+        self
+    }
     /// The finished configuration.
     pub fn build(self) -> Config {
         self.0
     }
 }
 
-/// Per-endpoint settings, as written in `#[idempotent(...)]` or given to the layer and
-/// middleware ([`endpoint`](crate::axum::IdempotencyLayer::endpoint)); `None` falls back to
-/// [`Config`].
+/// Per-endpoint settings, as written in `#[idempotent(...)]`, given to the layer and the
+/// middleware ([`IdempotencyLayer::endpoint`](crate::axum::IdempotencyLayer::endpoint),
+/// `IdempotencyMiddleware::endpoint`), or read from a file (feature `serde`, the same keys as
+/// the attribute's arguments); each setting left out falls back to [`Config`].
 ///
-/// The attribute emits this as a constant, so overrides cost nothing per request. Lists are
-/// `'static` slices for the same reason: header names in lowercase.
+/// Every setter is a `const fn`, so a `const` can build one (the attribute's expansion does, so
+/// overrides cost nothing per request); the lists also take owned values at run time
+/// ([`non_replayable_owned`](Self::non_replayable_owned),
+/// [`recorded_headers_owned`](Self::recorded_headers_owned)).
 ///
 /// ```
+/// use std::time::Duration;
 /// use idempotent_runtime::EndpointConfig;
-/// use idempotent_runtime::config::{FailureMode, ReuseStatus};
+/// use idempotent_runtime::config::{FailureMode, Oversized, ReuseStatus};
 ///
-/// const PAYMENTS: EndpointConfig = EndpointConfig {
-///     reuse_status: Some(ReuseStatus::Conflict),
-///     non_replayable: Some(&[401, 403, 408, 412, 429, 404]),
-///     recorded_headers: Some(&["content-type", "location", "x-payment-id"]),
-///     failure_mode: Some(FailureMode::Closed),
-///     ..EndpointConfig::REQUIRED
-/// };
-/// assert!(PAYMENTS.require_key);
+/// const PAYMENTS: EndpointConfig = EndpointConfig::new()
+///     .require_key(true)
+///     .lease(Duration::from_secs(30))
+///     .reuse_status(ReuseStatus::Conflict)
+///     .non_replayable(&[401, 403, 404, 408, 412, 429])
+///     .recorded_headers(&["content-type", "location", "x-payment-id"])
+///     .failure_mode(FailureMode::Closed)
+///     .oversized(Oversized::RecordWithoutBody);
+///
+/// // The same at run time, with lists from elsewhere:
+/// let statuses: Vec<u16> = vec![401, 403, 404, 408, 412, 429];
+/// let loaded = EndpointConfig::new()
+///     .require_key(true)
+///     .lease(Duration::from_secs(30))
+///     .reuse_status(ReuseStatus::Conflict)
+///     .non_replayable_owned(statuses)
+///     .recorded_headers_owned(["Content-Type", "Location", "X-Payment-Id"])
+///     .failure_mode(FailureMode::Closed)
+///     .oversized(Oversized::RecordWithoutBody);
+/// assert_eq!(loaded, PAYMENTS);
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct EndpointConfig {
-    /// Refuse requests without a key.
-    pub require_key: bool,
-    /// Lease override.
-    pub lease: Option<Duration>,
-    /// Retention override.
-    pub retention: Option<Duration>,
-    /// Request body cap override.
-    pub max_body: Option<usize>,
-    /// Recorded response cap override.
-    pub max_response: Option<usize>,
-    /// Status for a reused key, overriding [`Config::reuse_status`].
-    pub reuse_status: Option<ReuseStatus>,
-    /// Statuses below 500 never recorded, replacing [`ConfigBuilder::non_replayable`]'s list.
-    pub non_replayable: Option<&'static [u16]>,
-    /// Response headers kept in the record (lowercase), replacing
-    /// [`ConfigBuilder::recorded_headers`]'s list; the never-recorded ones stay excluded.
-    pub recorded_headers: Option<&'static [&'static str]>,
-    /// Fail closed or open when the store is unreachable, overriding [`Config::failure_mode`].
-    pub failure_mode: Option<FailureMode>,
-    /// What an answer over `max_response` leaves behind, overriding [`Config::oversized`].
-    pub oversized: Option<Oversized>,
-    /// The methods this endpoint applies to, overriding [`Config::methods`] (POST and PATCH);
-    /// other methods pass through untouched.
-    pub methods: Option<Methods>,
+    pub(crate) require_key: bool,
+    pub(crate) lease: Option<Duration>,
+    pub(crate) retention: Option<Duration>,
+    pub(crate) max_body: Option<usize>,
+    pub(crate) max_response: Option<usize>,
+    pub(crate) reuse_status: Option<ReuseStatus>,
+    pub(crate) non_replayable: Option<Statuses>,
+    pub(crate) recorded_headers: Option<HeaderNames>,
+    pub(crate) failure_mode: Option<FailureMode>,
+    pub(crate) oversized: Option<Oversized>,
+    pub(crate) methods: Option<Methods>,
+}
+
+/// A list of statuses: a `'static` slice (what a `const` holds) or a shared one (what a file
+/// gives), cheap to clone either way, since every claimed request keeps its endpoint's lists.
+#[derive(Clone)]
+pub(crate) enum Statuses {
+    Static(&'static [u16]),
+    Shared(Arc<[u16]>),
+}
+
+impl Statuses {
+    fn as_slice(&self) -> &[u16] {
+        match self {
+            Self::Static(list) => list,
+            Self::Shared(list) => list,
+        }
+    }
+}
+
+/// A list of lowercase header names, as [`Statuses`].
+#[derive(Clone)]
+pub(crate) enum HeaderNames {
+    Static(&'static [&'static str]),
+    Shared(Arc<[Box<str>]>),
+}
+
+impl HeaderNames {
+    fn contains(&self, lowercase_name: &str) -> bool {
+        match self {
+            Self::Static(list) => list.contains(&lowercase_name),
+            Self::Shared(list) => list.iter().any(|n| &**n == lowercase_name),
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &str> {
+        let (fixed, shared) = match self {
+            Self::Static(list) => (Some(list.iter().copied()), None),
+            Self::Shared(list) => (None, Some(list.iter().map(|n| &**n))),
+        };
+        fixed
+            .into_iter()
+            .flatten()
+            .chain(shared.into_iter().flatten())
+    }
+}
+
+impl PartialEq for Statuses {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+impl Eq for Statuses {}
+impl std::fmt::Debug for Statuses {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+impl PartialEq for HeaderNames {
+    fn eq(&self, other: &Self) -> bool {
+        self.iter().eq(other.iter())
+    }
+}
+impl Eq for HeaderNames {}
+impl std::fmt::Debug for HeaderNames {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+/// The shortest lease an endpoint may set: it is renewed every third of it, so a few
+/// milliseconds would renew in a busy loop.
+pub(crate) const MIN_LEASE: Duration = Duration::from_millis(30);
+
+/// Why a per-endpoint lease is refused (`None`: it is not).
+pub(crate) const fn lease_refusal(lease: Duration) -> Option<&'static str> {
+    if lease.as_nanos() < MIN_LEASE.as_nanos() {
+        Some("`lease` must be at least 30ms: it is renewed every third of it")
+    } else {
+        None
+    }
+}
+
+/// Why a status cannot be listed in `non_replayable` (`None`: it can). Only statuses 200–499
+/// are ever recorded, so listing another would change nothing.
+pub(crate) const fn status_refusal(status: u16) -> Option<&'static str> {
+    if status >= 200 && status <= 499 {
+        None
+    } else {
+        Some(
+            "`non_replayable` lists statuses 200-499: 1xx and 5xx answers are never recorded, so \
+             listing one changes nothing",
+        )
+    }
+}
+
+/// Why a name cannot be listed in `recorded_headers` as written (`None`: it can): names are
+/// HTTP tokens, written in lower case.
+pub(crate) const fn header_refusal(name: &str) -> Option<&'static str> {
+    let bytes = name.as_bytes();
+    if bytes.is_empty() {
+        return Some("a header name in `recorded_headers` is empty");
+    }
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if b.is_ascii_uppercase() {
+            return Some("header names in `recorded_headers` are written in lower case");
+        }
+        let token = b.is_ascii_lowercase()
+            || b.is_ascii_digit()
+            || matches!(
+                b,
+                b'!' | b'#'
+                    | b'$'
+                    | b'%'
+                    | b'&'
+                    | b'\''
+                    | b'*'
+                    | b'+'
+                    | b'-'
+                    | b'.'
+                    | b'^'
+                    | b'_'
+                    | b'`'
+                    | b'|'
+                    | b'~'
+            );
+        if !token {
+            return Some("a name in `recorded_headers` is not a header name (an HTTP token)");
+        }
+        i += 1;
+    }
+    None
 }
 
 impl EndpointConfig {
-    /// An endpoint where the key is optional.
-    pub const OPTIONAL: Self = Self {
-        require_key: false,
-        lease: None,
-        retention: None,
-        max_body: None,
-        max_response: None,
-        reuse_status: None,
-        non_replayable: None,
-        recorded_headers: None,
-        failure_mode: None,
-        oversized: None,
-        methods: None,
-    };
-    /// An endpoint that requires a key.
-    pub const REQUIRED: Self = Self {
-        require_key: true,
-        ..Self::OPTIONAL
-    };
+    /// An endpoint where the key is optional, with the runtime's settings: [`new`](Self::new).
+    pub const OPTIONAL: Self = Self::new();
+    /// An endpoint that requires a key: `new().require_key(true)`.
+    pub const REQUIRED: Self = Self::new().require_key(true);
+
+    /// Key optional, every other setting the runtime's ([`Config`]).
+    pub const fn new() -> Self {
+        Self {
+            require_key: false,
+            lease: None,
+            retention: None,
+            max_body: None,
+            max_response: None,
+            reuse_status: None,
+            non_replayable: None,
+            recorded_headers: None,
+            failure_mode: None,
+            oversized: None,
+            methods: None,
+        }
+    }
+
+    /// Refuse requests without a key (the attribute's `require_key`).
+    pub const fn require_key(mut self, on: bool) -> Self {
+        self.require_key = on;
+        self
+    }
+    /// How long a claim blocks its key without renewal, overriding [`Config::lease`].
+    pub const fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+    /// How long a completed response is replayed, overriding [`Config::retention`].
+    pub const fn retention(mut self, retention: Duration) -> Self {
+        self.retention = Some(retention);
+        self
+    }
+    /// Request body cap in bytes, overriding [`Config::max_body`].
+    pub const fn max_body(mut self, bytes: usize) -> Self {
+        self.max_body = Some(bytes);
+        self
+    }
+    /// Recorded response cap in bytes, overriding [`Config::max_response`].
+    pub const fn max_response(mut self, bytes: usize) -> Self {
+        self.max_response = Some(bytes);
+        self
+    }
+    /// 422 or 409 for a reused key, overriding [`Config::reuse_status`].
+    pub const fn reuse_status(mut self, status: ReuseStatus) -> Self {
+        self.reuse_status = Some(status);
+        self
+    }
+    /// Fail closed or open when the store is unreachable, overriding [`Config::failure_mode`].
+    pub const fn failure_mode(mut self, mode: FailureMode) -> Self {
+        self.failure_mode = Some(mode);
+        self
+    }
+    /// What an answer over `max_response` leaves behind, overriding [`Config::oversized`].
+    pub const fn oversized(mut self, policy: Oversized) -> Self {
+        self.oversized = Some(policy);
+        self
+    }
+    /// The methods this endpoint applies to, overriding [`Config::methods`] (POST and PATCH);
+    /// other methods pass through untouched. GET, HEAD, OPTIONS, TRACE and CONNECT always pass
+    /// (a set of [`Methods`] cannot hold them).
+    pub const fn methods(mut self, methods: Methods) -> Self {
+        self.methods = Some(methods);
+        self
+    }
+
+    /// Statuses below 500 never recorded, replacing [`ConfigBuilder::non_replayable`]'s list.
+    ///
+    /// # Panics
+    ///
+    /// On a status outside 200–499 (never recorded anyway): in a `const`, a compile error.
+    #[track_caller]
+    pub const fn non_replayable(self, statuses: &'static [u16]) -> Self {
+        let mut i = 0;
+        while i < statuses.len() {
+            if let Some(why) = status_refusal(statuses[i]) {
+                panic!("{}", why);
+            }
+            i += 1;
+        }
+        self.with_statuses(Statuses::Static(statuses))
+    }
+
+    /// [`non_replayable`](Self::non_replayable) from a list built at run time.
+    pub fn non_replayable_owned(self, statuses: impl IntoIterator<Item = u16>) -> Self {
+        self.with_statuses(Statuses::Shared(statuses.into_iter().collect()))
+    }
+
+    /// Response headers kept in the record, replacing [`ConfigBuilder::recorded_headers`]'s
+    /// list; the never-recorded ones (`set-cookie`, `content-length`, …) stay excluded.
+    ///
+    /// # Panics
+    ///
+    /// On a name that is not a lowercase HTTP token: in a `const`, a compile error.
+    #[track_caller]
+    pub const fn recorded_headers(self, lowercase_names: &'static [&'static str]) -> Self {
+        let mut i = 0;
+        while i < lowercase_names.len() {
+            if let Some(why) = header_refusal(lowercase_names[i]) {
+                panic!("{}", why);
+            }
+            i += 1;
+        }
+        self.with_headers(HeaderNames::Static(lowercase_names))
+    }
+
+    /// [`recorded_headers`](Self::recorded_headers) from names given at run time, in any case.
+    pub fn recorded_headers_owned<I, S>(self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let names = names.into_iter();
+        let names = names.map(|n| n.as_ref().trim().to_ascii_lowercase().into_boxed_str());
+        self.with_headers(HeaderNames::Shared(names.collect()))
+    }
+
+    // A `const fn` cannot drop a value that owns memory: the replaced list is taken out and
+    // forgotten, which leaks only when a list given at run time is replaced by a `'static`
+    // one on the same value.
+    const fn with_statuses(mut self, list: Statuses) -> Self {
+        std::mem::forget(self.non_replayable.replace(list));
+        self
+    }
+
+    const fn with_headers(mut self, list: HeaderNames) -> Self {
+        std::mem::forget(self.recorded_headers.replace(list));
+        self
+    }
 
     /// The settings in force for this endpoint.
     pub fn resolve(&self, config: &Config) -> Effective {
@@ -587,15 +866,13 @@ impl EndpointConfig {
             failure_mode: self.failure_mode.unwrap_or(config.failure_mode),
             methods: self.methods.unwrap_or(config.methods),
             recording: Recording {
-                non_replayable: self.non_replayable,
-                recorded_headers: self.recorded_headers,
+                non_replayable: self.non_replayable.clone(),
+                recorded_headers: self.recorded_headers.clone(),
                 oversized: self.oversized,
             },
         }
     }
-}
 
-impl EndpointConfig {
     /// Whether this endpoint applies to a request with `method`: one of its
     /// [`methods`](Self::methods), else the configured ones. Any other request passes through
     /// untouched, keyed or not, even under `require_key`, on both frameworks alike.
@@ -605,23 +882,32 @@ impl EndpointConfig {
     }
 }
 
+/// A type that names an endpoint's settings, so that an extractor can carry them as its one
+/// type parameter: what `#[idempotent(...)]` emits for each handler. `()` is the default, an
+/// endpoint with the key optional and the runtime's settings.
+pub trait Endpoint: Send + Sync + 'static {
+    /// The settings, built in a `const`: a bad value is a compile error.
+    const CONFIG: &'static EndpointConfig;
+}
+
+impl Endpoint for () {
+    const CONFIG: &'static EndpointConfig = &EndpointConfig::OPTIONAL;
+}
+
 /// Which responses an endpoint records: its overrides of [`Config`]'s lists, `None` meaning
 /// the configured one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Recording {
-    /// Statuses below 500 never recorded.
-    pub non_replayable: Option<&'static [u16]>,
-    /// Response headers kept (lowercase).
-    pub recorded_headers: Option<&'static [&'static str]>,
-    /// What an answer over `max_response` leaves behind.
-    pub oversized: Option<Oversized>,
+    non_replayable: Option<Statuses>,
+    recorded_headers: Option<HeaderNames>,
+    oversized: Option<Oversized>,
 }
 
 impl Recording {
     /// Whether a response with this final status may be recorded and replayed.
     pub fn is_recordable_status(&self, config: &Config, status: u16) -> bool {
-        match self.non_replayable {
-            Some(list) => (200..500).contains(&status) && !list.contains(&status),
+        match &self.non_replayable {
+            Some(list) => (200..500).contains(&status) && !list.as_slice().contains(&status),
             None => config.is_recordable_status(status),
         }
     }
@@ -633,9 +919,9 @@ impl Recording {
 
     /// Whether a response header (lowercase name) is kept in the record.
     pub fn records_header(&self, config: &Config, lowercase_name: &str) -> bool {
-        match self.recorded_headers {
+        match &self.recorded_headers {
             Some(list) => {
-                !NEVER_RECORDED.contains(&lowercase_name) && list.contains(&lowercase_name)
+                !NEVER_RECORDED.contains(&lowercase_name) && list.contains(lowercase_name)
             }
             None => config.records_header(lowercase_name),
         }
@@ -643,7 +929,7 @@ impl Recording {
 }
 
 /// Endpoint settings merged with the runtime's [`Config`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Effective {
     /// Refuse requests without a key.
     pub require_key: bool,
@@ -736,299 +1022,5 @@ mod tests {
     }
 }
 
-/// `Config` from a service's own configuration file (feature `serde`): every field optional,
-/// defaulting as [`Config::default`]; durations and sizes in human units.
 #[cfg(feature = "serde")]
-mod file {
-    use std::time::Duration;
-
-    use serde::Deserialize;
-    use serde::de::{self, Deserializer};
-
-    use super::{Config, FailureMode, Methods, MissingKeyStatus, Oversized, ReuseStatus};
-    use crate::scope::Anonymous;
-
-    /// A duration: `"30s"`, `"500ms"`, `"1.5m"`, `"24h"`, `"7d"`, or a number of seconds.
-    struct Human<T>(T);
-
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Raw {
-        Number(f64),
-        Text(String),
-    }
-
-    fn split(text: &str) -> Option<(f64, &str)> {
-        let text = text.trim();
-        let at = text
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(text.len());
-        let (number, unit) = text.split_at(at);
-        let number: f64 = number.parse().ok()?;
-        (number.is_finite() && number >= 0.0).then_some((number, unit.trim()))
-    }
-
-    pub(super) fn duration(raw: &str) -> Option<Duration> {
-        let (n, unit) = split(raw)?;
-        let secs = match unit {
-            "ms" => n / 1000.0,
-            "" | "s" => n,
-            "m" | "min" => n * 60.0,
-            "h" => n * 3600.0,
-            "d" => n * 86_400.0,
-            _ => return None,
-        };
-        Duration::try_from_secs_f64(secs).ok()
-    }
-
-    pub(super) fn size(raw: &str) -> Option<usize> {
-        let (n, unit) = split(raw)?;
-        let factor: f64 = match unit.to_ascii_lowercase().as_str() {
-            "" | "b" => 1.0,
-            "kb" => 1e3,
-            "mb" => 1e6,
-            "gb" => 1e9,
-            "kib" | "k" => 1024.0,
-            "mib" | "m" => 1024.0 * 1024.0,
-            "gib" | "g" => 1024.0 * 1024.0 * 1024.0,
-            _ => return None,
-        };
-        let bytes = n * factor;
-        (bytes.fract() == 0.0 && bytes <= usize::MAX as f64).then_some(bytes as usize)
-    }
-
-    impl<'de> Deserialize<'de> for Human<Duration> {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            match Raw::deserialize(d)? {
-                Raw::Number(secs) => Duration::try_from_secs_f64(secs).ok(),
-                Raw::Text(text) => duration(&text),
-            }
-            .map(Human)
-            .ok_or_else(|| {
-                de::Error::custom("expected a duration such as \"30s\", \"500ms\", \"24h\"")
-            })
-        }
-    }
-
-    impl<'de> Deserialize<'de> for Human<usize> {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            match Raw::deserialize(d)? {
-                Raw::Number(n) if n >= 0.0 && n.fract() == 0.0 => Some(n as usize),
-                Raw::Number(_) => None,
-                Raw::Text(text) => size(&text),
-            }
-            .map(Human)
-            .ok_or_else(|| de::Error::custom("expected a size such as \"1MiB\", \"64KiB\", 4096"))
-        }
-    }
-
-    #[derive(Deserialize)]
-    #[serde(rename_all = "snake_case")]
-    enum Mode {
-        Closed,
-        Open,
-    }
-
-    #[derive(Deserialize)]
-    #[serde(rename_all = "snake_case")]
-    enum OversizedPolicy {
-        RunAgain,
-        RecordWithoutBody,
-    }
-
-    #[derive(Deserialize)]
-    #[serde(rename_all = "snake_case")]
-    enum AnonymousPolicy {
-        PeerIp,
-        Refuse,
-    }
-
-    #[derive(Deserialize, Default)]
-    #[serde(default, deny_unknown_fields)]
-    struct File {
-        lease: Option<Human<Duration>>,
-        retention: Option<Human<Duration>>,
-        in_progress_retry_after: Option<Human<Duration>>,
-        store_retry_after: Option<Human<Duration>>,
-        max_body: Option<Human<usize>>,
-        max_response: Option<Human<usize>>,
-        body_timeout: Option<Human<Duration>>,
-        non_replayable: Option<Vec<u16>>,
-        recorded_headers: Option<Vec<String>>,
-        reuse_status: Option<u16>,
-        missing_key_status: Option<u16>,
-        failure_mode: Option<Mode>,
-        oversized: Option<OversizedPolicy>,
-        anonymous: Option<AnonymousPolicy>,
-        trusted_proxies: Option<Vec<String>>,
-        shutdown_grace: Option<Human<Duration>>,
-        methods: Option<Vec<String>>,
-        strict: Option<bool>,
-    }
-
-    /// Every field is optional and defaults as [`Config::default`]. Durations are strings with
-    /// a unit (`ms`, `s`, `m`, `h`, `d`) or seconds as a number; sizes are strings with a unit
-    /// (`KiB`, `MiB`, `GiB`, `kB`, `MB`, `GB`) or bytes as a number; `reuse_status` is 422 or
-    /// 409, `missing_key_status` 400 or 428, `failure_mode` `"closed"` or `"open"`, `oversized`
-    /// `"run_again"` or `"record_without_body"`, `anonymous` `"peer_ip"` or `"refuse"`,
-    /// `trusted_proxies` CIDR strings, `methods` a list of `"POST"`, `"PUT"`, `"PATCH"`,
-    /// `"DELETE"`, `strict` a boolean. Unknown fields are refused, so a misspelt setting never
-    /// silently keeps its default.
-    ///
-    /// ```
-    /// # fn main() -> Result<(), serde_json::Error> {
-    /// use std::time::Duration;
-    /// use idempotent_runtime::Config;
-    ///
-    /// let config: Config = serde_json::from_str(r#"{"lease": "30s", "max_body": "64KiB"}"#)?;
-    /// assert_eq!(config.lease(), Duration::from_secs(30));
-    /// assert_eq!(config.max_body(), 64 * 1024);
-    /// # Ok(()) }
-    /// ```
-    impl<'de> Deserialize<'de> for Config {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            let f = File::deserialize(d)?;
-            let mut b = Config::builder();
-            if let Some(Human(v)) = f.lease {
-                b = b.lease(v);
-            }
-            if let Some(Human(v)) = f.retention {
-                b = b.retention(v);
-            }
-            if let Some(Human(v)) = f.in_progress_retry_after {
-                b = b.in_progress_retry_after(v);
-            }
-            if let Some(Human(v)) = f.store_retry_after {
-                b = b.store_retry_after(v);
-            }
-            if let Some(Human(v)) = f.max_body {
-                b = b.max_body(v);
-            }
-            if let Some(Human(v)) = f.max_response {
-                b = b.max_response(v);
-            }
-            if let Some(Human(v)) = f.body_timeout {
-                b = b.body_timeout(v);
-            }
-            if let Some(Human(v)) = f.shutdown_grace {
-                b = b.shutdown_grace(v);
-            }
-            if let Some(v) = f.non_replayable {
-                b = b.non_replayable(v);
-            }
-            if let Some(v) = f.recorded_headers {
-                b = b.recorded_headers(v);
-            }
-            b = match f.reuse_status {
-                None => b,
-                Some(422) => b.reuse_status(ReuseStatus::UnprocessableContent),
-                Some(409) => b.reuse_status(ReuseStatus::Conflict),
-                Some(other) => {
-                    return Err(de::Error::custom(format!(
-                        "reuse_status {other}: 422 or 409"
-                    )));
-                }
-            };
-            b = match f.missing_key_status {
-                None => b,
-                Some(400) => b.missing_key_status(MissingKeyStatus::BadRequest),
-                Some(428) => b.missing_key_status(MissingKeyStatus::PreconditionRequired),
-                Some(other) => {
-                    return Err(de::Error::custom(format!(
-                        "missing_key_status {other}: 400 or 428"
-                    )));
-                }
-            };
-            b = match f.failure_mode {
-                None => b,
-                Some(Mode::Closed) => b.failure_mode(FailureMode::Closed),
-                Some(Mode::Open) => b.failure_mode(FailureMode::Open),
-            };
-            b = match f.oversized {
-                None => b,
-                Some(OversizedPolicy::RunAgain) => b.oversized(Oversized::RunAgain),
-                Some(OversizedPolicy::RecordWithoutBody) => {
-                    b.oversized(Oversized::RecordWithoutBody)
-                }
-            };
-            b = match f.anonymous {
-                None => b,
-                Some(AnonymousPolicy::PeerIp) => b.anonymous(Anonymous::PeerIp),
-                Some(AnonymousPolicy::Refuse) => b.anonymous(Anonymous::Refuse),
-            };
-            if let Some(nets) = f.trusted_proxies {
-                let nets = nets
-                    .iter()
-                    .map(|n| {
-                        n.parse().map_err(|_| {
-                            de::Error::custom(format!("trusted_proxies: {n:?} is not a CIDR"))
-                        })
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                b = b.trusted_proxies(nets);
-            }
-            if let Some(names) = f.methods {
-                let methods = names
-                    .iter()
-                    .map(|n| {
-                        Methods::parse(n)
-                            .map_err(|why| de::Error::custom(format!("methods: {n:?}: {why}")))
-                    })
-                    .collect::<Result<Methods, _>>()?;
-                b = b.methods(methods);
-            }
-            if let Some(on) = f.strict {
-                b = b.strict(on);
-            }
-            Ok(b.build())
-        }
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        #[test]
-        fn durations_and_sizes_read_in_human_units() {
-            assert_eq!(duration("500ms"), Some(Duration::from_millis(500)));
-            assert_eq!(duration("1.5s"), Some(Duration::from_millis(1500)));
-            assert_eq!(duration("2m"), Some(Duration::from_secs(120)));
-            assert_eq!(duration("24h"), Some(Duration::from_secs(86_400)));
-            assert_eq!(duration("7d"), Some(Duration::from_secs(7 * 86_400)));
-            assert_eq!(duration("30"), Some(Duration::from_secs(30)));
-            for bad in ["", "s", "-1s", "3 fortnights", "1e3s"] {
-                assert_eq!(duration(bad), None, "{bad:?}");
-            }
-            assert_eq!(size("64KiB"), Some(65_536));
-            assert_eq!(size("1 MiB"), Some(1 << 20));
-            assert_eq!(size("2MB"), Some(2_000_000));
-            assert_eq!(size("4096"), Some(4096));
-            assert_eq!(size("0.5KiB"), Some(512));
-            for bad in ["", "MiB", "1.3B", "1 parsec"] {
-                assert_eq!(size(bad), None, "{bad:?}");
-            }
-        }
-
-        #[test]
-        fn unknown_fields_and_bad_values_are_refused() {
-            for bad in [
-                r#"{"leese": "30s"}"#,
-                r#"{"lease": "soon"}"#,
-                r#"{"reuse_status": 418}"#,
-                r#"{"failure_mode": "maybe"}"#,
-                r#"{"oversized": "truncate"}"#,
-                r#"{"trusted_proxies": ["10.0.0.0/99"]}"#,
-                r#"{"methods": ["GET"]}"#,
-                r#"{"methods": ["post"]}"#,
-                r#"{"strict": "yes"}"#,
-            ] {
-                assert!(
-                    serde_json::from_str::<Config>(bad).is_err(),
-                    "{bad} accepted"
-                );
-            }
-            let empty: Config = serde_json::from_str("{}").unwrap();
-            assert_eq!(format!("{empty:?}"), format!("{:?}", Config::default()));
-        }
-    }
-}
+mod file;

@@ -318,7 +318,7 @@ impl Settle {
 
     /// The endpoint's rules for what is recorded.
     pub(crate) fn recording(&self) -> Recording {
-        self.recording
+        self.recording.clone()
     }
 
     /// The matched route, for log lines.

@@ -80,8 +80,8 @@ pub struct Builder {
     contributor: Option<Arc<dyn FingerprintContributor>>,
     resolver: Option<Resolver>,
     renderer: Option<Arc<dyn RefusalRenderer>>,
-    sweeper: bool,
-    max_buffered: usize,
+    sweeper: Option<bool>,
+    max_buffered: Option<usize>,
 }
 
 impl Builder {
@@ -138,23 +138,26 @@ impl Builder {
         self
     }
 
-    /// Whether to run the background sweeper (default on, when built inside a Tokio runtime).
-    /// Turn it off when another process sweeps the shared store.
+    /// Whether to run the background sweeper (default [`Config::sweeper`], on, when built
+    /// inside a Tokio runtime). Turn it off when another process sweeps the shared store.
     pub fn sweeper(mut self, on: bool) -> Self {
-        self.sweeper = on;
+        self.sweeper = Some(on);
         self
     }
 
     /// Bound on the bytes of request and response bodies buffered at once across all requests
-    /// (default 256 MiB). Past it, new requests get 503 `IDEMPOTENCY_STORE_FULL`.
+    /// (default [`Config::max_buffered_bytes`], 256 MiB). Past it, new requests get 503
+    /// `IDEMPOTENCY_STORE_FULL`.
     pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
-        self.max_buffered = bytes;
+        self.max_buffered = Some(bytes);
         self
     }
 
     /// The handle.
     pub fn build(self) -> Idempotency {
-        let sweeper = (self.sweeper && tokio::runtime::Handle::try_current().is_ok()).then(|| {
+        let sweeper = self.sweeper.unwrap_or(self.config.sweeper);
+        let max_buffered = self.max_buffered.unwrap_or(self.config.max_buffered_bytes);
+        let sweeper = (sweeper && tokio::runtime::Handle::try_current().is_ok()).then(|| {
             crate::store::sweeper(
                 Arc::downgrade(&self.store),
                 self.config.retention,
@@ -185,7 +188,7 @@ impl Builder {
                 resolver: self.resolver,
                 renderer: self.renderer,
                 running: Running::default(),
-                budget: BufferBudget::new(self.max_buffered),
+                budget: BufferBudget::new(max_buffered),
                 watch,
                 sweeper,
                 #[cfg(feature = "postgres")]
@@ -235,8 +238,8 @@ impl Idempotency {
             contributor: None,
             resolver: None,
             renderer: None,
-            sweeper: true,
-            max_buffered: 256 << 20,
+            sweeper: None,
+            max_buffered: None,
         }
     }
 

@@ -127,10 +127,10 @@ pub mod scope;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod sql;
 pub mod store;
+mod watch;
 #[cfg(feature = "webhooks")]
 #[cfg_attr(docsrs, doc(cfg(feature = "webhooks")))]
 pub mod webhook;
-mod watch;
 
 pub use config::{Config, EndpointConfig, Methods};
 pub use context::IdempotencyContext;

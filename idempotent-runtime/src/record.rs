@@ -475,10 +475,10 @@ mod tests {
             recorded_trailers_for(&config, &Recording::default(), &sent),
             [sent[1].clone(), sent[2].clone(), sent[3].clone()]
         );
-        let route = Recording {
-            recorded_headers: Some(&["x-secret"]),
-            ..Recording::default()
-        };
+        let route = crate::EndpointConfig::OPTIONAL
+            .recorded_headers(&["x-secret"])
+            .resolve(&config)
+            .recording;
         assert_eq!(
             recorded_trailers_for(&config, &route, &sent),
             [sent[0].clone(), sent[1].clone(), sent[3].clone()],

@@ -15,12 +15,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::fingerprint::Fingerprint;
-use idempotent_runtime::test_helpers::record::{self, Verdict};
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::mysql::{MySqlStore, MySqlStoreBuilder};
 use idempotent_runtime::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, StandingState, Store, StoreError, contract,
 };
+use idempotent_runtime::test_helpers::record::{self, Verdict};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 
 mod support;

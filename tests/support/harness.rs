@@ -43,9 +43,7 @@ fn store_options(options: &[&str]) -> (Vec<String>, Option<Box<dyn std::any::Any
         return (Vec::new(), None);
     }
     #[cfg(feature = "mysql")]
-    if let Ok(db) =
-        MYSQL.try_with(|url| super::MysqlDatabase::new(url, "conformance"))
-    {
+    if let Ok(db) = MYSQL.try_with(|url| super::MysqlDatabase::new(url, "conformance")) {
         let options = ["--store", "mysql", "--database-url", &db.url()]
             .map(String::from)
             .to_vec();

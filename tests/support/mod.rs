@@ -26,9 +26,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
-pub use services::{Schema, database_url, example_binary, redis_url, required};
 #[cfg(feature = "mysql")]
 pub use services::{MysqlDatabase, mysql_url};
+pub use services::{Schema, database_url, example_binary, redis_url, required};
 
 /// The conformance servers the suites run against; each is an example of the root package.
 #[cfg(not(feature = "actix"))]

@@ -13,13 +13,13 @@ use futures_util::future::LocalBoxFuture;
 
 use super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
 use crate::adapter::{self as sequence, Ended, Prepared, Served};
-use crate::config::{EndpointConfig, FailureMode, Methods, Oversized, ReuseStatus};
+use crate::config::EndpointConfig;
 use crate::pipeline::{self, Handled};
 use crate::watch::LayerWatch;
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
 /// with the same semantics as `#[idempotent]` on each handler (runtime checks only); the
-/// methods are a setting ([`methods`](Self::methods), [`EndpointConfig::methods`]).
+/// methods are a setting ([`EndpointConfig::methods`], given with [`endpoint`](Self::endpoint)).
 ///
 /// Requests with other methods (HEAD, OPTIONS, GET, …) and requests that match no route
 /// (default services) pass through untouched. Where this middleware and the attribute both
@@ -32,14 +32,14 @@ use crate::watch::LayerWatch;
 ///
 /// ```
 /// use actix_web::{App, HttpResponse, web};
-/// use idempotent_runtime::Idempotency;
+/// use idempotent_runtime::{EndpointConfig, Idempotency};
 /// use idempotent_runtime::actix::IdempotencyMiddleware;
 ///
 /// # #[actix_web::main] async fn main() {
 /// let idempotency = web::Data::new(Idempotency::memory());
 /// let app = App::new().app_data(idempotency).service(
 ///     web::scope("/payments")
-///         .wrap(IdempotencyMiddleware::new().require_key())
+///         .wrap(IdempotencyMiddleware::new().endpoint(EndpointConfig::REQUIRED))
 ///         .route("", web::post().to(|| async { HttpResponse::Created().finish() })),
 /// );
 /// # let _ = actix_web::test::init_service(app).await;
@@ -66,54 +66,11 @@ impl IdempotencyMiddleware {
         }
     }
 
-    /// Refuse requests without an `Idempotency-Key`.
-    pub fn require_key(mut self) -> Self {
-        self.endpoint.require_key = true;
-        self
-    }
-
-    /// Endpoint settings for every route inside (lease, retention, body and response caps,
-    /// methods).
+    /// The endpoint settings of every route inside (default [`EndpointConfig::OPTIONAL`]): the
+    /// key required or not, lease, retention, caps, statuses, headers, methods; the same value
+    /// the attribute builds from its arguments, built in code or read from a file.
     pub fn endpoint(mut self, endpoint: EndpointConfig) -> Self {
         self.endpoint = endpoint;
-        self
-    }
-
-    /// 422 or 409 for a reused key inside, overriding [`Config`](crate::Config).
-    pub fn reuse_status(mut self, status: ReuseStatus) -> Self {
-        self.endpoint.reuse_status = Some(status);
-        self
-    }
-
-    /// Statuses below 500 never recorded inside, replacing the configured list.
-    pub fn non_replayable(mut self, statuses: &'static [u16]) -> Self {
-        self.endpoint.non_replayable = Some(statuses);
-        self
-    }
-
-    /// Response headers (lowercase) recorded inside, replacing the configured list.
-    pub fn recorded_headers(mut self, names: &'static [&'static str]) -> Self {
-        self.endpoint.recorded_headers = Some(names);
-        self
-    }
-
-    /// Fail closed or open inside when the store is unreachable.
-    pub fn failure_mode(mut self, mode: FailureMode) -> Self {
-        self.endpoint.failure_mode = Some(mode);
-        self
-    }
-
-    /// What an answer over `max_response` leaves behind inside.
-    pub fn oversized(mut self, policy: Oversized) -> Self {
-        self.endpoint.oversized = Some(policy);
-        self
-    }
-
-    /// The methods the middleware applies to (default [`Config::methods`](crate::Config::methods),
-    /// POST and PATCH), as [`EndpointConfig::methods`]. GET, HEAD, OPTIONS, TRACE and CONNECT
-    /// always pass (a set of [`Methods`] cannot hold them).
-    pub fn methods(mut self, methods: Methods) -> Self {
-        self.endpoint.methods = Some(methods);
         self
     }
 }
@@ -132,7 +89,7 @@ where
     fn new_transform(&self, service: S) -> Self::Future {
         ready(Ok(IdempotencyService {
             service: Rc::new(service),
-            endpoint: self.endpoint,
+            endpoint: self.endpoint.clone(),
             watch: Arc::clone(&self.watch),
             patterns: Rc::default(),
         }))
@@ -206,7 +163,7 @@ where
             return Box::pin(async move { Ok(req.into_response(response)) });
         };
         let params = self.params(&req, &pattern);
-        let endpoint = self.endpoint;
+        let endpoint = self.endpoint.clone();
         let require_key = endpoint.require_key;
         req.extensions_mut().insert(Handled { require_key });
         let steps = async move {

@@ -110,7 +110,9 @@ where
 /// Makes an actix-web handler idempotent. See the [module documentation](self).
 ///
 /// Arguments: `require_key`; `lease = "30s"`, `retention = "24h"`, `max_body = "64KiB"`,
-/// `max_response = "1MiB"`; `methods = ["POST", "PUT"]` (default POST and PATCH); `crate = path`
+/// `max_response = "1MiB"`; `oversized = "record_without_body"`, `reuse_status = 409`,
+/// `failure_mode = "open"`, `non_replayable = [401, 404]`, `recorded_headers = ["content-type"]`;
+/// `methods = ["POST", "PUT"]` (default POST and PATCH); `crate = path`
 /// for a renamed dependency; `enlisted` (PostgreSQL: the handler takes `&mut EnlistedTx`, see
 /// `idempotent_runtime::enlisted`).
 pub use idempotent_macros::idempotent_actix as idempotent;

@@ -80,7 +80,7 @@ async fn middleware_passes_other_methods_and_unmatched_routes_through() {
             .app_data(runs.clone())
             .service(
                 web::scope("/api")
-                    .wrap(IdempotencyMiddleware::new().require_key())
+                    .wrap(IdempotencyMiddleware::new().endpoint(crate::EndpointConfig::REQUIRED))
                     .route("/x", web::post().to(counted))
                     .route("/x", web::get().to(counted))
                     .default_service(web::to(HttpResponse::NotFound)),
@@ -117,7 +117,9 @@ async fn middleware_applies_to_the_methods_it_is_given() {
             .app_data(runs.clone())
             .service(
                 web::resource("/x")
-                    .wrap(IdempotencyMiddleware::new().methods(crate::config::Methods::PUT))
+                    .wrap(IdempotencyMiddleware::new().endpoint(
+                        crate::EndpointConfig::new().methods(crate::config::Methods::PUT),
+                    ))
                     .route(web::put().to(counted))
                     .route(web::post().to(counted)),
             ),
@@ -173,7 +175,7 @@ async fn nested_middlewares_let_the_outer_one_decide() {
             .wrap(IdempotencyMiddleware::new())
             .service(
                 web::scope("/api")
-                    .wrap(IdempotencyMiddleware::new().require_key())
+                    .wrap(IdempotencyMiddleware::new().endpoint(crate::EndpointConfig::REQUIRED))
                     .route("/x", web::post().to(counted)),
             ),
     )
@@ -437,7 +439,7 @@ async fn extractors_run_before_the_claim_and_on_replays() {
 fn middleware_can_be_built_outside_the_server_factory() {
     // HttpServer::new needs a Send factory: a middleware built once outside it moves in.
     fn send_sync_clone<T: Send + Sync + Clone + 'static>(_: &T) {}
-    send_sync_clone(&IdempotencyMiddleware::new().require_key());
+    send_sync_clone(&IdempotencyMiddleware::new().endpoint(crate::EndpointConfig::REQUIRED));
 }
 
 // Setups that would silently turn protection off are said once, with their fix (#19).

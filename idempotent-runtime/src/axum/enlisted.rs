@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::adapter::{self, HANDLE_MISSING_FIX, Prepared};
 use super::extract::{FromState, HandleSource, Via};
-use crate::config::EndpointConfig;
+use crate::config::{Endpoint, EndpointConfig};
 use crate::context::IdempotencyContext;
 use crate::enlisted::{EnlistedTx, Held};
 use crate::handle::Idempotency;
@@ -38,21 +38,11 @@ use crate::pipeline::{self, Admitted, Handled};
 /// }
 /// ```
 #[must_use]
-pub struct EnlistedIdempotent<
-    T,
-    Src = FromState,
-    const REQUIRE_KEY: bool = false,
-    const LEASE_MS: u64 = 0,
-    const RETENTION_MS: u64 = 0,
-    const MAX_BODY: u64 = 0,
-    const MAX_RESPONSE: u64 = 0,
-    const OVERSIZED: u8 = 0,
-    const METHODS: u8 = 0,
-> {
+pub struct EnlistedIdempotent<T, Src = FromState, E: Endpoint = ()> {
     value: T,
     context: Option<IdempotencyContext>,
     session: Session,
-    _source: PhantomData<fn() -> Src>,
+    _source: PhantomData<fn() -> (Src, E)>,
 }
 
 struct Session {
@@ -60,21 +50,9 @@ struct Session {
     claimed: Admitted<Held>,
 }
 
-impl<
-    T,
-    Src,
-    const R: bool,
-    const L: u64,
-    const RT: u64,
-    const MB: u64,
-    const MR: u64,
-    const OV: u8,
-    const MT: u8,
-> EnlistedIdempotent<T, Src, R, L, RT, MB, MR, OV, MT>
-{
-    /// The endpoint settings these const parameters spell.
-    pub const ENDPOINT: EndpointConfig =
-        super::Idempotent::<T, Src, R, L, RT, MB, MR, OV, MT>::ENDPOINT;
+impl<T, Src, E: Endpoint> EnlistedIdempotent<T, Src, E> {
+    /// The endpoint settings `E` names.
+    pub const ENDPOINT: &'static EndpointConfig = E::CONFIG;
 
     /// Runs the handler in its own task (a client that disconnects never cancels it) with the
     /// transaction, which it hands back with its response; then commits or rolls back.
@@ -100,19 +78,7 @@ impl<
     }
 }
 
-impl<
-    S,
-    M,
-    T,
-    Src,
-    const R: bool,
-    const L: u64,
-    const RT: u64,
-    const MB: u64,
-    const MR: u64,
-    const OV: u8,
-    const MT: u8,
-> FromRequest<S, Via<M>> for EnlistedIdempotent<T, Src, R, L, RT, MB, MR, OV, MT>
+impl<S, M, T, Src, E: Endpoint> FromRequest<S, Via<M>> for EnlistedIdempotent<T, Src, E>
 where
     T: FromRequest<S, M> + Send,
     S: Send + Sync,
@@ -130,7 +96,7 @@ where
             return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
         };
         let (request, claimed) =
-            match adapter::prepare_enlisted(&handle, &Self::ENDPOINT, request).await? {
+            match adapter::prepare_enlisted(&handle, Self::ENDPOINT, request).await? {
                 Prepared::Claimed(request, claimed) => (request, claimed),
                 Prepared::Pass(_) => {
                     unreachable!("enlisted mode reads every body before it begins")

@@ -2,7 +2,6 @@
 
 use std::convert::Infallible;
 use std::marker::PhantomData;
-use std::time::Duration;
 
 use axum::extract::{
     FromRef, FromRequest, FromRequestParts, MatchedPath, OptionalFromRequestParts, Request,
@@ -11,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 
 use super::adapter::{self, HANDLE_MISSING_FIX, Prepared};
-use crate::config::{EndpointConfig, Methods, Oversized};
+use crate::config::{Endpoint, EndpointConfig};
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
 use crate::pipeline::{self, Handled, Served};
@@ -58,52 +57,22 @@ pub struct Via<M>(PhantomData<M>);
 ///
 /// Extracting it runs the whole pipeline before the handler: key, body, scope, claim. A replay
 /// or a refusal is its rejection, so the handler never runs for them. The endpoint's settings
-/// are its const parameters (0 means "the runtime's setting"; `OVERSIZED` is 1 for `run_again`,
-/// 2 for `record_without_body`), so the expansion needs no items beside the handler.
+/// are its type parameter `E` ([`Endpoint::CONFIG`], built in a `const` by the expansion; the
+/// default `()` is an optional key and the runtime's settings).
 /// [`run`](Self::run) then runs the handler in its own task and records the response.
 #[must_use]
-pub struct Idempotent<
-    T,
-    Src = FromState,
-    const REQUIRE_KEY: bool = false,
-    const LEASE_MS: u64 = 0,
-    const RETENTION_MS: u64 = 0,
-    const MAX_BODY: u64 = 0,
-    const MAX_RESPONSE: u64 = 0,
-    const OVERSIZED: u8 = 0,
-    const METHODS: u8 = 0,
-> {
+pub struct Idempotent<T, Src = FromState, E: Endpoint = ()> {
     value: T,
     context: Option<IdempotencyContext>,
     session: Option<Session>,
-    _source: PhantomData<fn() -> Src>,
+    _source: PhantomData<fn() -> (Src, E)>,
 }
 
 struct Session(crate::adapter::Claimed);
 
-impl<
-    T,
-    Src,
-    const R: bool,
-    const L: u64,
-    const RT: u64,
-    const MB: u64,
-    const MR: u64,
-    const OV: u8,
-    const MT: u8,
-> Idempotent<T, Src, R, L, RT, MB, MR, OV, MT>
-{
-    /// The endpoint settings these const parameters spell.
-    pub const ENDPOINT: EndpointConfig = EndpointConfig {
-        require_key: R,
-        lease: millis(L),
-        retention: millis(RT),
-        max_body: bytes(MB),
-        max_response: bytes(MR),
-        oversized: oversized(OV),
-        methods: methods(MT),
-        ..EndpointConfig::OPTIONAL
-    };
+impl<T, Src, E: Endpoint> Idempotent<T, Src, E> {
+    /// The endpoint settings `E` names.
+    pub const ENDPOINT: &'static EndpointConfig = E::CONFIG;
 
     /// The inner extractor.
     pub fn into_inner(self) -> T {
@@ -132,48 +101,7 @@ impl<
     }
 }
 
-const fn millis(ms: u64) -> Option<Duration> {
-    if ms == 0 {
-        None
-    } else {
-        Some(Duration::from_millis(ms))
-    }
-}
-
-const fn methods(bits: u8) -> Option<Methods> {
-    if bits == 0 {
-        None
-    } else {
-        Some(Methods::from_bits(bits))
-    }
-}
-
-const fn bytes(n: u64) -> Option<usize> {
-    if n == 0 { None } else { Some(n as usize) }
-}
-
-/// `oversized = "…"` as the expansion spells it: 1 `run_again`, 2 `record_without_body`.
-const fn oversized(n: u8) -> Option<Oversized> {
-    match n {
-        1 => Some(Oversized::RunAgain),
-        2 => Some(Oversized::RecordWithoutBody),
-        _ => None,
-    }
-}
-
-impl<
-    S,
-    M,
-    T,
-    Src,
-    const R: bool,
-    const L: u64,
-    const RT: u64,
-    const MB: u64,
-    const MR: u64,
-    const OV: u8,
-    const MT: u8,
-> FromRequest<S, Via<M>> for Idempotent<T, Src, R, L, RT, MB, MR, OV, MT>
+impl<S, M, T, Src, E: Endpoint> FromRequest<S, Via<M>> for Idempotent<T, Src, E>
 where
     T: FromRequest<S, M> + Send,
     S: Send + Sync,
@@ -191,7 +119,7 @@ where
         // Where the layer already applies, it decides (the outer one): the attribute steps aside.
         if let Some(outer) = request.extensions().get::<Handled>().copied() {
             let context = request.extensions().get::<IdempotencyContext>().cloned();
-            if R && !outer.require_key {
+            if Self::ENDPOINT.require_key && !outer.require_key {
                 let handle = Src::handle(request.extensions(), state);
                 let route = request.extensions().get::<MatchedPath>();
                 let route = route.map_or("", MatchedPath::as_str);
@@ -221,7 +149,7 @@ where
             let route = route.map_or("", MatchedPath::as_str);
             return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
         };
-        match adapter::prepare(&handle, &Self::ENDPOINT, request).await? {
+        match adapter::prepare(&handle, Self::ENDPOINT, request).await? {
             Prepared::Pass(request) => T::from_request(request, state)
                 .await
                 .map(|value| plain(value, None))

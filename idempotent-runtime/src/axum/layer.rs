@@ -11,7 +11,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::adapter::{self, Prepared};
-use crate::config::{EndpointConfig, FailureMode, Methods, Oversized, ReuseStatus};
+use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
 use crate::pipeline::{self, Handled, Served};
 use crate::watch::LayerWatch;
@@ -29,14 +29,14 @@ use crate::watch::LayerWatch;
 ///
 /// ```
 /// use axum::{Router, routing::post};
-/// use idempotent_runtime::Idempotency;
+/// use idempotent_runtime::{EndpointConfig, Idempotency};
 /// use idempotent_runtime::axum::IdempotencyLayer;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let idempotency = Idempotency::memory();
 /// let app: Router = Router::new()
 ///     .route("/payments", post(|| async { "paid" }))
-///     .layer(IdempotencyLayer::new(idempotency).require_key());
+///     .layer(IdempotencyLayer::new(idempotency).endpoint(EndpointConfig::REQUIRED));
 /// # }
 /// ```
 #[derive(Clone, Debug)]
@@ -68,47 +68,11 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Refuse requests without a key.
-    pub fn require_key(self) -> Self {
-        self.edit(|s| s.endpoint.require_key = true)
-    }
-
-    /// Per-route settings (lease, retention, caps, methods), as the attribute's arguments would
-    /// set them.
+    /// The endpoint settings of every route inside (default [`EndpointConfig::OPTIONAL`]): the
+    /// key required or not, lease, retention, caps, statuses, headers, methods; the same value
+    /// the attribute builds from its arguments, built in code or read from a file.
     pub fn endpoint(self, endpoint: EndpointConfig) -> Self {
         self.edit(|s| s.endpoint = endpoint)
-    }
-
-    /// 422 or 409 for a reused key on these routes, overriding [`Config`](crate::Config).
-    pub fn reuse_status(self, status: ReuseStatus) -> Self {
-        self.edit(|s| s.endpoint.reuse_status = Some(status))
-    }
-
-    /// Statuses below 500 never recorded on these routes, replacing the configured list.
-    pub fn non_replayable(self, statuses: &'static [u16]) -> Self {
-        self.edit(|s| s.endpoint.non_replayable = Some(statuses))
-    }
-
-    /// Response headers (lowercase) recorded on these routes, replacing the configured list.
-    pub fn recorded_headers(self, names: &'static [&'static str]) -> Self {
-        self.edit(|s| s.endpoint.recorded_headers = Some(names))
-    }
-
-    /// Fail closed or open on these routes when the store is unreachable.
-    pub fn failure_mode(self, mode: FailureMode) -> Self {
-        self.edit(|s| s.endpoint.failure_mode = Some(mode))
-    }
-
-    /// What an answer over `max_response` leaves behind on these routes.
-    pub fn oversized(self, policy: Oversized) -> Self {
-        self.edit(|s| s.endpoint.oversized = Some(policy))
-    }
-
-    /// The methods it applies to (default [`Config::methods`](crate::Config::methods), POST
-    /// and PATCH), as [`EndpointConfig::methods`]. GET, HEAD, OPTIONS, TRACE and CONNECT always
-    /// pass (a set of [`Methods`] cannot hold them).
-    pub fn methods(self, methods: Methods) -> Self {
-        self.edit(|s| s.endpoint.methods = Some(methods))
     }
 }
 

@@ -152,7 +152,7 @@ async fn the_layer_applies_to_post_and_passes_other_requests_through() {
         .route("/plain", get(plain).post(plain).put(plain))
         .route("/create", post(create))
         .fallback(plain)
-        .layer(IdempotencyLayer::new(store.clone()).require_key())
+        .layer(IdempotencyLayer::new(store.clone()).endpoint(crate::EndpointConfig::REQUIRED))
         .layer(peer())
         .with_state(App {
             store,
@@ -319,12 +319,13 @@ async fn the_layer_applies_its_own_reuse_status_recording_rules_and_failure_mode
     let flaky = Arc::new(Flaky::default());
     let store = Idempotency::builder_arc(flaky.clone()).build();
     let runs = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new(store.clone())
-        .require_key()
-        .reuse_status(crate::config::ReuseStatus::Conflict)
-        .non_replayable(&[404])
-        .recorded_headers(&["x-trace"])
-        .failure_mode(crate::config::FailureMode::Open);
+    let layer = IdempotencyLayer::new(store.clone()).endpoint(
+        crate::EndpointConfig::REQUIRED
+            .reuse_status(crate::config::ReuseStatus::Conflict)
+            .non_replayable(&[404])
+            .recorded_headers(&["x-trace"])
+            .failure_mode(crate::config::FailureMode::Open),
+    );
     let router = Router::new()
         .route("/s", post(status_of))
         .route_layer(layer)
@@ -582,7 +583,7 @@ async fn strict_a_layer_around_the_finished_router_refuses_the_first_request() {
         .with_state(app)
         .layer(peer());
     let (logs, _guard) = crate::testlog::Logs::capture();
-    let layer = IdempotencyLayer::new(strict(true)).require_key();
+    let layer = IdempotencyLayer::new(strict(true)).endpoint(crate::EndpointConfig::REQUIRED);
     let mut outside = tower_layer::Layer::layer(&layer, routes);
     for key in ["k", "k"] {
         let request = post_with_key("/strict-outside", key, "x");
@@ -645,7 +646,7 @@ async fn a_required_key_under_an_optional_layer_is_still_required_and_said() {
     let store = Idempotency::memory();
     let (router, _) = app(store.clone());
     let router = router
-        .layer(IdempotencyLayer::new(store).require_key())
+        .layer(IdempotencyLayer::new(store).endpoint(crate::EndpointConfig::REQUIRED))
         .layer(peer());
     let request = Request::post("/create").body(Body::from("x")).unwrap();
     let (status, _, _) = call(&router, request).await;
@@ -971,7 +972,7 @@ fn trailed_routers(store: &Idempotency) -> [(&'static str, Router, Arc<AtomicUsi
         .layer(peer());
     let layer = Router::new()
         .route("/t", post(trailed))
-        .route_layer(IdempotencyLayer::new(store.clone()).require_key())
+        .route_layer(IdempotencyLayer::new(store.clone()).endpoint(crate::EndpointConfig::REQUIRED))
         .with_state(state(&b))
         .layer(peer());
     [("attribute", attribute, a), ("layer", layer, b)]

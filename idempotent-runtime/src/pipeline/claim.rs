@@ -156,7 +156,7 @@ pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
                 route,
                 handle.enter_running(),
             )
-            .with_recording(req.endpoint.recording)
+            .with_recording(req.endpoint.recording.clone())
         }),
         Err(error) => {
             let mode = req.endpoint.failure_mode;

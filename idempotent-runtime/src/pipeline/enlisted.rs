@@ -171,7 +171,7 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
     };
     answer(handle, req, claimed, || {
         let mut settle = Settle {
-            recording: req.endpoint.recording,
+            recording: req.endpoint.recording.clone(),
             ..settle_for(
                 handle,
                 store,

@@ -266,7 +266,7 @@ pub(crate) struct Buffered {
 impl Buffered {
     /// The endpoint's rules for what is recorded.
     pub(crate) fn recording(&self) -> crate::config::Recording {
-        self.effective.recording
+        self.effective.recording.clone()
     }
 }
 
@@ -622,7 +622,7 @@ pub(crate) async fn settle<R: Reply>(
 ) -> R {
     let config = handle.config();
     let status = response.status();
-    let recording = *reservation.recording();
+    let recording = reservation.recording().clone();
     if !reservation.is_guarded() || !recording.is_recordable_status(config, status) {
         reservation.release().await;
         return response;

@@ -15,6 +15,11 @@ use crate::config::Config;
 use crate::problem::ProblemCode;
 use crate::store::memory::MemoryStore;
 
+// `'static` references: an `EndpointConfig` owns its lists, so `&EndpointConfig::REQUIRED` is a
+// temporary.
+const OPTIONAL: &EndpointConfig = &EndpointConfig::OPTIONAL;
+const REQUIRED: &EndpointConfig = &EndpointConfig::REQUIRED;
+
 #[derive(Default)]
 struct TestHead {
     headers: Vec<(&'static str, Vec<u8>)>,
@@ -305,7 +310,7 @@ fn refusal<B>(front: Front<B>) -> ProblemCode {
 }
 
 async fn buffered(handle: &Idempotency, head: &TestHead, body: TestBody) -> Buffered {
-    match front::<Detached, _, _>(handle, &EndpointConfig::REQUIRED, head, body).await {
+    match front::<Detached, _, _>(handle, REQUIRED, head, body).await {
         Front::Buffered(buffered) => buffered,
         Front::Refuse(problem) => panic!("refused: {problem:?}"),
         Front::Pass(_) => panic!("passed"),
@@ -336,27 +341,12 @@ async fn answer_of(handle: &Idempotency, head: &TestHead, body: &'static [u8]) -
 async fn key_syntax_and_presence_are_checked_before_the_body() {
     let handle = handle_with_budget(1 << 20);
     let bad = TestHead::keyed("a,b");
-    let step = front::<Detached, _, _>(
-        &handle,
-        &EndpointConfig::OPTIONAL,
-        &bad,
-        TestBody::stalled(),
-    );
+    let step = front::<Detached, _, _>(&handle, OPTIONAL, &bad, TestBody::stalled());
     assert_eq!(refusal(step.await), ProblemCode::KeyInvalid);
     let none = TestHead::default();
-    let required = front::<Detached, _, _>(
-        &handle,
-        &EndpointConfig::REQUIRED,
-        &none,
-        TestBody::stalled(),
-    );
+    let required = front::<Detached, _, _>(&handle, REQUIRED, &none, TestBody::stalled());
     assert_eq!(refusal(required.await), ProblemCode::KeyRequired);
-    let optional = front::<Detached, _, _>(
-        &handle,
-        &EndpointConfig::OPTIONAL,
-        &none,
-        TestBody::of(&[b"x"]),
-    );
+    let optional = front::<Detached, _, _>(&handle, OPTIONAL, &none, TestBody::of(&[b"x"]));
     let Front::Pass(body) = optional.await else {
         panic!("a keyless request on an optional endpoint passes");
     };
@@ -367,12 +357,7 @@ async fn key_syntax_and_presence_are_checked_before_the_body() {
 async fn an_announced_length_over_the_cap_is_refused_without_reading() {
     let handle = handle_with_budget(1 << 20);
     let head = TestHead::keyed("k").header("content-length", "2000000");
-    let step = front::<Detached, _, _>(
-        &handle,
-        &EndpointConfig::REQUIRED,
-        &head,
-        TestBody::stalled(),
-    );
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &head, TestBody::stalled());
     assert_eq!(refusal(step.await), ProblemCode::PayloadTooLarge);
 }
 
@@ -383,7 +368,7 @@ async fn a_body_is_refused_when_what_arrived_passes_the_cap() {
         .build();
     let head = TestHead::keyed("k");
     let body = TestBody::of(&[b"abc", b"de"]);
-    let step = front::<Detached, _, _>(&handle, &EndpointConfig::REQUIRED, &head, body);
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &head, body);
     assert_eq!(refusal(step.await), ProblemCode::PayloadTooLarge);
     assert_eq!(
         handle.buffered_bytes(),
@@ -398,7 +383,7 @@ async fn a_body_broken_mid_read_is_body_invalid() {
     let mut body = TestBody::of(&[b"abc"]);
     body.chunks.push_back(Err("connection reset"));
     let head = TestHead::keyed("k");
-    let step = front::<Detached, _, _>(&handle, &EndpointConfig::REQUIRED, &head, body);
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &head, body);
     assert_eq!(refusal(step.await), ProblemCode::BodyInvalid);
 }
 
@@ -412,12 +397,7 @@ async fn a_body_slower_than_the_timeout_is_refused() {
         )
         .build();
     let head = TestHead::keyed("k");
-    let step = front::<Detached, _, _>(
-        &handle,
-        &EndpointConfig::REQUIRED,
-        &head,
-        TestBody::stalled(),
-    );
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &head, TestBody::stalled());
     assert_eq!(refusal(step.await), ProblemCode::BodyTimeout);
 }
 
@@ -427,12 +407,7 @@ async fn announced_bodies_that_never_arrive_hold_no_budget() {
     let idle = TestHead::keyed("idle").header("content-length", "1000");
     let mut waiting = Vec::new();
     for _ in 0..300 {
-        let step = front::<Detached, _, _>(
-            &handle,
-            &EndpointConfig::REQUIRED,
-            &idle,
-            TestBody::stalled(),
-        );
+        let step = front::<Detached, _, _>(&handle, REQUIRED, &idle, TestBody::stalled());
         let mut front = Box::pin(step);
         assert!(
             (&mut front).now_or_never().is_none(),
@@ -458,7 +433,7 @@ async fn bytes_that_arrived_beyond_the_budget_are_refused_with_store_full() {
     let handle = handle_with_budget(8);
     let head = TestHead::keyed("k");
     let body = TestBody::of(&[b"12345", b"6789"]);
-    let step = front::<Detached, _, _>(&handle, &EndpointConfig::REQUIRED, &head, body);
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &head, body);
     assert_eq!(refusal(step.await), ProblemCode::StoreFull);
     assert_eq!(handle.buffered_bytes(), 0);
 }
@@ -670,20 +645,10 @@ async fn the_key_header_is_a_setting() {
     claimed.held.release().await;
     // The default name is just another header now.
     let default_name = TestHead::keyed("k");
-    let step = front::<Detached, _, _>(
-        &handle,
-        &EndpointConfig::REQUIRED,
-        &default_name,
-        TestBody::stalled(),
-    );
+    let step = front::<Detached, _, _>(&handle, REQUIRED, &default_name, TestBody::stalled());
     assert_eq!(refusal(step.await), ProblemCode::KeyRequired);
     let bad = TestHead::default().header("x-idempotency-key", "a,b");
-    let step = front::<Detached, _, _>(
-        &handle,
-        &EndpointConfig::OPTIONAL,
-        &bad,
-        TestBody::stalled(),
-    );
+    let step = front::<Detached, _, _>(&handle, OPTIONAL, &bad, TestBody::stalled());
     assert_eq!(refusal(step.await), ProblemCode::KeyInvalid);
 }
 
@@ -1044,7 +1009,7 @@ async fn an_oversized_answer_releases_its_key_by_default() {
     let handle = handle_with(Config::builder().max_response(4).build());
     let head = TestHead::keyed("k-receipt");
     for sized in [true, false] {
-        let claimed = claimed_on(&handle, &EndpointConfig::REQUIRED, &head).await;
+        let claimed = claimed_on(&handle, REQUIRED, &head).await;
         let sent = settle(&handle, claimed.held, oversized_answer(sized)).await;
         assert_eq!(sent.0.status, 201);
         assert!(

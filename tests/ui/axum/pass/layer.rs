@@ -21,8 +21,7 @@ fn main() {
         .route("/both", post(both))
         .layer(
             IdempotencyLayer::new(store.clone())
-                .endpoint(EndpointConfig::REQUIRED)
-                .methods(Methods::POST.with(Methods::PUT)),
+                .endpoint(EndpointConfig::REQUIRED.methods(Methods::POST.with(Methods::PUT))),
         )
         .with_state(store);
 }
