@@ -74,7 +74,7 @@ fn parse(mut argv: impl Iterator<Item = String>) -> Result<Args, String> {
 async fn open(a: &Args) -> Result<Idempotency, String> {
     let url = a.url.clone().or_else(|| std::env::var("DATABASE_URL").ok());
     let url = url.ok_or("--database-url (or DATABASE_URL) is required")?;
-    let fail = |e: sqlx::Error| format!("cannot open the store: {e}");
+    let fail = |e: idempotent_runtime::store::ConnectError| format!("cannot open the store: {e}");
     // No sweeper: this tool only reads or deletes one record.
     let handle = match a.store.as_str() {
         "postgres" => {

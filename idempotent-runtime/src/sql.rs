@@ -64,6 +64,57 @@ impl From<InvalidName> for sqlx::Error {
     }
 }
 
+/// Why a SQL store's builder could not open it: a refused schema or table name (told before
+/// anything connects), or the database itself. Converts into `sqlx::Error` with `?` (a name as
+/// `sqlx::Error::Configuration`), so code written against sqlx's error keeps working.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// A schema or table name the store refuses.
+    InvalidName(InvalidName),
+    /// The database refused or could not be reached, or the URL or options were wrong.
+    Database(sqlx::Error),
+}
+
+impl fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::InvalidName(e) => e.fmt(f),
+            Self::Database(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for ConnectError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::InvalidName(e) => Some(e),
+            Self::Database(e) => Some(e),
+        }
+    }
+}
+
+impl From<InvalidName> for ConnectError {
+    fn from(e: InvalidName) -> Self {
+        Self::InvalidName(e)
+    }
+}
+
+impl From<sqlx::Error> for ConnectError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Database(e)
+    }
+}
+
+impl From<ConnectError> for sqlx::Error {
+    fn from(e: ConnectError) -> Self {
+        match e {
+            ConnectError::InvalidName(e) => e.into(),
+            ConnectError::Database(e) => e,
+        }
+    }
+}
+
 /// What names one kind of table accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct NameRules {

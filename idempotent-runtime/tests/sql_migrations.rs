@@ -14,8 +14,8 @@ use idempotent_runtime::inbox::{PgInbox, Processed};
 use idempotent_runtime::store::postgres::PostgresStore;
 use idempotent_runtime::store::sqlite::SqliteStore;
 use idempotent_runtime::store::{
-    Claim, ClaimRequest, FencingToken, InvalidName, RecordedResponse, StandingState, Store,
-    contract,
+    Claim, ClaimRequest, ConnectError, FencingToken, InvalidName, RecordedResponse, StandingState,
+    Store, contract,
 };
 use sha2::{Digest, Sha256};
 use sqlx::migrate::MigrateError;
@@ -360,8 +360,13 @@ async fn a_bad_table_name_is_a_typed_error() {
         .connect("postgres://nowhere/x")
         .await
         .unwrap_err();
-    let sqlx::Error::Configuration(source) = &e else {
+    let ConnectError::InvalidName(name) = &e else {
         panic!("{e:?}")
+    };
+    assert_eq!(name.name(), "x\"y");
+    // Code written against sqlx's error still gets the name with `?`.
+    let sqlx::Error::Configuration(source) = sqlx::Error::from(e) else {
+        panic!("a name converts into sqlx::Error::Configuration")
     };
     assert_eq!(source.downcast_ref::<InvalidName>().unwrap().name(), "x\"y");
     let db = TempDb::new();
@@ -370,10 +375,10 @@ async fn a_bad_table_name_is_a_typed_error() {
         .open(&db.0)
         .await
         .unwrap_err();
-    let sqlx::Error::Configuration(source) = &e else {
+    let ConnectError::InvalidName(name) = &e else {
         panic!("{e:?}")
     };
-    assert_eq!(source.downcast_ref::<InvalidName>().unwrap().name(), "1x");
+    assert_eq!(name.name(), "1x");
     let e = PgInbox::builder(pool, "c")
         .table("Upper")
         .build()

@@ -43,7 +43,7 @@ pub mod contract;
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
 )]
-pub use crate::sql::{InvalidName, Migration, Migrations};
+pub use crate::sql::{ConnectError, InvalidName, Migration, Migrations};
 pub use enlist::Enlisting;
 #[cfg(feature = "postgres")]
 pub(crate) use enlist::{Enlist, Glanced, Joinable};

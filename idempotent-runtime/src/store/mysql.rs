@@ -79,7 +79,7 @@ use super::{
 };
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
-use crate::sql::{self, InvalidName, Migrations, My, STORE_NAMES, Step, TableName};
+use crate::sql::{self, ConnectError, InvalidName, Migrations, My, STORE_NAMES, Step, TableName};
 
 /// The versioned DDL shipped with the crate, in order (`{table}`: the backtick-quoted,
 /// qualified name, `{name}`: the bare one). Never edit a shipped migration: add one.
@@ -122,7 +122,7 @@ impl MySqlStoreBuilder {
     /// The table name (default `idempotency_records`): ASCII letters, digits and `_`, not
     /// starting with a digit, at most 48 characters (its index and version table are named
     /// after it). Another name fails [`build`](Self::build) with [`InvalidName`], and
-    /// [`connect`](Self::connect) with `sqlx::Error::Configuration` holding it.
+    /// [`connect`](Self::connect) with [`ConnectError::InvalidName`], before anything connects.
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self
@@ -160,7 +160,7 @@ impl MySqlStoreBuilder {
     /// Opens a pool to `url` (`mysql://user:password@host:3306/database`) with these settings
     /// and builds the store over it. Does not migrate: call [`MySqlStore::migrate`] (once per
     /// deployment is enough; it is safe from several replicas at once).
-    pub async fn connect(self, url: &str) -> Result<MySqlStore, sqlx::Error> {
+    pub async fn connect(self, url: &str) -> Result<MySqlStore, ConnectError> {
         let options: MySqlConnectOptions = url.parse()?;
         self.connect_with(options).await
     }
@@ -169,7 +169,7 @@ impl MySqlStoreBuilder {
     pub async fn connect_with(
         self,
         options: MySqlConnectOptions,
-    ) -> Result<MySqlStore, sqlx::Error> {
+    ) -> Result<MySqlStore, ConnectError> {
         let table = self.table_name()?;
         let secs =
             self.lock_wait_timeout.as_secs() + u64::from(self.lock_wait_timeout.subsec_nanos() > 0);
@@ -686,7 +686,7 @@ impl MySqlStore {
     /// store.migrate().await?;
     /// # Ok(()) }
     /// ```
-    pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
+    pub async fn connect(url: &str) -> Result<Self, ConnectError> {
         Self::builder().connect(url).await
     }
 

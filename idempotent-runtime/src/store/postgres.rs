@@ -41,7 +41,7 @@ use super::{
 };
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
-use crate::sql::{self, InvalidName, Migrations, Pg, STORE_NAMES, Step, TableName};
+use crate::sql::{self, ConnectError, InvalidName, Migrations, Pg, STORE_NAMES, Step, TableName};
 
 mod batch;
 mod enlisted;
@@ -111,7 +111,7 @@ impl PostgresStoreBuilder {
     /// The table name (default `idempotency_records`): ASCII letters, digits and `_`, not
     /// starting with a digit, at most 48 characters (its index and version table are named
     /// after it). Another name fails [`build`](Self::build) with [`InvalidName`], and
-    /// [`connect`](Self::connect) with `sqlx::Error::Configuration` holding it.
+    /// [`connect`](Self::connect) with [`ConnectError::InvalidName`], before anything connects.
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self
@@ -190,7 +190,7 @@ impl PostgresStoreBuilder {
     /// Opens a pool to `url` with these settings and builds the store over it. Does not
     /// migrate: call [`PostgresStore::migrate`] (once per deployment is enough; it is safe from
     /// several replicas at once).
-    pub async fn connect(self, url: &str) -> Result<PostgresStore, sqlx::Error> {
+    pub async fn connect(self, url: &str) -> Result<PostgresStore, ConnectError> {
         let options: PgConnectOptions = url.parse()?;
         self.connect_with(options).await
     }
@@ -200,7 +200,7 @@ impl PostgresStoreBuilder {
     pub async fn connect_with(
         self,
         options: PgConnectOptions,
-    ) -> Result<PostgresStore, sqlx::Error> {
+    ) -> Result<PostgresStore, ConnectError> {
         // The pool connects lazily: without this, a missing TLS feature surfaces at the first
         // statement, naming sqlx's features instead of this crate's.
         super::postgres_tls::require_tls_support(&options, super::postgres_tls::TLS_COMPILED)?;
@@ -1011,7 +1011,7 @@ impl PostgresStore {
     /// store.migrate().await?;
     /// # Ok(()) }
     /// ```
-    pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
+    pub async fn connect(url: &str) -> Result<Self, ConnectError> {
         Self::builder().connect(url).await
     }
 

@@ -39,7 +39,7 @@ use super::{
 use crate::clock::{Clock, SystemClock};
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
-use crate::sql::{self, InvalidName, Lite, Migrations, STORE_NAMES, Step, TableName};
+use crate::sql::{self, ConnectError, InvalidName, Lite, Migrations, STORE_NAMES, Step, TableName};
 
 /// The versioned DDL shipped with the crate, in order (`{table}`: quoted name, `{name}`: bare).
 /// Never edit a shipped migration: add one.
@@ -91,7 +91,7 @@ impl std::fmt::Debug for SqliteStoreBuilder {
 impl SqliteStoreBuilder {
     /// The table name (default `idempotency_records`): ASCII letters, digits and `_`, not
     /// starting with a digit, at most 48 characters. Another name fails
-    /// [`open`](Self::open) with `sqlx::Error::Configuration` holding an [`InvalidName`].
+    /// [`open`](Self::open) with [`ConnectError::InvalidName`], before anything opens.
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self
@@ -125,7 +125,7 @@ impl SqliteStoreBuilder {
 
     /// Opens (creating it if missing) the database file at `path`. Does not migrate: call
     /// [`SqliteStore::migrate`].
-    pub async fn open(self, path: impl AsRef<Path>) -> Result<SqliteStore, sqlx::Error> {
+    pub async fn open(self, path: impl AsRef<Path>) -> Result<SqliteStore, ConnectError> {
         self.connect_with(
             SqliteConnectOptions::new()
                 .filename(path)
@@ -139,7 +139,7 @@ impl SqliteStoreBuilder {
     pub async fn connect_with(
         self,
         options: SqliteConnectOptions,
-    ) -> Result<SqliteStore, sqlx::Error> {
+    ) -> Result<SqliteStore, ConnectError> {
         let table = TableName::new(STORE_NAMES, None, &self.table)?;
         let options = options
             .journal_mode(SqliteJournalMode::Wal)
@@ -354,7 +354,7 @@ impl SqliteStore {
     /// store.migrate().await?;
     /// # Ok(()) }
     /// ```
-    pub async fn open(path: impl AsRef<Path>) -> Result<Self, sqlx::Error> {
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self, ConnectError> {
         Self::builder().open(path).await
     }
 
