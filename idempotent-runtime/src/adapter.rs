@@ -43,8 +43,8 @@ pub use crate::pipeline::{Chunks, Ended, Head, REPLAYED_HEADER, Reply, Served};
 /// The caller's scope exactly as [`prepare`] resolves it for a keyed request ([the
 /// contract](crate::design) §4), for an operators' route (`inspect`, `forget`): `Err` is the
 /// refusal the sequence would answer (render it with [`refusal`]).
-pub fn caller_scope<H: Head>(handle: &Idempotency, head: &H) -> Result<Scope, Problem> {
-    pipeline::scope_of(handle, head)
+pub async fn caller_scope<H: Head>(handle: &Idempotency, head: &H) -> Result<Scope, Problem> {
+    pipeline::scope_of(handle, head).await
 }
 
 /// A refusal as the adapter's response, rendered by the handle's

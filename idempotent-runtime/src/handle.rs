@@ -9,7 +9,7 @@ use crate::fingerprint::FingerprintContributor;
 use crate::observe::{self, AuditSink};
 use crate::problem::{Problem, RefusalRenderer, RenderedRefusal};
 use crate::reservation::{Running, RunningGuard};
-use crate::scope::{RequestHead, Resolution, Resolver, ScopeHash};
+use crate::scope::{RequestHead, Resolution, ResolveWith, ScopeHash};
 use crate::store::erased::DynStore;
 use crate::store::memory::MemoryStore;
 use crate::store::{RecordInfo, Store, StoreError};
@@ -42,7 +42,7 @@ struct Inner {
     /// building them (a key's SHA-256 each).
     audit: Option<Arc<dyn AuditSink>>,
     contributor: Option<Arc<dyn FingerprintContributor>>,
-    resolver: Option<Resolver>,
+    resolver: Option<ResolveWith>,
     renderer: Option<Arc<dyn RefusalRenderer>>,
     running: Running,
     budget: Arc<BufferBudget>,
@@ -78,7 +78,7 @@ pub struct Builder {
     config: Config,
     audit: Option<Arc<dyn AuditSink>>,
     contributor: Option<Arc<dyn FingerprintContributor>>,
-    resolver: Option<Resolver>,
+    resolver: Option<ResolveWith>,
     renderer: Option<Arc<dyn RefusalRenderer>>,
     sweeper: Option<bool>,
     max_buffered: Option<usize>,
@@ -127,7 +127,44 @@ impl Builder {
         mut self,
         resolver: impl Fn(&RequestHead<'_>) -> Resolution + Send + Sync + 'static,
     ) -> Self {
-        self.resolver = Some(Arc::new(resolver));
+        self.resolver = Some(ResolveWith::Now(Arc::new(resolver)));
+        self
+    }
+
+    /// As [`resolver`](Self::resolver), for a resolver that has to wait for its answer (a
+    /// token introspection endpoint, a session store, an API-key table): it reads what it needs
+    /// from the head at once and returns a future that owns it, awaited before anything is
+    /// claimed. Replaces a resolver set before.
+    ///
+    /// ```
+    /// use idempotent_runtime::Idempotency;
+    /// use idempotent_runtime::scope::{ClientId, Identity, Resolution};
+    /// use idempotent_runtime::store::memory::MemoryStore;
+    ///
+    /// # async fn lookup(key: &str) -> Option<String> { Some(key.to_owned()) }
+    /// let idempotency = Idempotency::builder(MemoryStore::default())
+    ///     .resolver_async(|head| {
+    ///         let key = head.header_str("x-api-key").map(str::to_owned);
+    ///         async move {
+    ///             let Some(key) = key else { return Resolution::Unknown };
+    ///             match lookup(&key).await {
+    ///                 Some(client) => Resolution::Identity(Identity::client(ClientId::ApiKey(client))),
+    ///                 None => Resolution::Unknown,
+    ///             }
+    ///         }
+    ///     })
+    ///     .sweeper(false)
+    ///     .build();
+    /// # drop(idempotency);
+    /// ```
+    pub fn resolver_async<F, Fut>(mut self, resolver: F) -> Self
+    where
+        F: Fn(&RequestHead<'_>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Resolution> + Send + 'static,
+    {
+        self.resolver = Some(ResolveWith::Later(Arc::new(move |head| {
+            Box::pin(resolver(head))
+        })));
         self
     }
 
@@ -205,7 +242,7 @@ impl Idempotency {
     }
 
     /// The identity resolver, if one is set.
-    pub(crate) fn resolver(&self) -> Option<&Resolver> {
+    pub(crate) fn resolver(&self) -> Option<&ResolveWith> {
         self.inner.resolver.as_ref()
     }
 

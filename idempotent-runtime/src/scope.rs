@@ -494,6 +494,21 @@ pub enum Resolution {
 /// application published no [`Identity`] in the request extensions.
 pub type Resolver = std::sync::Arc<dyn Fn(&RequestHead<'_>) -> Resolution + Send + Sync>;
 
+/// A resolver that waits for its answer (a token introspection, a session or API-key lookup),
+/// set with [`Builder::resolver_async`](crate::handle::Builder::resolver_async): it reads what it
+/// needs from the head at once and returns a future that owns it. Like [`Resolver`], it runs
+/// only when the application published no [`Identity`], and before anything is claimed.
+pub type AsyncResolver = std::sync::Arc<
+    dyn Fn(&RequestHead<'_>) -> futures_util::future::BoxFuture<'static, Resolution> + Send + Sync,
+>;
+
+/// The resolver a handle holds: one that answers at once, or one that waits.
+#[derive(Clone)]
+pub(crate) enum ResolveWith {
+    Now(Resolver),
+    Later(AsyncResolver),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,6 +1,6 @@
 //! [`CallerScope`]: the caller's scope for the operators' API, resolved as the pipeline does.
 
-use std::future::{Ready, ready};
+use futures_util::future::LocalBoxFuture;
 
 use actix_web::error::InternalError;
 use actix_web::{FromRequest, HttpRequest, HttpResponse, dev};
@@ -71,20 +71,22 @@ impl CallerScope {
 
 impl FromRequest for CallerScope {
     type Error = actix_web::Error;
-    type Future = Ready<Result<Self, Self::Error>>;
+    type Future = LocalBoxFuture<'static, Result<Self, Self::Error>>;
 
     fn from_request(req: &HttpRequest, _: &mut dev::Payload) -> Self::Future {
-        let head = ActixHead::matched(req);
-        let Some(handle) = adapter::handle_of(req) else {
-            let route = head.route.as_deref().unwrap_or("");
-            let response: HttpResponse = pipeline::handle_missing(route, HANDLE_MISSING_FIX);
-            return ready(Err(refused(response)));
-        };
-        ready(
+        let req = req.clone();
+        Box::pin(async move {
+            let head = ActixHead::matched(&req);
+            let Some(handle) = adapter::handle_of(&req) else {
+                let route = head.route.as_deref().unwrap_or("");
+                let response: HttpResponse = pipeline::handle_missing(route, HANDLE_MISSING_FIX);
+                return Err(refused(response));
+            };
             pipeline::scope_of(&handle, &head)
+                .await
                 .map(Self)
-                .map_err(|problem| refused(pipeline::refuse(&handle, &problem))),
-        )
+                .map_err(|problem| refused(pipeline::refuse(&handle, &problem)))
+        })
     }
 }
 

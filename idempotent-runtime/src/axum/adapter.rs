@@ -276,8 +276,11 @@ impl Reply for Response {
 
 /// The caller's scope exactly as the pipeline resolves it for this request (the one function
 /// both call), or the pipeline's refusal when it cannot be resolved.
-pub(crate) fn caller_scope(handle: &Idempotency, parts: &mut Parts) -> Result<Scope, Problem> {
-    adapter::caller_scope(handle, &AxumHead::new(parts))
+pub(crate) async fn caller_scope(
+    handle: &Idempotency,
+    parts: &mut Parts,
+) -> Result<Scope, Problem> {
+    adapter::caller_scope(handle, &AxumHead::new(parts)).await
 }
 
 /// A request after the steps before the handler.

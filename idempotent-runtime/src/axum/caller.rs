@@ -93,6 +93,7 @@ where
             return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
         };
         let scope = adapter::caller_scope(&handle, parts)
+            .await
             .map_err(|problem| pipeline::refuse(&handle, &problem))?;
         Ok(Self {
             scope,

@@ -386,7 +386,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
             Err(problem) => Err(refuse(handle, &problem)),
         };
     };
-    let scope = match scope_of(handle, head) {
+    let scope = match scope_of(handle, head).await {
         Ok(scope) => scope,
         Err(problem) => return Err(refuse(handle, &problem)),
     };
@@ -426,7 +426,10 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
 /// carries no credential header. The one resolution there is: the claim and the operators'
 /// `CallerScope` extractors both call it, so an admin route reaches exactly the records the
 /// same caller's requests made.
-pub(crate) fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope::Scope, Problem> {
+pub(crate) async fn scope_of<H: Head>(
+    handle: &Idempotency,
+    head: &H,
+) -> Result<scope::Scope, Problem> {
     let config = handle.config();
     let route = route_of(head);
     let credential = config
@@ -466,13 +469,21 @@ pub(crate) fn scope_of<H: Head>(handle: &Idempotency, head: &H) -> Result<scope:
         return resolve(None).map_err(unresolved);
     };
     let headers = Headers(head);
-    let request = scope::RequestHead {
+    let request = || scope::RequestHead {
         method: head.method(),
         route: head.route(),
         peer: head.peer().map(scope::canonical_ip),
         headers: &headers,
     };
-    match resolver(&request) {
+    let resolution = match resolver {
+        scope::ResolveWith::Now(resolver) => resolver(&request()),
+        scope::ResolveWith::Later(resolver) => {
+            // The head is not held across the wait: the future owns what it read.
+            let pending = resolver(&request());
+            pending.await
+        }
+    };
+    match resolution {
         Resolution::Identity(identity) => resolve(Some(&identity)).map_err(unresolved),
         Resolution::Unknown => resolve(None).map_err(unresolved),
         Resolution::Refuse(problem) => Err(refusals::resolver_refused(problem, route)),

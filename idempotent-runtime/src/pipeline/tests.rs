@@ -735,6 +735,68 @@ async fn the_resolver_identifies_callers_the_application_did_not() {
 }
 
 #[tokio::test]
+async fn an_async_resolver_is_awaited_before_the_claim_and_decides_like_a_sync_one() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use crate::scope::{ClientId, Resolution};
+
+    let asked = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&asked);
+    let handle = Idempotency::builder(MemoryStore::default())
+        .sweeper(false)
+        .resolver_async(move |head| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            // What the lookup needs is read now; the future owns it.
+            let key = head.header_str("x-api-key").map(str::to_owned);
+            async move {
+                // A real lookup suspends: so does this one, more than once.
+                for _ in 0..3 {
+                    tokio::task::yield_now().await;
+                }
+                match key.as_deref() {
+                    Some("") => {
+                        Resolution::Refuse(Problem::new(401, ProblemCode::ScopeUnresolved, "empty"))
+                    }
+                    Some(id) => Resolution::Identity(Identity::client(ClientId::ApiKey(id.into()))),
+                    None => Resolution::Unknown,
+                }
+            }
+        })
+        .build();
+    let a = scope_of_claim(&handle, &TestHead::keyed("k").header("x-api-key", "a")).await;
+    let b = scope_of_claim(&handle, &TestHead::keyed("k").header("x-api-key", "b")).await;
+    let anonymous = scope_of_claim(&handle, &TestHead::keyed("k")).await;
+    assert!(
+        a != b && a != anonymous && b != anonymous,
+        "three callers, three scopes"
+    );
+    assert_eq!(asked.load(Ordering::SeqCst), 3);
+    // The scope it resolves is the one a sync resolver (or the application) gives that identity.
+    let mut published = TestHead::keyed("k");
+    published.identity = Some(Identity::client(ClientId::ApiKey("a".into())));
+    assert_eq!(scope_of_claim(&handle, &published).await, a);
+    assert_eq!(asked.load(Ordering::SeqCst), 3, "a published identity wins");
+    // A refusal is answered before anything is claimed: the key stays free for the caller.
+    let answer = answer_of(
+        &handle,
+        &TestHead::keyed("r").header("x-api-key", ""),
+        b"{}",
+    )
+    .await;
+    assert_eq!(answer.0.status, 401);
+    let _ = scope_of_claim(&handle, &TestHead::keyed("r").header("x-api-key", "a")).await;
+    // Unknown leaves the usual rules: a credential without identity is refused.
+    let answer = answer_of(
+        &handle,
+        &TestHead::keyed("k").header("authorization", "Bearer x"),
+        b"{}",
+    )
+    .await;
+    assert_eq!(answer.0.code, Some(ProblemCode::ScopeUnresolved));
+}
+
+#[tokio::test]
 async fn clients_behind_a_trusted_proxy_are_scoped_by_their_forwarded_address() {
     let handle = handle_with(
         Config::builder()
