@@ -24,7 +24,7 @@
 //! (and a different body is 422).
 //!
 //! Enlisted handlers need a store that can enlist in the transaction
-//! ([`Store::enlisting`](crate::store::Store::enlisting)) behind the [`Idempotency`]: the
+//! ([`Store::enlisting`](crate::store::Store::enlisting)) behind the [`Idempotency`](crate::Idempotency): the
 //! PostgreSQL store ([`PostgresStore`](crate::store::postgres::PostgresStore)), or a wrapper
 //! around it that forwards `enlisting`. With another store they answer 500 and log how to fix it. The
 //! handler's statements run on one of the store's connections, under its `lock_timeout` and

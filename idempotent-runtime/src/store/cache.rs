@@ -13,6 +13,24 @@
 //! two clocks agree. A copy is also re-checked with the store once it is
 //! [`max_age`](CachedStore::max_age) old (default 60 s), which bounds how long a record deleted
 //! elsewhere (by another process's admin `forget`) may still be replayed here.
+//!
+//! # What it answers, and when it asks the store
+//!
+//! A completed record never changes until it expires, so this process keeps the records it completed
+//! (response, token and fingerprint) and answers a replay of one without a round trip; a different
+//! request under a cached key is still 422. Records completed by *another* replica are kept too, from
+//! their first replay here on (that replay costs the store's one read, which reports how long the
+//! record has left). It never holds a reservation (a key in progress always asks the store), never
+//! answers past the record's `expires_at` (judged by this process's clock from the moment it sent the
+//! completion or asked the store, so the host's clock must agree with the database's), and re-checks a
+//! copy with the store once it is `max_age` old (default 60 s). A `forget` through this process (the
+//! admin API) drops its copy for good: once the forget returns, this process never replays the record,
+//! even if replays raced it. **It is off by default**: a record deleted through another process (a
+//! `forget` on replica A, a manual `DELETE`) may still be replayed by a replica B that holds a copy
+//! until B's copy is `max_age` old — at most 60 s by default — a trade a deployment should choose, not
+//! inherit. Replays answered from the cache are counted as `store="cache"` in
+//! `idempotent_store_operation_seconds`, never as the shared store's claims. Enlisted endpoints see the
+//! `PostgresStore` behind the cache. The conformance servers take `--local-cache` to run with it.
 
 use std::collections::VecDeque;
 use std::hash::BuildHasher;

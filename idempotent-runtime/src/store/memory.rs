@@ -4,6 +4,23 @@
 //! `.await`. The store is bounded in records, in bytes and per scope; when a bound is reached,
 //! new claims are refused (503 `IDEMPOTENCY_STORE_FULL`) rather than evicting a live record,
 //! since evicting one would let its retry run the handler again.
+//!
+//! # Limits, headroom and sweeping
+//!
+//! Sharded, expiring, bounded by records (1,000,000), bytes (256 MiB) and per scope
+//! (10,000 records and 64 MiB; IPv6 peers counted per /64), all in `MemoryLimits`. Room for the
+//! answer is set aside when a request is claimed (`response_headroom`, 1 MiB: set it to your
+//! largest `max_response`) and charged when it completes, so a claimed request's recordable answer
+//! is never refused for room, whatever other scopes do; a scope over its quota, or a full store, is
+//! refused with 503 `IDEMPOTENCY_STORE_FULL` and `Retry-After` before its handler runs. Each request
+//! in flight holds its headroom: the defaults carry 256 requests in flight at once (64 per scope);
+//! raise `max_bytes` or lower `max_response` and the headroom for more. A live record is never
+//! evicted, since evicting one would let its retry run twice. Leases are measured on a monotonic
+//! clock, so a wall-clock step never makes a live handler look abandoned. A background sweeper
+//! frees expired records; expiry itself is enforced at claim time.
+//! Each shard keeps its records' expiry times in order, so a sweep visits only what expires (never
+//! the whole shard), no batch holds a shard's lock for more than its 500 records, and the sweeper
+//! yields to the runtime between batches.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;

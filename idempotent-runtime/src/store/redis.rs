@@ -36,6 +36,71 @@
 //!
 //! Durability is Redis's own: see the README's "Redis / Valkey" section for which failures can
 //! lose an acknowledged record (and let a retry run again), and the settings that close them.
+//!
+//! # How it behaves
+//!
+//! - One record is one key, `{prefix}:{<scope hex>}:<key>`, holding a compact binary value: a
+//!   66-byte header (state, token, lease and expiry times, fingerprint, status) followed by the
+//!   recorded headers and body, so a reservation is 66 bytes and a completed record 66 bytes plus
+//!   its headers and body (no JSON, no base64). The braces are a hash tag: on Redis Cluster a scope's
+//!   records share a slot, and the same scripts run unchanged. (A single very busy caller therefore
+//!   lands on one shard.)
+//! - Every operation (claim, reclaim, complete, release, renew) is one Lua script, loaded when the
+//!   store connects and then called by its SHA (`EVALSHA`; reloaded on `NOSCRIPT`), so one round trip:
+//!   a first request costs two (claim, complete), a replay one. Each script is conditional on the
+//!   fencing token and judges leases by the server's clock (`TIME` inside the script), so replicas
+//!   never disagree about a lease.
+//! - Expiry is the key's TTL (lease + retention for a reservation, retention for a completed
+//!   record): there is nothing to sweep, and the store's sweep does nothing.
+//! - A connection that fails mid-operation (a restart, a failover, `CLIENT KILL`, a timeout) gets the
+//!   operation resent, up to three sends, on a reconnected connection. That is safe for every script:
+//!   a resent claim that finds its own token reports it acquired, a resent completion or release
+//!   that finds its first send landed reports success, a renewal renews again. A claim that still
+//!   fails is answered 503 after a best-effort token-conditional release. The release leaves a
+//!   tombstone of the claim's token under the key for 15 minutes (longer than TCP keeps resending a
+//!   dropped connection's data), so a copy of the claim that reaches Redis after it (queued on a
+//!   connection that failed; the connection manager had reconnected and sent the release on the
+//!   new one) writes nothing instead of holding the key for a whole lease; any other request's claim
+//!   takes the key as if it were free. A claim refused for room after a resend leaves the same
+//!   tombstone. (A late copy that arrives after another request has claimed *and* released the same
+//!   key in between is not covered: the tombstone is the later release's.)
+//! - **Capacity: a claim Redis accepts is one whose answer it will take.** With `maxmemory` and
+//!   `maxmemory-policy noeviction`, each claim sets its answer's room aside in Redis at once: a
+//!   string of the endpoint's `max_response` + 4 KiB (`HEADER_ROOM`, for the status and recorded
+//!   headers) beside the record, in its slot, with the reservation's TTL. The completion deletes the
+//!   room as it writes the answer, and a release, forget or takeover deletes it, so every request in
+//!   flight holds its `max_response` of Redis memory (counted in `used_memory`, which is what
+//!   `maxmemory` is compared with) until it settles. Over `maxmemory` Redis refuses the claim's first
+//!   write, so the request gets 503 `IDEMPOTENCY_STORE_FULL` before its handler runs; a replay, which
+//!   writes nothing, is still answered. Completions, releases, renewals and forgets run with the
+//!   `allow-oom` flag: they only replace or free what the claim holds, so a claimed answer up to
+//!   `max_response` is never refused, and its retry replays it. Redis checks `maxmemory` when a
+//!   script starts, so it may end up above the limit by the last accepted claim's room (and by the
+//!   recorded headers of an answer beyond 4 KiB). Set `max_response` per endpoint to what its answers
+//!   need: the room is allocated and zero-filled, measured on this machine (Redis 7.0.15, server
+//!   time per call from `INFO commandstats`) at about 24 µs for 1 MiB and 4 µs for 200 KB, against
+//!   about 3 µs for the rest of such a script; through `redis-benchmark` (4 clients) a script that
+//!   sets aside and frees 1 MiB ran 15,000 times a second, 34,000 with 200 KB, 45,000 with none.
+//!   Do not run it under an evicting policy (`allkeys-lru`, `volatile-*`): an evicted reservation,
+//!   room or record lets its retry run again.
+//! - Tested with the store contract suite and the model-based test on standalone Redis and on a
+//!   three-node Redis Cluster the test starts itself; the conformance suite on both frameworks with
+//!   `--store redis`; and two server processes sharing one Redis: 100 keys each sent 8 times at once
+//!   ran exactly 100 handlers, and a replica SIGKILLed mid-handler leaves its key at 409 until the
+//!   lease lapses, after which it runs once.
+//!
+//! **Durability.** A record is as durable as Redis makes its writes, and a lost record means the retry
+//! runs the handler again. Three failures lose acknowledged records: a restart of a Redis that
+//! persists nothing (the default of many installs, and of this project's test machines) loses all of
+//! them; with `appendonly yes` and the default `appendfsync everysec`, a crash of the machine loses up
+//! to about a second of writes; and a failover to a replica (Sentinel, Cluster) loses whatever the
+//! replica had not received yet, because replication is asynchronous. `appendonly yes` with
+//! `appendfsync always` closes the first two at the cost of an fsync per write (every claim and
+//! completion waits on the disk). The failover window is narrowed, not closed, by `WAIT 1 <ms>` after
+//! a write or by `min-replicas-to-write 1` with `min-replicas-max-lag`, which make the primary refuse
+//! writes (503 here) when no replica keeps up; Redis still does not guarantee that an acknowledged
+//! write survives a failover. If a retry must never run twice across such failures, use PostgreSQL,
+//! and its enlisted mode.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
