@@ -258,3 +258,431 @@ impl Claimed {
         pipeline::settle(&self.handle, self.inner.held, response).await
     }
 }
+
+/// The mark the outermost idempotency step that applies to a request (a router-level layer or
+/// middleware, or the attribute) leaves in the request's extensions, so an inner one steps
+/// aside: the outer decides. An adapter inserts [`OuterStep::of`] when it takes a request on,
+/// and an inner step that finds one asks [`under_outer`].
+#[derive(Debug, Clone, Copy)]
+pub struct OuterStep {
+    require_key: bool,
+}
+
+impl OuterStep {
+    /// The mark of a step with these endpoint settings.
+    pub fn of(endpoint: &EndpointConfig) -> Self {
+        Self {
+            require_key: endpoint.require_key,
+        }
+    }
+}
+
+/// What an inner step (the attribute, settings `endpoint`) answers under an outer one that
+/// already decided: `None` to run the handler under the outer step (with its context, if
+/// any), or the refusal when the attribute requires the key and the outer step does not (the
+/// watch says that setup once; strict mode refuses every request, otherwise a keyless one is
+/// refused as the attribute alone would).
+pub fn under_outer<R: Reply>(
+    outer: OuterStep,
+    endpoint: &EndpointConfig,
+    handle: Option<&Idempotency>,
+    route: &str,
+    keyed: bool,
+) -> Option<R> {
+    if !endpoint.require_key || outer.require_key {
+        return None;
+    }
+    pipeline::required_under_optional(handle, route, keyed)
+}
+
+/// The answer when the application provided no [`Idempotency`] handle: a setup mistake,
+/// logged with `fix` (how to provide it in the adapter's framework).
+pub fn handle_missing<R: Reply>(route: &str, fix: &str) -> R {
+    pipeline::handle_missing(route, fix)
+}
+
+/// The answer when a handler takes an [`IdempotencyContext`] and the request has none: a
+/// keyless request on an endpoint whose key is optional, or no idempotency step around it.
+pub fn context_missing<R: Reply>() -> R {
+    pipeline::context_missing()
+}
+
+/// What the attribute (the extractor or handler wrapper `#[idempotent]` expands to) does with
+/// a request: [`entry`]'s answer.
+#[derive(Debug)]
+pub enum Entry<R> {
+    /// An outer step already decided: run the handler with the context it left (if any).
+    Outer,
+    /// Nothing to do (no handle, and a method the endpoint does not apply to): run the
+    /// handler without a context.
+    Bypass,
+    /// Answer this instead of running the handler (a setup mistake).
+    Answer(R),
+    /// Run the sequence with this handle ([`prepare`], or [`front`] and [`Buffered::claim`]).
+    Sequence(Idempotency),
+}
+
+/// The attribute's first decision, the same in every framework: under an `outer` step it
+/// steps aside ([`under_outer`]); without a handle a method the endpoint does not apply to
+/// needs none, and anything else is [`handle_missing`] with `fix`. `route` is asked only when
+/// a log line needs it; `keyed` is whether the outer step left a context.
+pub fn entry<R: Reply, S: AsRef<str>>(
+    outer: Option<OuterStep>,
+    handle: Option<Idempotency>,
+    endpoint: &EndpointConfig,
+    method: &str,
+    route: impl FnOnce() -> S,
+    keyed: bool,
+    fix: &str,
+) -> Entry<R> {
+    if let Some(outer) = outer {
+        return match under_outer(outer, endpoint, handle.as_ref(), route().as_ref(), keyed) {
+            Some(refusal) => Entry::Answer(refusal),
+            None => Entry::Outer,
+        };
+    }
+    match handle {
+        Some(handle) => Entry::Sequence(handle),
+        // With a handle, the sequence's first step decides what a method it does not apply to
+        // means (a pass, or a setup mistake); without one, such a request needs none.
+        None if !endpoint.applies_to(None, method) => Entry::Bypass,
+        None => Entry::Answer(handle_missing(route().as_ref(), fix)),
+    }
+}
+
+/// A router-level layer's (axum's `IdempotencyLayer`, actix's middleware) view of the requests
+/// it sees, shared by its clones: whether it ever sees a matched route (put outside the router
+/// it protects nothing, and says so once), and what each request gets ([`RouterLayer::step`]).
+#[derive(Debug, Clone, Default)]
+pub struct RouterLayer {
+    watch: std::sync::Arc<crate::watch::LayerWatch>,
+    around_router: bool,
+}
+
+/// What a router-level layer does with one request ([`RouterLayer::step`]).
+#[derive(Debug)]
+pub enum LayerStep<R, H, P> {
+    /// Not for this layer (another method, no matched route, an outer step decided): call the
+    /// inner service untouched.
+    Pass,
+    /// Answer this instead (a setup mistake).
+    Answer(R),
+    /// Run the sequence with this handle on the matched route `pattern`; insert `outer` in
+    /// the request's extensions before anything inner runs.
+    Sequence {
+        /// The handle, as given to [`RouterLayer::step`].
+        handle: H,
+        /// The matched route, as given.
+        pattern: P,
+        /// This layer's mark.
+        outer: OuterStep,
+    },
+}
+
+impl RouterLayer {
+    /// This layer put around a service whose type is named `inner`
+    /// (`std::any::type_name`): around a finished axum `Router` no request it sees can have a
+    /// matched route of its own, so the first one shows the layer misplaced.
+    pub fn around(&self, inner: &str) -> Self {
+        Self {
+            watch: std::sync::Arc::clone(&self.watch),
+            around_router: crate::watch::LayerWatch::wraps_router(inner),
+        }
+    }
+
+    /// One request: by its `method` (with the handle's settings, when there is a handle),
+    /// whether the router matched a route `pattern` for it, the `path` for log lines, and the
+    /// `outer` step already on it. A request the layer applies to without a handle is
+    /// [`handle_missing`] with `fix`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step<R, H, P>(
+        &self,
+        handle: Option<H>,
+        endpoint: &EndpointConfig,
+        method: &str,
+        pattern: Option<P>,
+        path: &str,
+        outer: Option<OuterStep>,
+        fix: &str,
+    ) -> LayerStep<R, H, P>
+    where
+        R: Reply,
+        H: std::borrow::Borrow<Idempotency>,
+        P: AsRef<str>,
+    {
+        let config = handle.as_ref().map(|h| h.borrow().config());
+        if !endpoint.applies_to(config, method) {
+            return LayerStep::Pass;
+        }
+        let Some(pattern) = pattern else {
+            if self.around_router {
+                self.watch.outside_router(path);
+                if let Some(handle) = handle.filter(|h| h.borrow().config().strict()) {
+                    let problem = pipeline::misconfigured();
+                    return LayerStep::Answer(refusal(handle.borrow(), &problem));
+                }
+            } else {
+                self.watch.saw(false, path);
+            }
+            return LayerStep::Pass;
+        };
+        self.watch.saw(true, path);
+        if outer.is_some() {
+            return LayerStep::Pass;
+        }
+        match handle {
+            Some(handle) => LayerStep::Sequence {
+                handle,
+                pattern,
+                outer: OuterStep::of(endpoint),
+            },
+            None => LayerStep::Answer(handle_missing(pattern.as_ref(), fix)),
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+pub use enlisted::{
+    BufferedTx, ClaimedTx, enlisted_behind_layer, front_enlisted, prepare_enlisted,
+};
+
+/// Enlisted mode's entry points ([`crate::enlisted`]): the same sequence, claiming the key
+/// inside the transaction the handler then writes through, and committing the record with the
+/// handler's writes before the answer goes out. The transaction is the one the store enlists
+/// in ([`Store::enlisting`](crate::store::Store::enlisting)); the adapter only hands the
+/// [`EnlistedTx`] to the handler and takes it back with the answer, so a store that enlists in
+/// another database changes nothing here.
+#[cfg(feature = "postgres")]
+mod enlisted {
+    use std::future::Future;
+
+    use bytes::Bytes;
+    use tracing::Instrument as _;
+
+    use super::{Chunks, Ended, Head, Reply};
+    use crate::config::EndpointConfig;
+    use crate::context::IdempotencyContext;
+    use crate::enlisted::{EnlistedTx, Held};
+    use crate::handle::Idempotency;
+    use crate::pipeline::{self, Enlisted};
+
+    /// The answer for an enlisted handler behind a router-level layer or middleware, which
+    /// already claimed the key outside any transaction: a setup mistake, logged with its fix.
+    pub fn enlisted_behind_layer<R: Reply>(route: &str) -> R {
+        pipeline::enlisted_behind_layer(route)
+    }
+
+    /// An enlisted request whose body was read in full, ready to be claimed in its
+    /// transaction ([`front_enlisted`]'s answer).
+    pub struct BufferedTx {
+        handle: Idempotency,
+        inner: pipeline::Buffered,
+        span: tracing::Span,
+    }
+
+    impl std::fmt::Debug for BufferedTx {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("BufferedTx")
+                .field("body", &self.inner.body.len())
+                .finish_non_exhaustive()
+        }
+    }
+
+    /// An enlisted request that holds its transaction (and, with a key, its reservation in
+    /// it): run the handler with the transaction through [`run`](Self::run), or settle an
+    /// answer the adapter made itself.
+    pub struct ClaimedTx {
+        handle: Idempotency,
+        inner: pipeline::Admitted<Held>,
+    }
+
+    impl std::fmt::Debug for ClaimedTx {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("ClaimedTx")
+                .field("route", &self.inner.route)
+                .finish_non_exhaustive()
+        }
+    }
+
+    /// [`front`](super::front) in enlisted mode: every body is read before its transaction
+    /// begins (a request without a key too, so a slow client never holds a connection), so
+    /// there is no pass; `Err` is a refusal.
+    pub async fn front_enlisted<H: Head, B: Chunks, R: Reply>(
+        handle: &Idempotency,
+        endpoint: &EndpointConfig,
+        head: &H,
+        body: B,
+    ) -> Result<BufferedTx, R> {
+        let span = crate::observe::request_span(head.route().unwrap_or(""));
+        let front = pipeline::front::<Enlisted, _, _>(handle, endpoint, head, body);
+        match front.instrument(span.clone()).await {
+            pipeline::Front::Pass(_) => unreachable!("enlisted mode reads every body"),
+            pipeline::Front::Refuse(problem) => Err(pipeline::refuse(handle, &problem)),
+            pipeline::Front::Buffered(inner) => Ok(BufferedTx {
+                handle: handle.clone(),
+                inner,
+                span,
+            }),
+        }
+    }
+
+    impl BufferedTx {
+        /// The request body, read in full.
+        pub fn body(&self) -> &Bytes {
+            &self.inner.body
+        }
+
+        /// Whether a response with this status would be recorded on this endpoint (see
+        /// [`Buffered::records`](super::Buffered::records)).
+        pub fn records(&self, status: u16) -> bool {
+            let config = self.handle.config();
+            self.inner.recording().is_recordable_status(config, status)
+        }
+
+        /// Scope, fingerprint, and the claim inside a new transaction. `Err` is the answer
+        /// instead of running: a replay or a refusal.
+        pub async fn claim<H: Head, R: Reply>(self, head: &H) -> Result<ClaimedTx, R> {
+            let Self {
+                handle,
+                inner,
+                span,
+            } = self;
+            let claimed = pipeline::claim::<Enlisted, _, R>(&handle, head, inner);
+            let inner = claimed.instrument(span).await?;
+            Ok(ClaimedTx { handle, inner })
+        }
+    }
+
+    /// [`prepare`](super::prepare) in enlisted mode: [`front_enlisted`], then
+    /// [`BufferedTx::claim`].
+    pub async fn prepare_enlisted<H: Head, B: Chunks, R: Reply>(
+        handle: &Idempotency,
+        endpoint: &EndpointConfig,
+        head: &H,
+        body: B,
+    ) -> Result<ClaimedTx, R> {
+        front_enlisted(handle, endpoint, head, body)
+            .await?
+            .claim(head)
+            .await
+    }
+
+    fn answer<R>(ended: Ended<R, (), std::convert::Infallible>) -> R {
+        match ended {
+            Ended::Answered(response, ()) | Ended::Panicked(response) => response,
+            Ended::Failed(never) => match never {},
+        }
+    }
+
+    impl ClaimedTx {
+        /// The request body, read in full: the handler reads this instead of the original.
+        pub fn body(&self) -> &Bytes {
+            &self.inner.body
+        }
+
+        /// The claimed key's context (`None` for a request without a key).
+        pub fn context(&self) -> Option<&IdempotencyContext> {
+            self.inner.context.as_ref()
+        }
+
+        fn work<R, F, Fut>(
+            self,
+            handler: F,
+        ) -> (
+            Idempotency,
+            String,
+            impl Future<Output = Ended<R, (), std::convert::Infallible>>,
+        )
+        where
+            R: Reply,
+            F: FnOnce(EnlistedTx) -> Fut,
+            Fut: Future<Output = (EnlistedTx, R)>,
+        {
+            let Self { handle, inner } = self;
+            let pipeline::Admitted {
+                held,
+                permit,
+                route,
+                span,
+                ..
+            } = inner;
+            let work =
+                pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), handler)
+                    .instrument(span);
+            (handle, route, work)
+        }
+
+        /// Runs `handler` with the transaction to its end where no client disconnect can
+        /// cancel it (in a Tokio task when it is not done at its first poll); the handler
+        /// hands the transaction back with its answer, which is then recorded in it and
+        /// committed, or everything is rolled back ([`crate::enlisted`]).
+        pub async fn run<R, F, Fut>(self, handler: F) -> R
+        where
+            R: Reply + Send + 'static,
+            R::Head: Send,
+            R::Body: Send,
+            <R::Body as Chunks>::Error: Send,
+            F: FnOnce(EnlistedTx) -> Fut + Send + 'static,
+            Fut: Future<Output = (EnlistedTx, R)> + Send + 'static,
+        {
+            let (handle, route, work) = self.work(handler);
+            answer(pipeline::drive(&handle, &route, work, tokio::spawn).await)
+        }
+
+        /// [`run`](Self::run) for a framework whose futures are not `Send` (actix-web), on
+        /// the current thread's `LocalSet`.
+        pub async fn run_local<R, F, Fut>(self, handler: F) -> R
+        where
+            R: Reply + 'static,
+            F: FnOnce(EnlistedTx) -> Fut + 'static,
+            Fut: Future<Output = (EnlistedTx, R)> + 'static,
+        {
+            let (handle, route, work) = self.work(handler);
+            answer(pipeline::drive(&handle, &route, work, tokio::task::spawn_local).await)
+        }
+
+        /// Settles `response` as this request's answer without running the handler (an
+        /// extractor's rejection): recorded in the transaction and committed like any
+        /// response of its status, or rolled back.
+        pub async fn settle<R: Reply>(self, response: R) -> R {
+            let Held { tx, settle } = self.inner.held;
+            pipeline::settle_enlisted(&self.handle, settle, tx, response).await
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// `axum/` and `actix/` are adapters over this module only: a framework adapter written
+    /// outside the crate could do all they do. Their tests may reach further.
+    #[test]
+    fn the_framework_adapters_use_only_the_public_adapter_api() {
+        const INTERNAL: [&str; 5] = [
+            "crate::pipeline",
+            "crate::watch",
+            "crate::record",
+            "crate::reservation",
+            "crate::budget",
+        ];
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut read = 0;
+        for framework in ["axum", "actix"] {
+            for entry in std::fs::read_dir(src.join(framework)).expect("the adapter's sources") {
+                let path = entry.expect("a source file").path();
+                if path.file_name().is_some_and(|n| n == "tests.rs") {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).expect("a source file");
+                read += 1;
+                for internal in INTERNAL {
+                    assert!(
+                        !text.contains(internal),
+                        "{} names {internal}: go through crate::adapter",
+                        path.display()
+                    );
+                }
+            }
+        }
+        assert!(read >= 10, "found only {read} adapter sources");
+    }
+}

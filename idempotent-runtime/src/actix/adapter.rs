@@ -212,23 +212,6 @@ pub(crate) const HANDLE_MISSING_FIX: &str = "register it once, outside the HttpS
     `let idempotency = web::Data::new(Idempotency::memory());` then \
     `App::new().app_data(idempotency.clone())`";
 
-/// Runs claimed work to its end on actix's runtime (its futures are `!Send`), in a task of its
-/// own when it is not done at its first poll. Boxes the work when called, as
-/// [`crate::pipeline::drive`] does.
-#[cfg(feature = "postgres")]
-pub(crate) fn drive<'a, W, T, E>(
-    handle: &'a Idempotency,
-    route: &'a str,
-    work: W,
-) -> impl Future<Output = crate::adapter::Ended<HttpResponse, T, E>> + 'a
-where
-    W: Future<Output = crate::adapter::Ended<HttpResponse, T, E>> + 'static,
-    T: 'static,
-    E: 'static,
-{
-    crate::pipeline::drive(handle, route, work, actix_web::rt::spawn)
-}
-
 /// A panicked handler's 500 as the error actix's service chain expects from a middleware.
 pub(crate) fn panicked_error(response: HttpResponse) -> actix_web::Error {
     InternalError::from_response("the idempotent handler panicked", response).into()

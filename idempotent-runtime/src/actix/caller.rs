@@ -5,8 +5,8 @@ use std::future::{Ready, ready};
 use actix_web::error::InternalError;
 use actix_web::{FromRequest, HttpRequest, HttpResponse, dev};
 
-use super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
-use crate::pipeline;
+use super::adapter::{ActixHead, HANDLE_MISSING_FIX, handle_of};
+use crate::adapter;
 use crate::scope::{Scope, ScopeHash};
 
 /// The caller's scope, resolved exactly as the request pipeline resolves it for a keyed
@@ -75,15 +75,15 @@ impl FromRequest for CallerScope {
 
     fn from_request(req: &HttpRequest, _: &mut dev::Payload) -> Self::Future {
         let head = ActixHead::matched(req);
-        let Some(handle) = adapter::handle_of(req) else {
+        let Some(handle) = handle_of(req) else {
             let route = head.route.as_deref().unwrap_or("");
-            let response: HttpResponse = pipeline::handle_missing(route, HANDLE_MISSING_FIX);
+            let response: HttpResponse = adapter::handle_missing(route, HANDLE_MISSING_FIX);
             return ready(Err(refused(response)));
         };
         ready(
-            pipeline::scope_of(&handle, &head)
+            adapter::caller_scope(&handle, &head)
                 .map(Self)
-                .map_err(|problem| refused(pipeline::refuse(&handle, &problem))),
+                .map_err(|problem| refused(adapter::refusal(&handle, &problem))),
         )
     }
 }

@@ -1,97 +1,43 @@
 //! The glue `#[idempotent]` expansions call: the rewritten handler takes the request and its raw
-//! payload, and the pipeline runs around the handler's own extractors and body.
+//! payload, and the sequence runs around the handler's own extractors and body.
 
-use std::convert::Infallible;
 use std::future::Future;
 
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
+use bytes::Bytes;
 
-use super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
-use crate::adapter::{self as sequence, Ended, Served};
+use super::adapter::{ActixHead, HANDLE_MISSING_FIX, handle_of};
+use crate::adapter::{self, Ended, Entry, OuterStep, Served};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
-use crate::pipeline::{self, Handled};
-#[cfg(feature = "postgres")]
-use enlisted::{Prepared, prepare, request_span};
 
-/// The enlisted path's steps before the handler, on the pipeline's enlisted claim mode.
-#[cfg(feature = "postgres")]
-mod enlisted {
-    use std::future::Future;
-
-    use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev};
-
-    use super::super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
-    use crate::config::EndpointConfig;
-    use crate::handle::Idempotency;
-    use crate::pipeline::{self, Admitted, ClaimMode, Front, Handled};
-
-    /// A request after the steps before the handler.
-    // Moved once, from `prepare` to its caller: boxing the large variant would cost every claimed
-    // request an allocation to save a copy of a few hundred bytes.
-    #[allow(clippy::large_enum_variant)]
-    pub(super) enum Prepared<H, A> {
-        /// No key on an optional endpoint: the extractors' values, from the untouched payload.
-        Pass(A),
-        /// The key is held; the extractors ran on the buffered body (a recordable rejection is
-        /// this request's answer).
-        Claimed(Idempotency, Admitted<H>, Result<A, HttpResponse>),
-    }
-
-    /// Key → body → the handler's extractors → scope → claim. The extractors run before the claim,
-    /// on replays too, so an authentication extractor still rejects a caller whatever was
-    /// recorded, and may publish the caller's identity for the scope. `Err` is the answer.
-    pub(super) async fn prepare<M, A, X, XF>(
-        req: &HttpRequest,
-        payload: dev::Payload,
-        endpoint: &EndpointConfig,
-        extract: X,
-    ) -> Result<Prepared<M::Held, A>, HttpResponse>
-    where
-        M: ClaimMode,
-        X: FnOnce(HttpRequest, dev::Payload) -> XF,
-        XF: Future<Output = Result<A, HttpResponse>>,
-    {
-        let head = ActixHead::matched(req);
-        let route = head.route.as_deref().unwrap_or("");
-        let Some(handle) = adapter::handle_of(req) else {
-            return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
-        };
-        let require_key = endpoint.require_key;
-        req.extensions_mut().insert(Handled { require_key });
-        let buffered = match pipeline::front::<M, _, _>(&handle, endpoint, &head, payload).await {
-            Front::Pass(payload) => return extract(req.clone(), payload).await.map(Prepared::Pass),
-            Front::Refuse(problem) => return Err(pipeline::refuse(&handle, &problem)),
-            Front::Buffered(buffered) => buffered,
-        };
-        let (config, recording) = (handle.config(), endpoint.resolve(handle.config()).recording);
-        let extracted = match extract(req.clone(), dev::Payload::from(buffered.body.clone())).await
-        {
-            Err(rejection)
-                if !recording.is_recordable_status(config, rejection.status().as_u16()) =>
-            {
-                return Err(rejection);
-            }
-            extracted => extracted,
-        };
-        let claimed = pipeline::claim::<M, _, HttpResponse>(&handle, &head, buffered).await?;
-        if let Some(context) = &claimed.context {
-            req.extensions_mut().insert(context.clone());
-        }
-        Ok(Prepared::Claimed(handle, claimed, extracted))
-    }
-
-    /// The request's span ([`crate::observe`]), named after its route pattern.
-    pub(super) fn request_span(req: &HttpRequest) -> tracing::Span {
-        crate::observe::request_span(req.match_pattern().as_deref().unwrap_or(""))
+/// The handler's extractors on the buffered body, before the claim and on replays too: an
+/// authentication extractor still rejects a caller whatever was recorded, and may publish the
+/// caller's identity for the scope. `Err` is a rejection that would not be recorded, answered
+/// without claiming.
+async fn extract_buffered<A, X, XF>(
+    req: &HttpRequest,
+    body: &Bytes,
+    records: impl FnOnce(u16) -> bool,
+    extract: X,
+) -> Result<Result<A, HttpResponse>, HttpResponse>
+where
+    X: FnOnce(HttpRequest, dev::Payload) -> XF,
+    XF: Future<Output = Result<A, HttpResponse>>,
+{
+    match extract(req.clone(), dev::Payload::from(body.clone())).await {
+        Err(rejection) if !records(rejection.status().as_u16()) => Err(rejection),
+        extracted => Ok(extracted),
     }
 }
 
-fn answer(ended: Ended<HttpResponse, (), Infallible>) -> HttpResponse {
-    match ended {
-        Ended::Answered(response, ()) | Ended::Panicked(response) => response,
-        Ended::Failed(never) => match never {},
+/// The claimed request's context, in the extensions for the handler's own extractors too.
+fn publish(req: &HttpRequest, context: Option<&IdempotencyContext>) -> Option<IdempotencyContext> {
+    let context = context.cloned();
+    if let Some(context) = &context {
+        req.extensions_mut().insert(context.clone());
     }
+    context
 }
 
 /// The rewritten handler's body. `extract` runs the original extractors, in order, on the
@@ -112,72 +58,69 @@ where
     A: 'static,
 {
     let payload = payload.into_inner();
-    let outer = req.extensions().get::<Handled>().copied();
-    if let Some(outer) = outer {
-        // An outer middleware decided; the context, if any, is its.
-        let context = req.extensions().get::<IdempotencyContext>().cloned();
-        if endpoint.require_key && !outer.require_key {
-            let route = req.match_pattern().unwrap_or_default();
-            let handle = adapter::handle_of(&req);
-            let keyed = context.is_some();
-            if let Some(refusal) = pipeline::required_under_optional(handle.as_ref(), &route, keyed)
-            {
-                return refusal;
-            }
+    let outer = req.extensions().get::<OuterStep>().copied();
+    // Under an outer middleware, the context (if any) is the one it left.
+    let context = outer.and_then(|_| req.extensions().get::<IdempotencyContext>().cloned());
+    let route = || req.match_pattern().unwrap_or_default();
+    let (method, keyed) = (req.method().as_str(), context.is_some());
+    let handle = handle_of(&req);
+    let handle = match adapter::entry(outer, handle, endpoint, method, route, keyed, FIX) {
+        Entry::Answer(answer) => return answer,
+        Entry::Outer | Entry::Bypass => {
+            return plain(req, payload, context, extract, handler).await;
         }
-        return match extract(req.clone(), payload).await {
-            Ok(args) => handler(args, context, req).await,
-            Err(rejection) => rejection,
-        };
-    }
-    let Some(handle) = adapter::handle_of(&req) else {
-        // Without a handle, a method the endpoint does not apply to needs none.
-        if !endpoint.applies_to(None, req.method().as_str()) {
-            return match extract(req.clone(), payload).await {
-                Ok(args) => handler(args, None, req).await,
-                Err(rejection) => rejection,
-            };
-        }
-        let route = req.match_pattern().unwrap_or_default();
-        return pipeline::handle_missing(&route, HANDLE_MISSING_FIX);
+        Entry::Sequence(handle) => handle,
     };
-    let require_key = endpoint.require_key;
-    req.extensions_mut().insert(Handled { require_key });
+    req.extensions_mut().insert(OuterStep::of(endpoint));
     let head = ActixHead::matched(&req);
-    let buffered = match sequence::front(&handle, endpoint, &head, payload).await {
-        sequence::Front::Pass(payload) => {
-            return match extract(req.clone(), payload).await {
-                Ok(args) => handler(args, None, req).await,
-                Err(rejection) => rejection,
-            };
-        }
-        sequence::Front::Answer(answer) => return answer,
-        sequence::Front::Buffered(buffered) => buffered,
+    let buffered = match adapter::front(&handle, endpoint, &head, payload).await {
+        adapter::Front::Pass(payload) => return plain(req, payload, None, extract, handler).await,
+        adapter::Front::Answer(answer) => return answer,
+        adapter::Front::Buffered(buffered) => buffered,
     };
-    // The handler's extractors run on the buffered body before the claim, on replays too: an
-    // authentication extractor still rejects a caller whatever was recorded, and may publish
-    // the caller's identity for the scope. A rejection that would not be recorded is answered
-    // without claiming.
-    let extracted = match extract(req.clone(), dev::Payload::from(buffered.body().clone())).await {
-        Err(rejection) if !buffered.records(rejection.status().as_u16()) => return rejection,
-        extracted => extracted,
+    let records = |status| buffered.records(status);
+    let extracted = match extract_buffered(&req, buffered.body(), records, extract).await {
+        Ok(extracted) => extracted,
+        Err(rejection) => return rejection,
     };
     let claimed = match buffered.claim(&head).await {
         Ok(claimed) => claimed,
         Err(answer) => return answer,
     };
-    let context = claimed.context().cloned();
-    if let Some(context) = &context {
-        req.extensions_mut().insert(context.clone());
-    }
+    let context = publish(&req, claimed.context());
     let run = async move {
         let response = match extracted {
             Ok(args) => handler(args, context, req).await,
             Err(rejection) => rejection,
         };
-        Ok((response, ()))
+        Ok::<_, std::convert::Infallible>((response, ()))
     };
-    answer(claimed.run_local(Served::ByHandler, run).await)
+    match claimed.run_local(Served::ByHandler, run).await {
+        Ended::Answered(response, ()) | Ended::Panicked(response) => response,
+        Ended::Failed(never) => match never {},
+    }
+}
+
+use HANDLE_MISSING_FIX as FIX;
+
+/// The handler on the payload as it came: no sequence (or an outer one's).
+async fn plain<A, X, XF, H, HF>(
+    req: HttpRequest,
+    payload: dev::Payload,
+    context: Option<IdempotencyContext>,
+    extract: X,
+    handler: H,
+) -> HttpResponse
+where
+    X: FnOnce(HttpRequest, dev::Payload) -> XF,
+    XF: Future<Output = Result<A, HttpResponse>>,
+    H: FnOnce(A, Option<IdempotencyContext>, HttpRequest) -> HF,
+    HF: Future<Output = HttpResponse>,
+{
+    match extract(req.clone(), payload).await {
+        Ok(args) => handler(args, context, req).await,
+        Err(rejection) => rejection,
+    }
 }
 
 /// The rewritten enlisted handler's body: as [`handle`], with the transaction handed to
@@ -198,26 +141,30 @@ where
     HF: Future<Output = (crate::enlisted::EnlistedTx, HttpResponse)> + 'static,
     A: 'static,
 {
-    use tracing::Instrument as _;
     let payload = payload.into_inner();
-    if req.extensions().contains::<Handled>() {
-        let route = req.match_pattern().unwrap_or_default();
-        return pipeline::enlisted_behind_layer(&route);
+    let route = || req.match_pattern().unwrap_or_default();
+    if req.extensions().contains::<OuterStep>() {
+        return adapter::enlisted_behind_layer(&route());
     }
-    let enlisted = prepare::<pipeline::Enlisted, _, _, _>(&req, payload, endpoint, extract);
-    let (handle, claimed, extracted) = match enlisted.instrument(request_span(&req)).await {
-        Err(answer) => return answer,
-        Ok(Prepared::Claimed(handle, claimed, extracted)) => (handle, claimed, extracted),
-        Ok(Prepared::Pass(_)) => unreachable!("enlisted mode reads every body before it begins"),
+    let Some(handle) = handle_of(&req) else {
+        return adapter::handle_missing(&route(), FIX);
     };
-    let pipeline::Admitted {
-        held,
-        permit,
-        context,
-        route,
-        span,
-        ..
-    } = claimed;
+    req.extensions_mut().insert(OuterStep::of(endpoint));
+    let head = ActixHead::matched(&req);
+    let buffered = match adapter::front_enlisted(&handle, endpoint, &head, payload).await {
+        Ok(buffered) => buffered,
+        Err(answer) => return answer,
+    };
+    let records = |status| buffered.records(status);
+    let extracted = match extract_buffered(&req, buffered.body(), records, extract).await {
+        Ok(extracted) => extracted,
+        Err(rejection) => return rejection,
+    };
+    let claimed = match buffered.claim(&head).await {
+        Ok(claimed) => claimed,
+        Err(answer) => return answer,
+    };
+    let context = publish(&req, claimed.context());
     let run = move |tx| async move {
         match extracted {
             Ok(args) => handler(args, context, req, tx).await,
@@ -225,7 +172,5 @@ where
             Err(rejection) => (tx, rejection),
         }
     };
-    let work =
-        pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), run).instrument(span);
-    answer(adapter::drive(&handle, &route, work).await)
+    claimed.run_local(run).await
 }

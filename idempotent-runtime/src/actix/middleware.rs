@@ -4,7 +4,6 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::future::{Ready, ready};
 use std::rc::Rc;
-use std::sync::Arc;
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{self, ResourceDef, Service, ServiceRequest, ServiceResponse, Transform};
@@ -12,10 +11,10 @@ use actix_web::{Error, HttpMessage, HttpResponse};
 use futures_util::future::LocalBoxFuture;
 
 use super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
-use crate::adapter::{self as sequence, Ended, Prepared, Served};
+use crate::adapter::{
+    self as sequence, Ended, LayerStep, OuterStep, Prepared, RouterLayer, Served,
+};
 use crate::config::EndpointConfig;
-use crate::pipeline::{self, Handled};
-use crate::watch::LayerWatch;
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
 /// with the same semantics as `#[idempotent]` on each handler (runtime checks only); the
@@ -48,7 +47,7 @@ use crate::watch::LayerWatch;
 #[derive(Debug, Clone)]
 pub struct IdempotencyMiddleware {
     endpoint: EndpointConfig,
-    watch: Arc<LayerWatch>,
+    layer: RouterLayer,
 }
 
 impl Default for IdempotencyMiddleware {
@@ -62,7 +61,7 @@ impl IdempotencyMiddleware {
     pub fn new() -> Self {
         Self {
             endpoint: EndpointConfig::OPTIONAL,
-            watch: Arc::default(),
+            layer: RouterLayer::default(),
         }
     }
 
@@ -90,7 +89,7 @@ where
         ready(Ok(IdempotencyService {
             service: Rc::new(service),
             endpoint: self.endpoint.clone(),
-            watch: Arc::clone(&self.watch),
+            layer: self.layer.clone(),
             patterns: Rc::default(),
         }))
     }
@@ -100,7 +99,7 @@ where
 pub struct IdempotencyService<S> {
     service: Rc<S>,
     endpoint: EndpointConfig,
-    watch: Arc<LayerWatch>,
+    layer: RouterLayer,
     // Route patterns compiled once per worker, to read the path parameters of a request whose
     // resource has not been matched yet (a scope middleware runs before the scope's router).
     patterns: Rc<RefCell<HashMap<String, ResourceDef>>>,
@@ -146,26 +145,34 @@ where
 
     fn call(&self, mut req: ServiceRequest) -> Self::Future {
         let service = Rc::clone(&self.service);
-        let handle = adapter::handle_of(req.request());
-        let config = handle.as_ref().map(|h| h.config());
-        let by_method = self.endpoint.applies_to(config, req.method().as_str());
-        let matched = req.match_pattern();
-        if by_method {
-            self.watch.saw(matched.is_some(), req.path());
-        }
-        let applies = by_method && !req.extensions().contains::<Handled>();
-        let pattern = matched.filter(|_| applies);
-        let Some(pattern) = pattern else {
-            return Box::pin(async move { Ok(service.call(req).await?.map_into_boxed_body()) });
-        };
-        let Some(handle) = handle else {
-            let response: HttpResponse = pipeline::handle_missing(&pattern, HANDLE_MISSING_FIX);
-            return Box::pin(async move { Ok(req.into_response(response)) });
+        let step = self.layer.step(
+            adapter::handle_of(req.request()),
+            &self.endpoint,
+            req.method().as_str(),
+            req.match_pattern(),
+            req.path(),
+            req.extensions().get::<OuterStep>().copied(),
+            HANDLE_MISSING_FIX,
+        );
+        let (handle, pattern) = match step {
+            LayerStep::Pass => {
+                return Box::pin(async move { Ok(service.call(req).await?.map_into_boxed_body()) });
+            }
+            LayerStep::Answer(response) => {
+                let response: HttpResponse = response;
+                return Box::pin(async move { Ok(req.into_response(response)) });
+            }
+            LayerStep::Sequence {
+                handle,
+                pattern,
+                outer,
+            } => {
+                req.extensions_mut().insert(outer);
+                (handle, pattern)
+            }
         };
         let params = self.params(&req, &pattern);
         let endpoint = self.endpoint.clone();
-        let require_key = endpoint.require_key;
-        req.extensions_mut().insert(Handled { require_key });
         let steps = async move {
             let payload = req.take_payload();
             let head = ActixHead {

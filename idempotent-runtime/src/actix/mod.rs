@@ -165,7 +165,7 @@ pub mod __private {
     /// The answer when a handler takes `IdempotencyContext` and the request has none (a
     /// keyless request let through by an outer middleware whose key is optional).
     pub fn context_missing() -> HttpResponse {
-        crate::pipeline::context_missing()
+        crate::adapter::context_missing()
     }
 
     /// An extractor's rejection as the handler's response.

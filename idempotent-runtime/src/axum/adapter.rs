@@ -18,9 +18,8 @@ use http_body::{Body as _, Frame, SizeHint};
 
 use crate::adapter::{self, Chunks, Ended, Head, REPLAYED_HEADER, Reply, Served};
 use crate::config::EndpointConfig;
+use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
-#[cfg(feature = "postgres")]
-use crate::pipeline::{self, Admitted};
 use crate::problem::Problem;
 use crate::scope::{Identity, Scope};
 
@@ -280,35 +279,47 @@ pub(crate) fn caller_scope(handle: &Idempotency, parts: &mut Parts) -> Result<Sc
     adapter::caller_scope(handle, &AxumHead::new(parts))
 }
 
-/// A request after the steps before the handler.
-pub(crate) enum Prepared<C = adapter::Claimed> {
-    /// No key on an optional endpoint: the request, untouched.
-    Pass(Request),
-    /// The key is held: the request with its buffered body (and its context in the
-    /// extensions), and what holds the key.
-    Claimed(Request, C),
-}
-
 /// Takes the request apart for [`adapter::prepare`] (key, body, scope, claim) and puts it back
-/// together; `Err` is the answer instead of the handler's.
+/// together, with the buffered body and the context when the key is held; `Err` is the answer
+/// instead of the handler's.
 pub(crate) async fn prepare(
     handle: &Idempotency,
     endpoint: &EndpointConfig,
     request: Request,
-) -> Result<Prepared, Response> {
+) -> Result<(Request, Option<adapter::Claimed>), Response> {
     let (mut parts, body) = request.into_parts();
     let prepared = adapter::prepare(handle, endpoint, &AxumHead::new(&mut parts), body).await;
     match prepared {
-        adapter::Prepared::Pass(body) => Ok(Prepared::Pass(Request::from_parts(parts, body))),
+        adapter::Prepared::Pass(body) => Ok((Request::from_parts(parts, body), None)),
         adapter::Prepared::Answer(answer) => Err(answer),
         adapter::Prepared::Claimed(claimed) => {
-            if let Some(context) = claimed.context() {
-                parts.extensions.insert(context.clone());
-            }
-            let body = Body::from(claimed.body().clone());
-            Ok(Prepared::Claimed(Request::from_parts(parts, body), claimed))
+            let body = rebuilt(&mut parts, claimed.context(), claimed.body());
+            Ok((Request::from_parts(parts, body), Some(claimed)))
         }
     }
+}
+
+/// The claimed request's body, its context put in the extensions.
+fn rebuilt(parts: &mut Parts, context: Option<&IdempotencyContext>, body: &Bytes) -> Body {
+    if let Some(context) = context {
+        parts.extensions.insert(context.clone());
+    }
+    Body::from(body.clone())
+}
+
+/// [`prepare`] in enlisted mode: the claim inside the transaction the handler writes through.
+#[cfg(feature = "postgres")]
+pub(crate) async fn prepare_enlisted(
+    handle: &Idempotency,
+    endpoint: &EndpointConfig,
+    request: Request,
+) -> Result<(Request, adapter::ClaimedTx), Response> {
+    let (mut parts, body) = request.into_parts();
+    let head = AxumHead::new(&mut parts);
+    let claimed = adapter::prepare_enlisted(handle, endpoint, &head, body).await?;
+    drop(head);
+    let body = rebuilt(&mut parts, claimed.context(), claimed.body());
+    Ok((Request::from_parts(parts, body), claimed))
 }
 
 /// Runs a claimed handler where no disconnect cancels it and records or releases its response.
@@ -327,46 +338,11 @@ where
     }
 }
 
-/// [`prepare`] in enlisted mode: the claim inside the transaction the handler writes through.
-#[cfg(feature = "postgres")]
-pub(crate) async fn prepare_enlisted(
-    handle: &Idempotency,
-    endpoint: &EndpointConfig,
-    request: Request,
-) -> Result<Prepared<Admitted<crate::enlisted::Held>>, Response> {
-    use crate::pipeline::{Enlisted, Front};
-    use tracing::Instrument as _;
-    let (mut parts, body) = request.into_parts();
-    let head = AxumHead::new(&mut parts);
-    let span = crate::observe::request_span(head.route().unwrap_or(""));
-    let steps = async {
-        match pipeline::front::<Enlisted, _, _>(handle, endpoint, &head, body).await {
-            Front::Pass(_) => unreachable!("enlisted mode reads every body before it begins"),
-            Front::Refuse(problem) => Err(pipeline::refuse(handle, &problem)),
-            Front::Buffered(buffered) => {
-                pipeline::claim::<Enlisted, _, Response>(handle, &head, buffered).await
-            }
-        }
-    };
-    let claimed = steps.instrument(span).await?;
-    if let Some(context) = &claimed.context {
-        parts.extensions.insert(context.clone());
-    }
-    let body = Body::from(claimed.body.clone());
-    Ok(Prepared::Claimed(Request::from_parts(parts, body), claimed))
-}
-
-/// Runs claimed enlisted work to its end in a task of its own when it is not done at its
-/// first poll.
-#[cfg(feature = "postgres")]
-pub(crate) async fn drive<W>(handle: &Idempotency, route: &str, work: W) -> Response
-where
-    W: Future<Output = Ended<Response, (), Infallible>> + Send + 'static,
-{
-    match pipeline::drive(handle, route, work, tokio::spawn).await {
-        Ended::Answered(response, ()) | Ended::Panicked(response) => response,
-        Ended::Failed(never) => match never {},
-    }
+/// The matched route of a request, `""` outside one.
+pub(crate) fn route_of(extensions: &http::Extensions) -> &str {
+    extensions
+        .get::<MatchedPath>()
+        .map_or("", MatchedPath::as_str)
 }
 
 /// The fix to log when a handler finds no [`Idempotency`] handle in the request extensions.

@@ -2,13 +2,12 @@
 
 use std::marker::PhantomData;
 
-use axum::extract::{FromRequestParts, MatchedPath};
+use axum::extract::FromRequestParts;
 use axum::response::Response;
 use http::request::Parts;
 
-use super::adapter::{self, HANDLE_MISSING_FIX};
+use super::adapter::{self, HANDLE_MISSING_FIX, route_of};
 use super::extract::{FromState, HandleSource};
-use crate::pipeline;
 use crate::scope::{Scope, ScopeHash};
 
 /// The caller's scope, resolved exactly as the request pipeline resolves it for a keyed
@@ -88,12 +87,11 @@ where
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         let Some(handle) = Src::handle(&parts.extensions, state) else {
-            let route = parts.extensions.get::<MatchedPath>();
-            let route = route.map_or("", MatchedPath::as_str);
-            return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
+            let route = route_of(&parts.extensions);
+            return Err(crate::adapter::handle_missing(route, HANDLE_MISSING_FIX));
         };
         let scope = adapter::caller_scope(&handle, parts)
-            .map_err(|problem| pipeline::refuse(&handle, &problem))?;
+            .map_err(|problem| crate::adapter::refusal(&handle, &problem))?;
         Ok(Self {
             scope,
             _source: PhantomData,

@@ -10,11 +10,10 @@ use axum::response::{IntoResponse, Response};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::adapter::{self, Prepared};
+use super::adapter::{HANDLE_MISSING_FIX, prepare, run_claimed};
+use crate::adapter::{LayerStep, OuterStep, RouterLayer, Served};
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Handled, Served};
-use crate::watch::LayerWatch;
 
 /// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
 /// checks only). It applies to the [`methods`](EndpointConfig::methods) of its endpoint
@@ -48,7 +47,7 @@ pub struct IdempotencyLayer {
 struct Shared {
     handle: Idempotency,
     endpoint: EndpointConfig,
-    watch: Arc<LayerWatch>,
+    layer: RouterLayer,
 }
 
 impl IdempotencyLayer {
@@ -58,7 +57,7 @@ impl IdempotencyLayer {
             shared: Arc::new(Shared {
                 handle: idempotency,
                 endpoint: EndpointConfig::OPTIONAL,
-                watch: Arc::default(),
+                layer: RouterLayer::default(),
             }),
         }
     }
@@ -80,11 +79,10 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let wraps_router = LayerWatch::wraps_router(std::any::type_name::<S>());
         IdempotencyService {
             inner,
             shared: Arc::clone(&self.shared),
-            wraps_router,
+            layer: self.shared.layer.around(std::any::type_name::<S>()),
         }
     }
 }
@@ -94,8 +92,8 @@ impl<S> Layer<S> for IdempotencyLayer {
 pub struct IdempotencyService<S> {
     inner: S,
     shared: Arc<Shared>,
-    /// Put around a finished router: no request it sees can have a matched route of its own.
-    wraps_router: bool,
+    /// The layer's watch, knowing what this service was put around.
+    layer: RouterLayer,
 }
 
 impl<S> Service<Request> for IdempotencyService<S>
@@ -117,32 +115,32 @@ where
         let fresh = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, fresh);
         let shared = Arc::clone(&self.shared);
-        let wraps_router = self.wraps_router;
+        let extensions = request.extensions();
+        let step = self.layer.step(
+            Some(&shared.handle),
+            &shared.endpoint,
+            request.method().as_str(),
+            extensions.get::<MatchedPath>().map(MatchedPath::as_str),
+            request.uri().path(),
+            extensions.get::<OuterStep>().copied(),
+            HANDLE_MISSING_FIX,
+        );
+        let outer = match step {
+            LayerStep::Answer(answer) => return Box::pin(async { Ok(answer) }),
+            LayerStep::Pass => {
+                return Box::pin(async move { Ok(inner.call(request).await.into_response()) });
+            }
+            LayerStep::Sequence { outer, .. } => outer,
+        };
+        request.extensions_mut().insert(outer);
         Box::pin(async move {
             let handle = &shared.handle;
-            let method = request.method().as_str();
-            let by_method = shared.endpoint.applies_to(Some(handle.config()), method);
-            let matched = request.extensions().get::<MatchedPath>().is_some();
-            if by_method && wraps_router && !matched {
-                shared.watch.outside_router(request.uri().path());
-                if handle.config().strict() {
-                    return Ok(pipeline::refuse(handle, &pipeline::misconfigured()));
-                }
-            } else if by_method {
-                shared.watch.saw(matched, request.uri().path());
-            }
-            let applies = by_method && matched && request.extensions().get::<Handled>().is_none();
-            if !applies {
-                return Ok(inner.call(request).await.into_response());
-            }
-            let require_key = shared.endpoint.require_key;
-            request.extensions_mut().insert(Handled { require_key });
-            let response = match adapter::prepare(handle, &shared.endpoint, request).await {
+            let response = match prepare(handle, &shared.endpoint, request).await {
                 Err(answer) => answer,
-                Ok(Prepared::Pass(request)) => inner.call(request).await.into_response(),
-                Ok(Prepared::Claimed(request, claimed)) => {
+                Ok((request, None)) => inner.call(request).await.into_response(),
+                Ok((request, Some(claimed))) => {
                     let handler = async move { inner.call(request).await.into_response() };
-                    adapter::run_claimed(claimed, Served::ThroughRouter, handler).await
+                    run_claimed(claimed, Served::ThroughRouter, handler).await
                 }
             };
             Ok(response)

@@ -41,11 +41,8 @@ pub use body::Chunks;
 pub(crate) use body::{BodyError, Collected};
 pub use claim::{Begin, BeginRequest, begin};
 pub(crate) use claim::{ClaimMode, Detached};
-#[cfg(all(feature = "postgres", feature = "axum"))]
-pub(crate) use enlisted::settle_enlisted;
 #[cfg(feature = "postgres")]
-pub(crate) use enlisted::{Enlisted, enlisted_work};
-#[cfg(feature = "axum")]
+pub(crate) use enlisted::{Enlisted, enlisted_work, settle_enlisted};
 pub(crate) use refusals::misconfigured;
 
 use crate::budget::BufferPermit;
@@ -61,15 +58,6 @@ use crate::store::RecordedResponse;
 
 /// The header that marks a replayed response (`Idempotency-Replayed: true`).
 pub const REPLAYED_HEADER: &str = "idempotency-replayed";
-
-/// Set in the request extensions by the outermost idempotency step that applies to a request
-/// (a layer or middleware, or the attribute), so an inner one steps aside: the outer decides.
-/// `require_key` is the outer step's, so an inner `require_key` attribute sees a mismatch on
-/// any request, keyed or not.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Handled {
-    pub(crate) require_key: bool,
-}
 
 /// What the pipeline reads of a request's head (see [`crate::adapter`]).
 pub trait Head {
