@@ -30,6 +30,9 @@ use std::future::Future;
 use bytes::Bytes;
 use tracing::Instrument as _;
 
+#[cfg(feature = "axum")]
+pub mod http;
+
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
@@ -45,6 +48,60 @@ pub use crate::pipeline::{Chunks, Ended, Head, REPLAYED_HEADER, Reply, Served};
 /// refusal the sequence would answer (render it with [`refusal`]).
 pub fn caller_scope<H: Head>(handle: &Idempotency, head: &H) -> Result<Scope, Problem> {
     pipeline::scope_of(handle, head)
+}
+
+/// The caller's scope, resolved exactly as the sequence resolves it for a keyed request ([the
+/// contract](crate::design) §4), as a framework's extractor for the operators' routes
+/// (`inspect`, `forget`) hands it out: the adapter implements its framework's extractor
+/// trait for it, finding the handle its own way (`Src` says how, where there are several).
+pub struct CallerScope<Src = ()> {
+    scope: Scope,
+    _source: std::marker::PhantomData<fn() -> Src>,
+}
+
+impl<Src> CallerScope<Src> {
+    /// Resolves the scope of the request whose head is `head`; `Err` is the refusal the
+    /// sequence would answer the same request, rendered by the handle's renderer.
+    pub fn resolve<H: Head, R: Reply>(handle: &Idempotency, head: &H) -> Result<Self, R> {
+        match pipeline::scope_of(handle, head) {
+            Ok(scope) => Ok(Self {
+                scope,
+                _source: std::marker::PhantomData,
+            }),
+            Err(problem) => Err(refusal(handle, &problem)),
+        }
+    }
+
+    /// The scope hash that leads the caller's store keys.
+    pub fn hash(&self) -> &crate::scope::ScopeHash {
+        self.scope.hash()
+    }
+
+    /// The resolved scope: its segments and hash.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// The resolved scope, by value.
+    pub fn into_inner(self) -> Scope {
+        self.scope
+    }
+}
+
+impl<R> Ended<R, (), std::convert::Infallible> {
+    /// The answer of work that cannot fail without one: the handler's, or a panic's 500.
+    pub fn answer(self) -> R {
+        match self {
+            Self::Answered(response, ()) | Self::Panicked(response) => response,
+            Self::Failed(never) => match never {},
+        }
+    }
+}
+
+impl<Src> std::fmt::Debug for CallerScope<Src> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("CallerScope").field(&self.scope).finish()
+    }
 }
 
 /// A refusal as the adapter's response, rendered by the handle's
@@ -163,6 +220,22 @@ impl Buffered {
         let inner = claimed.instrument(span).await?;
         Ok(Claimed { handle, inner })
     }
+
+    /// [`claim`](Self::claim) after the framework's own extractors ran on [`body`](Self::body)
+    /// (they may publish the caller's identity for the scope): a rejection that would not be
+    /// recorded ([`records`](Self::records)) is answered without claiming; anything else is
+    /// claimed and handed back beside the claim, a recordable rejection to be settled as the
+    /// request's answer.
+    pub async fn claim_after<H: Head, R: Reply, A>(
+        self,
+        head: &H,
+        extracted: Result<A, R>,
+    ) -> Result<(Claimed, Result<A, R>), R> {
+        match extracted {
+            Err(rejection) if !self.records(rejection.status()) => Err(rejection),
+            extracted => Ok((self.claim(head).await?, extracted)),
+        }
+    }
 }
 
 /// The steps before the handler, in order, for one request: [`front`], then
@@ -256,6 +329,75 @@ impl Claimed {
     /// extractor's rejection): recorded like any response of its status, or the key released.
     pub async fn settle<R: Reply>(self, response: R) -> R {
         pipeline::settle(&self.handle, self.inner.held, response).await
+    }
+
+    /// [`run`](Self::run) for a handler that always answers: its response, or the 500 of a
+    /// handler that panicked.
+    pub async fn answer<R, Fut>(self, served: Served, handler: Fut) -> R
+    where
+        Fut: Future<Output = R> + Send + 'static,
+        R: Reply + Send + 'static,
+        R::Head: Send,
+        R::Body: Send,
+        <R::Body as Chunks>::Error: Send,
+    {
+        let handler = async move { Ok::<_, std::convert::Infallible>((handler.await, ())) };
+        self.run(served, handler).await.answer()
+    }
+
+    /// [`answer`](Self::answer) for a framework whose futures are not `Send`, as
+    /// [`run_local`](Self::run_local).
+    pub async fn answer_local<R, Fut>(self, served: Served, handler: Fut) -> R
+    where
+        Fut: Future<Output = R> + 'static,
+        R: Reply + 'static,
+    {
+        let handler = async move { Ok::<_, std::convert::Infallible>((handler.await, ())) };
+        self.run_local(served, handler).await.answer()
+    }
+}
+
+/// What was read of a response body, then its error (if reading failed), then the rest of
+/// the stream: how a framework without a stream combinator of its own rebuilds a response
+/// that [`Reply::resumed`] hands back.
+pub struct Resumed<B: Chunks> {
+    read: Option<Bytes>,
+    error: Option<B::Error>,
+    rest: B,
+}
+
+impl<B: Chunks> Resumed<B> {
+    /// `read`, then `error`, then `rest`.
+    pub fn new(read: Bytes, error: Option<B::Error>, rest: B) -> Self {
+        let read = Some(read).filter(|r| !r.is_empty());
+        Self { read, error, rest }
+    }
+}
+
+impl<B: Chunks> std::fmt::Debug for Resumed<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resumed").finish_non_exhaustive()
+    }
+}
+
+impl<B: Chunks<Error: Unpin>> Chunks for Resumed<B> {
+    type Error = B::Error;
+
+    fn exact_len(&self) -> Option<u64> {
+        None
+    }
+
+    fn poll_chunk(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Bytes, B::Error>>> {
+        if let Some(read) = self.read.take() {
+            return std::task::Poll::Ready(Some(Ok(read)));
+        }
+        if let Some(error) = self.error.take() {
+            return std::task::Poll::Ready(Some(Err(error)));
+        }
+        self.rest.poll_chunk(cx)
     }
 }
 
@@ -353,8 +495,9 @@ pub fn entry<R: Reply, S: AsRef<str>>(
 /// A router-level layer's (axum's `IdempotencyLayer`, actix's middleware) view of the requests
 /// it sees, shared by its clones: whether it ever sees a matched route (put outside the router
 /// it protects nothing, and says so once), and what each request gets ([`RouterLayer::step`]).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct RouterLayer {
+    endpoint: EndpointConfig,
     watch: std::sync::Arc<crate::watch::LayerWatch>,
     around_router: bool,
 }
@@ -380,13 +523,32 @@ pub enum LayerStep<R, H, P> {
 }
 
 impl RouterLayer {
+    /// A layer with these endpoint settings for every route inside.
+    pub fn new(endpoint: EndpointConfig) -> Self {
+        Self {
+            endpoint,
+            watch: std::sync::Arc::default(),
+            around_router: false,
+        }
+    }
+
+    /// The endpoint settings of every route inside.
+    pub fn endpoint(&self) -> &EndpointConfig {
+        &self.endpoint
+    }
+
+    /// This layer with other endpoint settings (the same watch).
+    pub fn with_endpoint(self, endpoint: EndpointConfig) -> Self {
+        Self { endpoint, ..self }
+    }
+
     /// This layer put around a service whose type is named `inner`
     /// (`std::any::type_name`): around a finished axum `Router` no request it sees can have a
     /// matched route of its own, so the first one shows the layer misplaced.
     pub fn around(&self, inner: &str) -> Self {
         Self {
-            watch: std::sync::Arc::clone(&self.watch),
             around_router: crate::watch::LayerWatch::wraps_router(inner),
+            ..self.clone()
         }
     }
 
@@ -394,11 +556,9 @@ impl RouterLayer {
     /// whether the router matched a route `pattern` for it, the `path` for log lines, and the
     /// `outer` step already on it. A request the layer applies to without a handle is
     /// [`handle_missing`] with `fix`.
-    #[allow(clippy::too_many_arguments)]
     pub fn step<R, H, P>(
         &self,
         handle: Option<H>,
-        endpoint: &EndpointConfig,
         method: &str,
         pattern: Option<P>,
         path: &str,
@@ -410,7 +570,7 @@ impl RouterLayer {
         H: std::borrow::Borrow<Idempotency>,
         P: AsRef<str>,
     {
-        let config = handle.as_ref().map(|h| h.borrow().config());
+        let (endpoint, config) = (&self.endpoint, handle.as_ref().map(|h| h.borrow().config()));
         if !endpoint.applies_to(config, method) {
             return LayerStep::Pass;
         }
@@ -551,6 +711,18 @@ mod enlisted {
             let inner = claimed.instrument(span).await?;
             Ok(ClaimedTx { handle, inner })
         }
+
+        /// [`Buffered::claim_after`](super::Buffered::claim_after) in enlisted mode.
+        pub async fn claim_after<H: Head, R: Reply, A>(
+            self,
+            head: &H,
+            extracted: Result<A, R>,
+        ) -> Result<(ClaimedTx, Result<A, R>), R> {
+            match extracted {
+                Err(rejection) if !self.records(rejection.status()) => Err(rejection),
+                extracted => Ok((self.claim(head).await?, extracted)),
+            }
+        }
     }
 
     /// [`prepare`](super::prepare) in enlisted mode: [`front_enlisted`], then
@@ -565,13 +737,6 @@ mod enlisted {
             .await?
             .claim(head)
             .await
-    }
-
-    fn answer<R>(ended: Ended<R, (), std::convert::Infallible>) -> R {
-        match ended {
-            Ended::Answered(response, ()) | Ended::Panicked(response) => response,
-            Ended::Failed(never) => match never {},
-        }
     }
 
     impl ClaimedTx {
@@ -626,7 +791,9 @@ mod enlisted {
             Fut: Future<Output = (EnlistedTx, R)> + Send + 'static,
         {
             let (handle, route, work) = self.work(handler);
-            answer(pipeline::drive(&handle, &route, work, tokio::spawn).await)
+            pipeline::drive(&handle, &route, work, tokio::spawn)
+                .await
+                .answer()
         }
 
         /// [`run`](Self::run) for a framework whose futures are not `Send` (actix-web), on
@@ -638,7 +805,8 @@ mod enlisted {
             Fut: Future<Output = (EnlistedTx, R)> + 'static,
         {
             let (handle, route, work) = self.work(handler);
-            answer(pipeline::drive(&handle, &route, work, tokio::task::spawn_local).await)
+            let spawn = tokio::task::spawn_local;
+            pipeline::drive(&handle, &route, work, spawn).await.answer()
         }
 
         /// Settles `response` as this request's answer without running the handler (an

@@ -14,7 +14,7 @@ use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
 use bytes::Bytes;
 use futures_util::Stream;
 
-use crate::adapter::{Chunks, Head, REPLAYED_HEADER, Reply};
+use crate::adapter::{Chunks, Head, REPLAYED_HEADER, Reply, Resumed};
 use crate::handle::Idempotency;
 use crate::scope::Identity;
 
@@ -137,11 +137,7 @@ impl Reply for HttpResponse {
         error: Option<Box<dyn StdError>>,
         rest: BoxBody,
     ) -> Self {
-        head.set_body(BoxBody::new(Resume {
-            read: Some(read),
-            error,
-            rest,
-        }))
+        head.set_body(BoxBody::new(Resumed::new(read, error, rest)))
     }
 
     fn mark_replayed(mut self) -> Self {
@@ -170,14 +166,8 @@ impl Reply for HttpResponse {
     }
 }
 
-/// What was read of a response body, then its error (if reading failed), then the rest.
-struct Resume {
-    read: Option<Bytes>,
-    error: Option<Box<dyn StdError>>,
-    rest: BoxBody,
-}
-
-impl MessageBody for Resume {
+/// A resumed response body is a stream of its own.
+impl MessageBody for Resumed<BoxBody> {
     type Error = Box<dyn StdError>;
 
     fn size(&self) -> BodySize {
@@ -188,14 +178,7 @@ impl MessageBody for Resume {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Bytes, Self::Error>>> {
-        let this = self.get_mut();
-        if let Some(read) = this.read.take().filter(|r| !r.is_empty()) {
-            return Poll::Ready(Some(Ok(read)));
-        }
-        if let Some(error) = this.error.take() {
-            return Poll::Ready(Some(Err(error)));
-        }
-        Pin::new(&mut this.rest).poll_next(cx)
+        self.get_mut().poll_chunk(cx)
     }
 }
 

@@ -6,8 +6,7 @@ use actix_web::error::InternalError;
 use actix_web::{FromRequest, HttpRequest, HttpResponse, dev};
 
 use super::adapter::{ActixHead, HANDLE_MISSING_FIX, handle_of};
-use crate::adapter;
-use crate::scope::{Scope, ScopeHash};
+use crate::adapter::{self, Head as _};
 
 /// The caller's scope, resolved exactly as the request pipeline resolves it for a keyed
 /// request ([the contract](crate::design) §4): the [`Identity`](crate::scope::Identity) the
@@ -49,42 +48,22 @@ use crate::scope::{Scope, ScopeHash};
 /// # let _ = actix_web::test::init_service(app).await;
 /// # }
 /// ```
-#[derive(Debug)]
-pub struct CallerScope(Scope);
+pub type CallerScope = adapter::CallerScope;
 
-impl CallerScope {
-    /// The scope hash that leads the caller's store keys.
-    pub fn hash(&self) -> &ScopeHash {
-        self.0.hash()
-    }
-
-    /// The resolved scope: its segments and hash.
-    pub fn scope(&self) -> &Scope {
-        &self.0
-    }
-
-    /// The resolved scope, by value.
-    pub fn into_inner(self) -> Scope {
-        self.0
-    }
-}
-
-impl FromRequest for CallerScope {
+impl FromRequest for adapter::CallerScope {
     type Error = actix_web::Error;
     type Future = Ready<Result<Self, Self::Error>>;
 
     fn from_request(req: &HttpRequest, _: &mut dev::Payload) -> Self::Future {
         let head = ActixHead::matched(req);
-        let Some(handle) = handle_of(req) else {
-            let route = head.route.as_deref().unwrap_or("");
-            let response: HttpResponse = adapter::handle_missing(route, HANDLE_MISSING_FIX);
-            return ready(Err(refused(response)));
+        let resolved = match handle_of(req) {
+            Some(handle) => Self::resolve(&handle, &head),
+            None => Err(adapter::handle_missing(
+                head.route().unwrap_or(""),
+                HANDLE_MISSING_FIX,
+            )),
         };
-        ready(
-            adapter::caller_scope(&handle, &head)
-                .map(Self)
-                .map_err(|problem| refused(adapter::refusal(&handle, &problem))),
-        )
+        ready(resolved.map_err(refused))
     }
 }
 

@@ -4,32 +4,11 @@
 use std::future::Future;
 
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
-use bytes::Bytes;
 
 use super::adapter::{ActixHead, HANDLE_MISSING_FIX, handle_of};
-use crate::adapter::{self, Ended, Entry, OuterStep, Served};
+use crate::adapter::{self, Entry, OuterStep, Served};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
-
-/// The handler's extractors on the buffered body, before the claim and on replays too: an
-/// authentication extractor still rejects a caller whatever was recorded, and may publish the
-/// caller's identity for the scope. `Err` is a rejection that would not be recorded, answered
-/// without claiming.
-async fn extract_buffered<A, X, XF>(
-    req: &HttpRequest,
-    body: &Bytes,
-    records: impl FnOnce(u16) -> bool,
-    extract: X,
-) -> Result<Result<A, HttpResponse>, HttpResponse>
-where
-    X: FnOnce(HttpRequest, dev::Payload) -> XF,
-    XF: Future<Output = Result<A, HttpResponse>>,
-{
-    match extract(req.clone(), dev::Payload::from(body.clone())).await {
-        Err(rejection) if !records(rejection.status().as_u16()) => Err(rejection),
-        extracted => Ok(extracted),
-    }
-}
 
 /// The claimed request's context, in the extensions for the handler's own extractors too.
 fn publish(req: &HttpRequest, context: Option<&IdempotencyContext>) -> Option<IdempotencyContext> {
@@ -78,12 +57,11 @@ where
         adapter::Front::Answer(answer) => return answer,
         adapter::Front::Buffered(buffered) => buffered,
     };
-    let records = |status| buffered.records(status);
-    let extracted = match extract_buffered(&req, buffered.body(), records, extract).await {
-        Ok(extracted) => extracted,
-        Err(rejection) => return rejection,
-    };
-    let claimed = match buffered.claim(&head).await {
+    // The handler's extractors run on the buffered body before the claim, on replays too: an
+    // authentication extractor still rejects a caller whatever was recorded, and may publish
+    // the caller's identity for the scope.
+    let extracted = extract(req.clone(), dev::Payload::from(buffered.body().clone())).await;
+    let (claimed, extracted) = match buffered.claim_after(&head, extracted).await {
         Ok(claimed) => claimed,
         Err(answer) => return answer,
     };
@@ -93,12 +71,9 @@ where
             Ok(args) => handler(args, context, req).await,
             Err(rejection) => rejection,
         };
-        Ok::<_, std::convert::Infallible>((response, ()))
+        response
     };
-    match claimed.run_local(Served::ByHandler, run).await {
-        Ended::Answered(response, ()) | Ended::Panicked(response) => response,
-        Ended::Failed(never) => match never {},
-    }
+    claimed.answer_local(Served::ByHandler, run).await
 }
 
 use HANDLE_MISSING_FIX as FIX;
@@ -155,12 +130,11 @@ where
         Ok(buffered) => buffered,
         Err(answer) => return answer,
     };
-    let records = |status| buffered.records(status);
-    let extracted = match extract_buffered(&req, buffered.body(), records, extract).await {
-        Ok(extracted) => extracted,
-        Err(rejection) => return rejection,
-    };
-    let claimed = match buffered.claim(&head).await {
+    // The handler's extractors run on the buffered body before the claim, on replays too: an
+    // authentication extractor still rejects a caller whatever was recorded, and may publish
+    // the caller's identity for the scope.
+    let extracted = extract(req.clone(), dev::Payload::from(buffered.body().clone())).await;
+    let (claimed, extracted) = match buffered.claim_after(&head, extracted).await {
         Ok(claimed) => claimed,
         Err(answer) => return answer,
     };

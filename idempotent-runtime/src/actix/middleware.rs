@@ -46,7 +46,6 @@ use crate::config::EndpointConfig;
 /// ```
 #[derive(Debug, Clone)]
 pub struct IdempotencyMiddleware {
-    endpoint: EndpointConfig,
     layer: RouterLayer,
 }
 
@@ -60,17 +59,16 @@ impl IdempotencyMiddleware {
     /// POST and PATCH, key optional, the runtime's settings.
     pub fn new() -> Self {
         Self {
-            endpoint: EndpointConfig::OPTIONAL,
-            layer: RouterLayer::default(),
+            layer: RouterLayer::new(EndpointConfig::OPTIONAL),
         }
     }
 
     /// The endpoint settings of every route inside (default [`EndpointConfig::OPTIONAL`]): the
     /// key required or not, lease, retention, caps, statuses, headers, methods; the same value
     /// the attribute builds from its arguments, built in code or read from a file.
-    pub fn endpoint(mut self, endpoint: EndpointConfig) -> Self {
-        self.endpoint = endpoint;
-        self
+    pub fn endpoint(self, endpoint: EndpointConfig) -> Self {
+        let layer = self.layer.with_endpoint(endpoint);
+        Self { layer }
     }
 }
 
@@ -88,7 +86,6 @@ where
     fn new_transform(&self, service: S) -> Self::Future {
         ready(Ok(IdempotencyService {
             service: Rc::new(service),
-            endpoint: self.endpoint.clone(),
             layer: self.layer.clone(),
             patterns: Rc::default(),
         }))
@@ -98,7 +95,6 @@ where
 /// The service [`IdempotencyMiddleware`] wraps around its scope.
 pub struct IdempotencyService<S> {
     service: Rc<S>,
-    endpoint: EndpointConfig,
     layer: RouterLayer,
     // Route patterns compiled once per worker, to read the path parameters of a request whose
     // resource has not been matched yet (a scope middleware runs before the scope's router).
@@ -108,7 +104,7 @@ pub struct IdempotencyService<S> {
 impl<S> std::fmt::Debug for IdempotencyService<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotencyService")
-            .field("endpoint", &self.endpoint)
+            .field("endpoint", self.layer.endpoint())
             .finish_non_exhaustive()
     }
 }
@@ -147,7 +143,6 @@ where
         let service = Rc::clone(&self.service);
         let step = self.layer.step(
             adapter::handle_of(req.request()),
-            &self.endpoint,
             req.method().as_str(),
             req.match_pattern(),
             req.path(),
@@ -172,7 +167,7 @@ where
             }
         };
         let params = self.params(&req, &pattern);
-        let endpoint = self.endpoint.clone();
+        let endpoint = self.layer.endpoint().clone();
         let steps = async move {
             let payload = req.take_payload();
             let head = ActixHead {

@@ -124,21 +124,12 @@ impl FromRequest for IdempotencyContext {
     type Future = Ready<Result<Self, Self::Error>>;
 
     fn from_request(req: &HttpRequest, _: &mut dev::Payload) -> Self::Future {
-        ready(
-            req.extensions()
-                .get::<IdempotencyContext>()
-                .cloned()
-                .ok_or_else(|| {
-                    tracing::error!(
-                        "IdempotencyContext extracted outside an idempotent request: put \
-                         #[idempotent] on the handler or IdempotencyMiddleware around it, and \
-                         take Option<IdempotencyContext> where the key is optional"
-                    );
-                    actix_web::error::ErrorInternalServerError(
-                        "this request has no idempotency context",
-                    )
-                }),
-        )
+        let context = req.extensions().get::<IdempotencyContext>().cloned();
+        ready(context.ok_or_else(|| {
+            let response: actix_web::HttpResponse = crate::adapter::context_missing();
+            let message = "this request has no idempotency context";
+            actix_web::error::InternalError::from_response(message, response).into()
+        }))
     }
 }
 

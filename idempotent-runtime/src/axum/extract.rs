@@ -7,7 +7,7 @@ use axum::extract::{FromRef, FromRequest, FromRequestParts, OptionalFromRequestP
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 
-use super::adapter::{HANDLE_MISSING_FIX as FIX, prepare, route_of, run_claimed};
+use super::adapter::{HANDLE_MISSING_FIX as FIX, prepare, route_of};
 use crate::adapter::{self, Claimed, Entry, OuterStep, Served};
 use crate::config::{Endpoint, EndpointConfig};
 use crate::context::IdempotencyContext;
@@ -90,7 +90,7 @@ impl<T, Src, E: Endpoint> Idempotent<T, Src, E> {
         let future = handler(self.value, self.context);
         match self.claimed {
             None => future.await,
-            Some(claimed) => run_claimed(claimed, Served::ByHandler, future).await,
+            Some(claimed) => claimed.answer(Served::ByHandler, future).await,
         }
     }
 }

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::adapter::{HANDLE_MISSING_FIX, prepare, run_claimed};
+use super::adapter::{HANDLE_MISSING_FIX, prepare};
 use crate::adapter::{LayerStep, OuterStep, RouterLayer, Served};
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
@@ -46,7 +46,6 @@ pub struct IdempotencyLayer {
 #[derive(Debug, Clone)]
 struct Shared {
     handle: Idempotency,
-    endpoint: EndpointConfig,
     layer: RouterLayer,
 }
 
@@ -56,22 +55,18 @@ impl IdempotencyLayer {
         Self {
             shared: Arc::new(Shared {
                 handle: idempotency,
-                endpoint: EndpointConfig::OPTIONAL,
-                layer: RouterLayer::default(),
+                layer: RouterLayer::new(EndpointConfig::OPTIONAL),
             }),
         }
-    }
-
-    fn edit(mut self, f: impl FnOnce(&mut Shared)) -> Self {
-        f(Arc::make_mut(&mut self.shared));
-        self
     }
 
     /// The endpoint settings of every route inside (default [`EndpointConfig::OPTIONAL`]): the
     /// key required or not, lease, retention, caps, statuses, headers, methods; the same value
     /// the attribute builds from its arguments, built in code or read from a file.
-    pub fn endpoint(self, endpoint: EndpointConfig) -> Self {
-        self.edit(|s| s.endpoint = endpoint)
+    pub fn endpoint(mut self, endpoint: EndpointConfig) -> Self {
+        let shared = Arc::make_mut(&mut self.shared);
+        shared.layer = shared.layer.clone().with_endpoint(endpoint);
+        self
     }
 }
 
@@ -118,7 +113,6 @@ where
         let extensions = request.extensions();
         let step = self.layer.step(
             Some(&shared.handle),
-            &shared.endpoint,
             request.method().as_str(),
             extensions.get::<MatchedPath>().map(MatchedPath::as_str),
             request.uri().path(),
@@ -135,12 +129,12 @@ where
         request.extensions_mut().insert(outer);
         Box::pin(async move {
             let handle = &shared.handle;
-            let response = match prepare(handle, &shared.endpoint, request).await {
+            let response = match prepare(handle, shared.layer.endpoint(), request).await {
                 Err(answer) => answer,
                 Ok((request, None)) => inner.call(request).await.into_response(),
                 Ok((request, Some(claimed))) => {
                     let handler = async move { inner.call(request).await.into_response() };
-                    run_claimed(claimed, Served::ThroughRouter, handler).await
+                    claimed.answer(Served::ThroughRouter, handler).await
                 }
             };
             Ok(response)
