@@ -256,6 +256,48 @@ pub async fn prepare<H: Head, B: Chunks, R: Reply>(
     }
 }
 
+/// What [`prepare_extracting`] decided.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum Extracted<A, R> {
+    /// As [`Prepared::Pass`]: the extractors ran on the body as it came.
+    Pass(Result<A, R>),
+    /// As [`Prepared::Answer`].
+    Answer(R),
+    /// The key is held; the extractors ran on the buffered body (a recordable rejection is
+    /// the request's answer, to be settled as the handler's).
+    Claimed(Claimed, Result<A, R>),
+}
+
+/// [`prepare`] for a framework whose own extractors run between the body and the claim
+/// (actix): [`front`], then `extract` on the buffered body (or, passing, the body as it came),
+/// then [`Buffered::claim_after`].
+pub async fn prepare_extracting<H, B, R, A, X, XF>(
+    handle: &Idempotency,
+    endpoint: &EndpointConfig,
+    head: &H,
+    body: B,
+    extract: X,
+) -> Extracted<A, R>
+where
+    H: Head,
+    B: Chunks + From<Bytes>,
+    R: Reply,
+    X: FnOnce(B) -> XF,
+    XF: Future<Output = Result<A, R>>,
+{
+    let buffered = match front(handle, endpoint, head, body).await {
+        Front::Pass(body) => return Extracted::Pass(extract(body).await),
+        Front::Answer(answer) => return Extracted::Answer(answer),
+        Front::Buffered(buffered) => buffered,
+    };
+    let extracted = extract(B::from(buffered.body().clone())).await;
+    match buffered.claim_after(head, extracted).await {
+        Ok((claimed, extracted)) => Extracted::Claimed(claimed, extracted),
+        Err(answer) => Extracted::Answer(answer),
+    }
+}
+
 impl Claimed {
     /// The request body, read in full: the handler reads this instead of the original.
     pub fn body(&self) -> &Bytes {
@@ -497,7 +539,7 @@ pub fn entry<R: Reply, S: AsRef<str>>(
 /// it protects nothing, and says so once), and what each request gets ([`RouterLayer::step`]).
 #[derive(Debug, Clone)]
 pub struct RouterLayer {
-    endpoint: EndpointConfig,
+    endpoint: std::sync::Arc<EndpointConfig>,
     watch: std::sync::Arc<crate::watch::LayerWatch>,
     around_router: bool,
 }
@@ -526,7 +568,7 @@ impl RouterLayer {
     /// A layer with these endpoint settings for every route inside.
     pub fn new(endpoint: EndpointConfig) -> Self {
         Self {
-            endpoint,
+            endpoint: std::sync::Arc::new(endpoint),
             watch: std::sync::Arc::default(),
             around_router: false,
         }
@@ -539,6 +581,7 @@ impl RouterLayer {
 
     /// This layer with other endpoint settings (the same watch).
     pub fn with_endpoint(self, endpoint: EndpointConfig) -> Self {
+        let endpoint = std::sync::Arc::new(endpoint);
         Self { endpoint, ..self }
     }
 
@@ -603,7 +646,8 @@ impl RouterLayer {
 
 #[cfg(feature = "postgres")]
 pub use enlisted::{
-    BufferedTx, ClaimedTx, enlisted_behind_layer, front_enlisted, prepare_enlisted,
+    BufferedTx, ClaimedTx, enlisted_behind_layer, enlisted_entry, front_enlisted, prepare_enlisted,
+    prepare_enlisted_extracting,
 };
 
 /// Enlisted mode's entry points ([`crate::enlisted`]): the same sequence, claiming the key
@@ -722,6 +766,44 @@ mod enlisted {
                 Err(rejection) if !self.records(rejection.status()) => Err(rejection),
                 extracted => Ok((self.claim(head).await?, extracted)),
             }
+        }
+    }
+
+    /// [`prepare_extracting`](super::prepare_extracting) in enlisted mode: `Err` is the
+    /// answer instead of running.
+    pub async fn prepare_enlisted_extracting<H, B, R, A, X, XF>(
+        handle: &Idempotency,
+        endpoint: &EndpointConfig,
+        head: &H,
+        body: B,
+        extract: X,
+    ) -> Result<(ClaimedTx, Result<A, R>), R>
+    where
+        H: Head,
+        B: Chunks + From<Bytes>,
+        R: Reply,
+        X: FnOnce(B) -> XF,
+        XF: Future<Output = Result<A, R>>,
+    {
+        let buffered = front_enlisted(handle, endpoint, head, body).await?;
+        let extracted = extract(B::from(buffered.body().clone())).await;
+        buffered.claim_after(head, extracted).await
+    }
+
+    /// The enlisted attribute's first decision: an outer step already claimed the key
+    /// outside any transaction ([`enlisted_behind_layer`]), or there is no handle
+    /// ([`handle_missing`](super::handle_missing) with `fix`); otherwise the handle to run
+    /// the sequence with.
+    pub fn enlisted_entry<R: Reply>(
+        outer: Option<super::OuterStep>,
+        handle: Option<Idempotency>,
+        route: &str,
+        fix: &str,
+    ) -> Result<Idempotency, R> {
+        match (outer, handle) {
+            (Some(_), _) => Err(enlisted_behind_layer(route)),
+            (None, None) => Err(super::handle_missing(route, fix)),
+            (None, Some(handle)) => Ok(handle),
         }
     }
 

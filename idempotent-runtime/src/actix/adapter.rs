@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
-use actix_web::error::{InternalError, PayloadError};
+use actix_web::error::PayloadError;
 use actix_web::http::StatusCode;
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
@@ -29,15 +29,17 @@ pub(crate) struct ActixHead<'a> {
 impl<'a> ActixHead<'a> {
     /// For a request whose resource has been matched (inside a handler).
     pub(crate) fn matched(req: &'a HttpRequest) -> Self {
-        let params = req.match_info().iter();
-        Self {
-            req,
-            route: req.match_pattern(),
-            params: params
-                .map(|(_, v)| crate::fingerprint::percent_decode(v).into_owned())
-                .collect(),
-        }
+        let (route, params) = (req.match_pattern(), decoded(req.match_info()));
+        Self { req, route, params }
     }
+}
+
+/// The path parameters' values, percent-decoded as the fingerprint reads them.
+pub(crate) fn decoded(path: &dev::Path<dev::Url>) -> Vec<String> {
+    let values = path
+        .iter()
+        .map(|(_, v)| crate::fingerprint::percent_decode(v));
+    values.map(std::borrow::Cow::into_owned).collect()
 }
 
 impl Head for ActixHead<'_> {
@@ -194,8 +196,3 @@ pub(crate) fn handle_of(req: &HttpRequest) -> Option<Idempotency> {
 pub(crate) const HANDLE_MISSING_FIX: &str = "register it once, outside the HttpServer factory: \
     `let idempotency = web::Data::new(Idempotency::memory());` then \
     `App::new().app_data(idempotency.clone())`";
-
-/// A panicked handler's 500 as the error actix's service chain expects from a middleware.
-pub(crate) fn panicked_error(response: HttpResponse) -> actix_web::Error {
-    InternalError::from_response("the idempotent handler panicked", response).into()
-}

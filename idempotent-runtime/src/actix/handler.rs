@@ -6,7 +6,7 @@ use std::future::Future;
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
 
 use super::adapter::{ActixHead, HANDLE_MISSING_FIX, handle_of};
-use crate::adapter::{self, Entry, OuterStep, Served};
+use crate::adapter::{self, Entry, Extracted, OuterStep, Served};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
 
@@ -46,57 +46,36 @@ where
     let handle = match adapter::entry(outer, handle, endpoint, method, route, keyed, FIX) {
         Entry::Answer(answer) => return answer,
         Entry::Outer | Entry::Bypass => {
-            return plain(req, payload, context, extract, handler).await;
+            return match extract(req.clone(), payload).await {
+                Ok(args) => handler(args, context, req).await,
+                Err(rejection) => rejection,
+            };
         }
         Entry::Sequence(handle) => handle,
     };
     req.extensions_mut().insert(OuterStep::of(endpoint));
     let head = ActixHead::matched(&req);
-    let buffered = match adapter::front(&handle, endpoint, &head, payload).await {
-        adapter::Front::Pass(payload) => return plain(req, payload, None, extract, handler).await,
-        adapter::Front::Answer(answer) => return answer,
-        adapter::Front::Buffered(buffered) => buffered,
-    };
     // The handler's extractors run on the buffered body before the claim, on replays too: an
     // authentication extractor still rejects a caller whatever was recorded, and may publish
     // the caller's identity for the scope.
-    let extracted = extract(req.clone(), dev::Payload::from(buffered.body().clone())).await;
-    let (claimed, extracted) = match buffered.claim_after(&head, extracted).await {
-        Ok(claimed) => claimed,
-        Err(answer) => return answer,
+    let extractors = |payload| extract(req.clone(), payload);
+    let extracted = adapter::prepare_extracting(&handle, endpoint, &head, payload, extractors);
+    let (claimed, extracted) = match extracted.await {
+        Extracted::Pass(Ok(args)) => return handler(args, None, req).await,
+        Extracted::Pass(Err(rejection)) | Extracted::Answer(rejection) => return rejection,
+        Extracted::Claimed(claimed, extracted) => (claimed, extracted),
     };
     let context = publish(&req, claimed.context());
     let run = async move {
-        let response = match extracted {
+        match extracted {
             Ok(args) => handler(args, context, req).await,
             Err(rejection) => rejection,
-        };
-        response
+        }
     };
     claimed.answer_local(Served::ByHandler, run).await
 }
 
 use HANDLE_MISSING_FIX as FIX;
-
-/// The handler on the payload as it came: no sequence (or an outer one's).
-async fn plain<A, X, XF, H, HF>(
-    req: HttpRequest,
-    payload: dev::Payload,
-    context: Option<IdempotencyContext>,
-    extract: X,
-    handler: H,
-) -> HttpResponse
-where
-    X: FnOnce(HttpRequest, dev::Payload) -> XF,
-    XF: Future<Output = Result<A, HttpResponse>>,
-    H: FnOnce(A, Option<IdempotencyContext>, HttpRequest) -> HF,
-    HF: Future<Output = HttpResponse>,
-{
-    match extract(req.clone(), payload).await {
-        Ok(args) => handler(args, context, req).await,
-        Err(rejection) => rejection,
-    }
-}
 
 /// The rewritten enlisted handler's body: as [`handle`], with the transaction handed to
 /// `handler` and back, then recorded in and committed.
@@ -117,24 +96,18 @@ where
     A: 'static,
 {
     let payload = payload.into_inner();
-    let route = || req.match_pattern().unwrap_or_default();
-    if req.extensions().contains::<OuterStep>() {
-        return adapter::enlisted_behind_layer(&route());
-    }
-    let Some(handle) = handle_of(&req) else {
-        return adapter::handle_missing(&route(), FIX);
+    let outer = req.extensions().get::<OuterStep>().copied();
+    let route = req.match_pattern().unwrap_or_default();
+    let handle = match adapter::enlisted_entry(outer, handle_of(&req), &route, FIX) {
+        Ok(handle) => handle,
+        Err(answer) => return answer,
     };
     req.extensions_mut().insert(OuterStep::of(endpoint));
     let head = ActixHead::matched(&req);
-    let buffered = match adapter::front_enlisted(&handle, endpoint, &head, payload).await {
-        Ok(buffered) => buffered,
-        Err(answer) => return answer,
-    };
-    // The handler's extractors run on the buffered body before the claim, on replays too: an
-    // authentication extractor still rejects a caller whatever was recorded, and may publish
-    // the caller's identity for the scope.
-    let extracted = extract(req.clone(), dev::Payload::from(buffered.body().clone())).await;
-    let (claimed, extracted) = match buffered.claim_after(&head, extracted).await {
+    let extractors = |payload| extract(req.clone(), payload);
+    let enlisted =
+        adapter::prepare_enlisted_extracting(&handle, endpoint, &head, payload, extractors);
+    let (claimed, extracted) = match enlisted.await {
         Ok(claimed) => claimed,
         Err(answer) => return answer,
     };

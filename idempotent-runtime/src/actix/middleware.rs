@@ -7,6 +7,7 @@ use std::rc::Rc;
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{self, ResourceDef, Service, ServiceRequest, ServiceResponse, Transform};
+use actix_web::error::InternalError;
 use actix_web::{Error, HttpMessage, HttpResponse};
 use futures_util::future::LocalBoxFuture;
 
@@ -121,10 +122,7 @@ impl<S> IdempotencyService<S> {
         if !def.capture_match_info(&mut path) {
             return Vec::new();
         }
-        let values = path
-            .iter()
-            .map(|(_, v)| crate::fingerprint::percent_decode(v).into_owned());
-        values.collect()
+        adapter::decoded(&path)
     }
 }
 
@@ -167,7 +165,7 @@ where
             }
         };
         let params = self.params(&req, &pattern);
-        let endpoint = self.layer.endpoint().clone();
+        let layer = self.layer.clone();
         let steps = async move {
             let payload = req.take_payload();
             let head = ActixHead {
@@ -176,7 +174,7 @@ where
                 params,
             };
             let prepared =
-                sequence::prepare::<_, _, HttpResponse>(&handle, &endpoint, &head, payload);
+                sequence::prepare::<_, _, HttpResponse>(&handle, layer.endpoint(), &head, payload);
             let claimed = match prepared.await {
                 Prepared::Pass(payload) => {
                     req.set_payload(payload);
@@ -199,7 +197,10 @@ where
             match claimed.run_local(Served::ThroughRouter, handler).await {
                 Ended::Answered(response, req) => Ok(ServiceResponse::new(req, response)),
                 Ended::Failed(error) => Err(error),
-                Ended::Panicked(response) => Err(adapter::panicked_error(response)),
+                Ended::Panicked(response) => {
+                    let message = "the idempotent handler panicked";
+                    Err(InternalError::from_response(message, response).into())
+                }
             }
         };
         Box::pin(steps)

@@ -141,9 +141,6 @@ pub mod __private {
     pub use super::handler::handle;
     #[cfg(feature = "postgres")]
     pub use super::handler::handle_enlisted;
-    pub use crate::config::EndpointConfig as Endpoint;
-    pub use crate::config::Methods;
-    pub use crate::config::Oversized;
     pub use crate::context::IdempotencyContext as Context;
     #[cfg(feature = "postgres")]
     pub use crate::enlisted::EnlistedTx;
@@ -151,7 +148,6 @@ pub mod __private {
     pub use actix_web::dev::Payload as RawPayload;
     pub use actix_web::web::Payload;
     pub use actix_web::{FromRequest, HttpRequest as Request, HttpResponse as Response};
-    pub use core::time::Duration;
 
     /// The answer when a handler takes `IdempotencyContext` and the request has none (a
     /// keyless request let through by an outer middleware whose key is optional).

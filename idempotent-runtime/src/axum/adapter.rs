@@ -29,14 +29,14 @@ impl HttpBody for Body {
 
 /// The request's head as the sequence reads it. The path parameters are read from the
 /// router's extension (ready at once) into `params`, which the head borrows.
-fn head<'a>(parts: &'a Parts, params: &'a Option<RawPathParams>) -> HttpHead<'a> {
+pub(crate) fn head<'a>(parts: &'a Parts, params: &'a Option<RawPathParams>) -> HttpHead<'a> {
     let extensions = &parts.extensions;
     let route = extensions.get::<MatchedPath>().map(MatchedPath::as_str);
     let params = params.iter().flat_map(|p| p.iter().map(|(_, v)| v));
     HttpHead::new(parts, route, params.collect(), peer(extensions))
 }
 
-fn params(parts: &mut Parts) -> Option<RawPathParams> {
+pub(crate) fn params(parts: &mut Parts) -> Option<RawPathParams> {
     let params = RawPathParams::from_request_parts(parts, &()).now_or_never();
     params.and_then(Result::ok)
 }
@@ -50,16 +50,6 @@ fn peer(extensions: &http::Extensions) -> Option<IpAddr> {
             .map(|m| m.0.ip())
     };
     connected.map(|ConnectInfo(addr)| addr.ip()).or_else(mock)
-}
-
-/// The caller's scope exactly as the pipeline resolves it for this request (the one function
-/// both call), or the pipeline's refusal when it cannot be resolved.
-pub(crate) fn caller_scope<Src>(
-    handle: &Idempotency,
-    parts: &mut Parts,
-) -> Result<adapter::CallerScope<Src>, Response> {
-    let params = params(parts);
-    adapter::CallerScope::resolve(handle, &head(parts, &params))
 }
 
 /// Takes the request apart for [`adapter::prepare`] (key, body, scope, claim) and puts it back

@@ -61,6 +61,7 @@ where
             let route = route_of(&parts.extensions);
             return Err(crate::adapter::handle_missing(route, HANDLE_MISSING_FIX));
         };
-        adapter::caller_scope(&handle, parts)
+        let params = adapter::params(parts);
+        Self::resolve(&handle, &adapter::head(parts, &params))
     }
 }

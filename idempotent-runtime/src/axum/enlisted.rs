@@ -71,13 +71,10 @@ where
     type Rejection = Response;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let route = route_of(request.extensions());
-        if request.extensions().get::<OuterStep>().is_some() {
-            return Err(adapter::enlisted_behind_layer(route));
-        }
-        let Some(handle) = Src::handle(request.extensions(), state) else {
-            return Err(adapter::handle_missing(route, HANDLE_MISSING_FIX));
-        };
+        let (extensions, fix) = (request.extensions(), HANDLE_MISSING_FIX);
+        let outer = extensions.get::<OuterStep>().copied();
+        let handle = Src::handle(extensions, state);
+        let handle = adapter::enlisted_entry::<Response>(outer, handle, route_of(extensions), fix)?;
         let (request, claimed) = prepare_enlisted(&handle, Self::ENDPOINT, request).await?;
         let extracted = T::from_request(request, state).await;
         match extracted.map_err(IntoResponse::into_response) {

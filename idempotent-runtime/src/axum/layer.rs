@@ -2,7 +2,6 @@
 
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::extract::{MatchedPath, Request};
@@ -40,11 +39,6 @@ use crate::handle::Idempotency;
 /// ```
 #[derive(Clone, Debug)]
 pub struct IdempotencyLayer {
-    shared: Arc<Shared>,
-}
-
-#[derive(Debug, Clone)]
-struct Shared {
     handle: Idempotency,
     layer: RouterLayer,
 }
@@ -52,21 +46,19 @@ struct Shared {
 impl IdempotencyLayer {
     /// A layer over the handle `idempotency`: key optional, POST and PATCH.
     pub fn new(idempotency: Idempotency) -> Self {
+        let layer = RouterLayer::new(EndpointConfig::OPTIONAL);
         Self {
-            shared: Arc::new(Shared {
-                handle: idempotency,
-                layer: RouterLayer::new(EndpointConfig::OPTIONAL),
-            }),
+            handle: idempotency,
+            layer,
         }
     }
 
     /// The endpoint settings of every route inside (default [`EndpointConfig::OPTIONAL`]): the
     /// key required or not, lease, retention, caps, statuses, headers, methods; the same value
     /// the attribute builds from its arguments, built in code or read from a file.
-    pub fn endpoint(mut self, endpoint: EndpointConfig) -> Self {
-        let shared = Arc::make_mut(&mut self.shared);
-        shared.layer = shared.layer.clone().with_endpoint(endpoint);
-        self
+    pub fn endpoint(self, endpoint: EndpointConfig) -> Self {
+        let layer = self.layer.with_endpoint(endpoint);
+        Self { layer, ..self }
     }
 }
 
@@ -76,8 +68,8 @@ impl<S> Layer<S> for IdempotencyLayer {
     fn layer(&self, inner: S) -> Self::Service {
         IdempotencyService {
             inner,
-            shared: Arc::clone(&self.shared),
-            layer: self.shared.layer.around(std::any::type_name::<S>()),
+            handle: self.handle.clone(),
+            layer: self.layer.around(std::any::type_name::<S>()),
         }
     }
 }
@@ -86,7 +78,7 @@ impl<S> Layer<S> for IdempotencyLayer {
 #[derive(Clone, Debug)]
 pub struct IdempotencyService<S> {
     inner: S,
-    shared: Arc<Shared>,
+    handle: Idempotency,
     /// The layer's watch, knowing what this service was put around.
     layer: RouterLayer,
 }
@@ -109,10 +101,9 @@ where
         // The clone that was polled ready serves this request; the fresh one waits for its turn.
         let fresh = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, fresh);
-        let shared = Arc::clone(&self.shared);
         let extensions = request.extensions();
         let step = self.layer.step(
-            Some(&shared.handle),
+            Some(&self.handle),
             request.method().as_str(),
             extensions.get::<MatchedPath>().map(MatchedPath::as_str),
             request.uri().path(),
@@ -127,9 +118,9 @@ where
             LayerStep::Sequence { outer, .. } => outer,
         };
         request.extensions_mut().insert(outer);
+        let (handle, layer) = (self.handle.clone(), self.layer.clone());
         Box::pin(async move {
-            let handle = &shared.handle;
-            let response = match prepare(handle, shared.layer.endpoint(), request).await {
+            let response = match prepare(&handle, layer.endpoint(), request).await {
                 Err(answer) => answer,
                 Ok((request, None)) => inner.call(request).await.into_response(),
                 Ok((request, Some(claimed))) => {
