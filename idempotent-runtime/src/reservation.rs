@@ -108,7 +108,7 @@ impl Drop for ReleaseOnDrop {
 }
 
 /// How a claimed handler ended.
-pub enum Outcome<T> {
+pub enum Ran<T> {
     /// It returned.
     Returned(T),
     /// It panicked; the key has been released.
@@ -189,11 +189,11 @@ impl Reservation {
 
     /// Runs the claimed handler to its end while renewing the lease every third of it. A panic
     /// is caught and the key released before this returns.
-    pub async fn run<F: Future>(&mut self, handler: F) -> Outcome<F::Output> {
+    pub async fn run<F: Future>(&mut self, handler: F) -> Ran<F::Output> {
         let Some(guard) = &self.guard else {
             return match AssertUnwindSafe(handler).catch_unwind().await {
-                Ok(v) => Outcome::Returned(v),
-                Err(_) => Outcome::Panicked,
+                Ok(v) => Ran::Returned(v),
+                Err(_) => Ran::Panicked,
             };
         };
         let handler = AssertUnwindSafe(handler).catch_unwind();
@@ -204,10 +204,10 @@ impl Reservation {
             never = renew => match never {},
         };
         match result {
-            Ok(v) => Outcome::Returned(v),
+            Ok(v) => Ran::Returned(v),
             Err(_) => {
                 self.release_now().await;
-                Outcome::Panicked
+                Ran::Panicked
             }
         }
     }
@@ -592,7 +592,7 @@ pub(crate) mod tests {
                 (renewed, duplicate(&store, &scope, "k").await)
             })
             .await;
-        let Outcome::Returned((renewed, state)) = outcome else {
+        let Ran::Returned((renewed, state)) = outcome else {
             panic!("the handler panicked");
         };
         assert!(renewed, "renewal gave up during the outage");

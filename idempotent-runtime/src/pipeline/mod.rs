@@ -52,7 +52,7 @@ use crate::fingerprint::FingerprintInput;
 use crate::handle::Idempotency;
 use crate::key::{self, IdempotencyKey};
 use crate::problem::{Problem, ProblemCode, RenderedRefusal};
-use crate::reservation::{Outcome, Reservation};
+use crate::reservation::{Ran, Reservation};
 use crate::scope::{self, Identity, Resolution};
 use crate::store::RecordedResponse;
 
@@ -532,12 +532,12 @@ where
     R: Reply,
 {
     match reservation.run(handler).await {
-        Outcome::Panicked => Ended::Panicked(refuse(&handle, &refusals::panicked(&route))),
-        Outcome::Returned(Err(error)) => {
+        Ran::Panicked => Ended::Panicked(refuse(&handle, &refusals::panicked(&route))),
+        Ran::Returned(Err(error)) => {
             reservation.release().await;
             Ended::Failed(error)
         }
-        Outcome::Returned(Ok((response, extra))) => {
+        Ran::Returned(Ok((response, extra))) => {
             // The handler is done with the request's body.
             drop(permit);
             let response = match served {
