@@ -21,6 +21,13 @@ use crate::store::{FencingToken, RecordedResponse, StoreError};
 /// or [`release`](Self::release) it. Dropped unsettled (a panic, a cancelled task), it releases
 /// the key in the background.
 #[derive(Debug)]
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub struct Reservation {
     guard: Option<ReleaseOnDrop>,
     lease: Duration,
@@ -108,6 +115,13 @@ impl Drop for ReleaseOnDrop {
 }
 
 /// How a claimed handler ended.
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub enum Ran<T> {
     /// It returned.
     Returned(T),
@@ -115,6 +129,13 @@ pub enum Ran<T> {
     Panicked,
 }
 
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 impl Reservation {
     /// A reservation held in `store` by `token`.
     #[allow(clippy::too_many_arguments)]

@@ -12,7 +12,7 @@ use crate::budget::{BufferBudget, BufferPermit};
 
 /// Fields a body sends after its data (HTTP trailers, gRPC's status): lowercase names and
 /// values, in the order sent.
-pub type Trailers = Vec<(String, Bytes)>;
+pub(crate) type Trailers = Vec<(String, Bytes)>;
 
 /// A body as the pipeline reads it: data chunks, then the end or an error. Each framework
 /// implements it for its request and response bodies (empty chunks skipped; trailers skipped by

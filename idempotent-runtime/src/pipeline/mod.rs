@@ -21,7 +21,7 @@
 )]
 
 mod body;
-mod claim;
+pub(crate) mod claim;
 #[cfg(feature = "postgres")]
 mod enlisted;
 mod refusals;
@@ -39,7 +39,7 @@ use bytes::Bytes;
 
 pub use body::Chunks;
 pub(crate) use body::{BodyError, Collected};
-pub use claim::{Begin, BeginRequest, begin};
+pub(crate) use claim::{Begin, BeginRequest};
 pub(crate) use claim::{ClaimMode, Detached};
 #[cfg(feature = "postgres")]
 pub(crate) use enlisted::{Enlisted, enlisted_work, settle_enlisted};
