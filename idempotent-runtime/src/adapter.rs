@@ -425,10 +425,6 @@ impl<B: Chunks> std::fmt::Debug for Resumed<B> {
 impl<B: Chunks<Error: Unpin>> Chunks for Resumed<B> {
     type Error = B::Error;
 
-    fn exact_len(&self) -> Option<u64> {
-        None
-    }
-
     fn poll_chunk(
         &mut self,
         cx: &mut std::task::Context<'_>,
@@ -552,16 +548,18 @@ pub enum LayerStep<R, H, P> {
     Pass,
     /// Answer this instead (a setup mistake).
     Answer(R),
-    /// Run the sequence with this handle on the matched route `pattern`; insert `outer` in
-    /// the request's extensions before anything inner runs.
-    Sequence {
-        /// The handle, as given to [`RouterLayer::step`].
-        handle: H,
-        /// The matched route, as given.
-        pattern: P,
-        /// This layer's mark.
-        outer: OuterStep,
-    },
+    /// Run the sequence with this handle (as given to [`RouterLayer::step`]) on this matched
+    /// route pattern (as given); insert this layer's [`OuterStep`] in the request's extensions
+    /// before anything inner runs.
+    Sequence(H, P, OuterStep),
+}
+
+/// The layer's default settings: key optional, POST and PATCH, the runtime's settings
+/// ([`EndpointConfig::OPTIONAL`]).
+impl Default for RouterLayer {
+    fn default() -> Self {
+        Self::new(EndpointConfig::OPTIONAL)
+    }
 }
 
 impl RouterLayer {
@@ -634,11 +632,7 @@ impl RouterLayer {
             return LayerStep::Pass;
         }
         match handle {
-            Some(handle) => LayerStep::Sequence {
-                handle,
-                pattern,
-                outer: OuterStep::of(endpoint),
-            },
+            Some(handle) => LayerStep::Sequence(handle, pattern, OuterStep::of(endpoint)),
             None => LayerStep::Answer(handle_missing(pattern.as_ref(), fix)),
         }
     }

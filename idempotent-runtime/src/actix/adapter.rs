@@ -15,6 +15,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 
 use crate::adapter::{Chunks, Head, REPLAYED_HEADER, Reply, Resumed};
+use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
 use crate::scope::Identity;
 
@@ -74,10 +75,6 @@ impl Head for ActixHead<'_> {
 
 impl Chunks for dev::Payload {
     type Error = PayloadError;
-
-    fn exact_len(&self) -> Option<u64> {
-        None
-    }
 
     fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, PayloadError>>> {
         Pin::new(self).poll_next(cx)
@@ -182,6 +179,18 @@ impl MessageBody for Resumed<BoxBody> {
     ) -> Poll<Option<Result<Bytes, Self::Error>>> {
         self.get_mut().poll_chunk(cx)
     }
+}
+
+/// The claimed request's context, in the extensions for the handler's own extractors too.
+pub(crate) fn publish(
+    req: &HttpRequest,
+    context: Option<&IdempotencyContext>,
+) -> Option<IdempotencyContext> {
+    let context = context.cloned();
+    if let Some(context) = &context {
+        req.extensions_mut().insert(context.clone());
+    }
+    context
 }
 
 /// The handle registered as application data (`web::Data<Idempotency>`, or a plain

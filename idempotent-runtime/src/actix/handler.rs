@@ -5,19 +5,10 @@ use std::future::Future;
 
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
 
-use super::adapter::{ActixHead, HANDLE_MISSING_FIX, handle_of};
+use super::adapter::{ActixHead, HANDLE_MISSING_FIX, handle_of, publish};
 use crate::adapter::{self, Entry, Extracted, OuterStep, Served};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
-
-/// The claimed request's context, in the extensions for the handler's own extractors too.
-fn publish(req: &HttpRequest, context: Option<&IdempotencyContext>) -> Option<IdempotencyContext> {
-    let context = context.cloned();
-    if let Some(context) = &context {
-        req.extensions_mut().insert(context.clone());
-    }
-    context
-}
 
 /// The rewritten handler's body. `extract` runs the original extractors, in order, on the
 /// payload it is given; `handler` runs the original function on their values and the claimed

@@ -45,23 +45,15 @@ use crate::config::EndpointConfig;
 /// # let _ = actix_web::test::init_service(app).await;
 /// # }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct IdempotencyMiddleware {
     layer: RouterLayer,
-}
-
-impl Default for IdempotencyMiddleware {
-    fn default() -> Self {
-        Self::new()
-    }
 }
 
 impl IdempotencyMiddleware {
     /// POST and PATCH, key optional, the runtime's settings.
     pub fn new() -> Self {
-        Self {
-            layer: RouterLayer::new(EndpointConfig::OPTIONAL),
-        }
+        Self::default()
     }
 
     /// The endpoint settings of every route inside (default [`EndpointConfig::OPTIONAL`]): the
@@ -139,7 +131,7 @@ where
 
     fn call(&self, mut req: ServiceRequest) -> Self::Future {
         let service = Rc::clone(&self.service);
-        let step = self.layer.step(
+        let step = self.layer.step::<HttpResponse, _, _>(
             adapter::handle_of(req.request()),
             req.method().as_str(),
             req.match_pattern(),
@@ -152,14 +144,9 @@ where
                 return Box::pin(async move { Ok(service.call(req).await?.map_into_boxed_body()) });
             }
             LayerStep::Answer(response) => {
-                let response: HttpResponse = response;
                 return Box::pin(async move { Ok(req.into_response(response)) });
             }
-            LayerStep::Sequence {
-                handle,
-                pattern,
-                outer,
-            } => {
+            LayerStep::Sequence(handle, pattern, outer) => {
                 req.extensions_mut().insert(outer);
                 (handle, pattern)
             }
@@ -184,9 +171,7 @@ where
                 Prepared::Claimed(claimed) => claimed,
             };
             req.set_payload(dev::Payload::from(claimed.body().clone()));
-            if let Some(context) = claimed.context() {
-                req.extensions_mut().insert(context.clone());
-            }
+            adapter::publish(req.request(), claimed.context());
             // The inner router matches inside `call`, and needs the only reference to the
             // request: nothing here may keep a clone of it.
             let inner = service.call(req);

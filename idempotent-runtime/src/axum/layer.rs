@@ -46,7 +46,7 @@ pub struct IdempotencyLayer {
 impl IdempotencyLayer {
     /// A layer over the handle `idempotency`: key optional, POST and PATCH.
     pub fn new(idempotency: Idempotency) -> Self {
-        let layer = RouterLayer::new(EndpointConfig::OPTIONAL);
+        let layer = RouterLayer::default();
         Self {
             handle: idempotency,
             layer,
@@ -115,7 +115,7 @@ where
             LayerStep::Pass => {
                 return Box::pin(async move { Ok(inner.call(request).await.into_response()) });
             }
-            LayerStep::Sequence { outer, .. } => outer,
+            LayerStep::Sequence(_, _, outer) => outer,
         };
         request.extensions_mut().insert(outer);
         let (handle, layer) = (self.handle.clone(), self.layer.clone());

@@ -21,8 +21,10 @@ pub trait Chunks: Unpin {
     /// What a broken body reports.
     type Error;
 
-    /// The exact length, when the body knows it before it is read.
-    fn exact_len(&self) -> Option<u64>;
+    /// The exact length, when the body knows it before it is read (the default: it does not).
+    fn exact_len(&self) -> Option<u64> {
+        None
+    }
 
     /// The next data chunk; `None` at the end.
     fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, Self::Error>>>;
