@@ -112,7 +112,7 @@ pub trait Reply: Sized {
 
     /// A refusal with the problem's status and `Retry-After` (when it has one), and the body
     /// the handle rendered for it (`application/problem+json` unless the application set a
-    /// renderer). Built through [`refuse`], never directly.
+    /// renderer). Built through [`adapter::refusal`](crate::adapter::refusal), never directly.
     fn problem(problem: &Problem, rendered: RenderedRefusal) -> Self {
         let retry_after = problem.retry_after().map(|s| s.to_string());
         let headers = [("content-type", rendered.content_type.as_bytes())]
@@ -492,7 +492,8 @@ pub enum Ended<R, T, E> {
 pub enum Served {
     /// The handler's own answer: settled as it is.
     ByHandler,
-    /// Through a router: its refusals (see [`routing_refusal`]) release the key unrecorded.
+    /// Through a router: its refusals (an empty 404, 405 or 501, with no `content-type`)
+    /// release the key unrecorded.
     ThroughRouter,
 }
 
