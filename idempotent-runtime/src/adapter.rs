@@ -104,6 +104,13 @@ impl<Src> std::fmt::Debug for CallerScope<Src> {
     }
 }
 
+/// A path parameter's raw segment percent-decoded as [`Head::path_params`] must return it
+/// (for a framework that hands out raw segments, as actix does): the fingerprint reads
+/// decoded values, the same in every framework.
+pub fn decode_path_param(segment: &str) -> std::borrow::Cow<'_, str> {
+    crate::fingerprint::percent_decode(segment)
+}
+
 /// A refusal as the adapter's response, rendered by the handle's
 /// [renderer](crate::handle::Builder::refusal_renderer).
 pub fn refusal<R: Reply>(handle: &Idempotency, problem: &Problem) -> R {

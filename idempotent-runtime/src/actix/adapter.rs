@@ -39,7 +39,7 @@ impl<'a> ActixHead<'a> {
 pub(crate) fn decoded(path: &dev::Path<dev::Url>) -> Vec<String> {
     let values = path
         .iter()
-        .map(|(_, v)| crate::fingerprint::percent_decode(v));
+        .map(|(_, v)| crate::adapter::decode_path_param(v));
     values.map(std::borrow::Cow::into_owned).collect()
 }
 
