@@ -16,7 +16,7 @@ use idempotent_runtime::key::IdempotencyKey;
 use idempotent_runtime::scope::{Identity, Scope};
 use idempotent_runtime::store::RecordedResponse;
 use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
-use idempotent_runtime::test_helpers::pipeline::{Begin, BeginRequest};
+use idempotent_runtime::test_helpers::pipeline::{Begin, BeginRequest, begin};
 
 fn input<'a>(scope: &'a Scope, body: &'a [u8]) -> FingerprintInput<'a> {
     FingerprintInput {
@@ -82,7 +82,7 @@ fn memory_store(c: &mut Criterion) {
                     input: input(&scope, &body),
                     endpoint: &endpoint,
                 };
-                match idempotent_runtime::pipeline::begin(&handle, &req).await {
+                match begin(&handle, &req).await {
                     Begin::Run(reservation) => reservation.complete(&response).await,
                     other => panic!("{other:?}"),
                 }
@@ -96,7 +96,7 @@ fn memory_store(c: &mut Criterion) {
             input: input(&scope, &body),
             endpoint: &endpoint,
         };
-        match idempotent_runtime::pipeline::begin(&handle, &req).await {
+        match begin(&handle, &req).await {
             Begin::Run(reservation) => reservation.complete(&response).await,
             other => panic!("{other:?}"),
         }
@@ -109,7 +109,7 @@ fn memory_store(c: &mut Criterion) {
                     input: input(&scope, &body),
                     endpoint: &endpoint,
                 };
-                match idempotent_runtime::pipeline::begin(&handle, &req).await {
+                match begin(&handle, &req).await {
                     Begin::Replay(r) => black_box(Arc::clone(&r)),
                     other => panic!("{other:?}"),
                 }

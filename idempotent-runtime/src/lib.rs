@@ -71,18 +71,14 @@
 //! - [`inbox`]: de-duplicating message consumers;
 //! - [`scope`], [`fingerprint`], [`key`], [`problem`]: who the caller is, what "the same request"
 //!   means, the key's syntax, the refusals;
-//! - [`observe`]: counters, audit; [`pipeline`]: the request sequence both frameworks share.
+//! - [`observe`]: counters, audit; [`adapter`]: the request sequence every framework adapter calls.
 //! - [`openapi`]: the key header and the refusals in a utoipa 5 document (feature `utoipa`).
 //!
 //! The core modules know no web framework; the `axum` and `actix` features add the integrations.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
-// For the lead: `#![deny(unreachable_pub)]` holds everywhere but record.rs, whose nine `pub`
-// items (`Decision`, `decide`, `in_progress_retry_after`, `ceil_secs`, `REPLAY_HEADER`,
-// `BODY_OMITTED`, `without_body`, `recorded_headers`, `recorded_headers_for`) become `pub(crate)`
-// once its owner's changes land (`cargo fix --lib --allow-dirty --all-features` does it); then:
-// #![deny(unreachable_pub)]
+#![deny(unreachable_pub)]
 
 #[cfg(feature = "actix")]
 #[cfg_attr(docsrs, doc(cfg(feature = "actix")))]
@@ -108,19 +104,9 @@ pub mod observe;
 #[cfg(feature = "utoipa")]
 #[cfg_attr(docsrs, doc(cfg(feature = "utoipa")))]
 pub mod openapi;
-pub mod pipeline;
+mod pipeline;
 mod probe;
 pub mod problem;
-// Private since the public API was narrowed (issue 28): `record::recorded_headers` is now used
-// only by record.rs's own tests, so record.rs's owner should gate it with `#[cfg(test)]` or
-// remove it; this expectation then fails and goes too.
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "record::recorded_headers is used only by record.rs's tests"
-    )
-)]
 mod record;
 mod reservation;
 pub mod scope;

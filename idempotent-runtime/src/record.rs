@@ -21,7 +21,7 @@ use crate::store::{
 
 /// What a standing record means for a request with fingerprint `fp`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum Decision {
     /// Take the record over (it expired, or its holder's lease lapsed with the same request).
     Reclaim {
         /// `true` when the previous holder may still have run: an abandoned reservation.
@@ -43,7 +43,10 @@ pub enum Decision {
 ///
 /// `same_request` compares the stored fingerprint with the current request, using the stored
 /// fingerprint's own encoding version.
-pub fn decide(standing: &Standing, same_request: impl FnOnce(&Fingerprint) -> bool) -> Decision {
+pub(crate) fn decide(
+    standing: &Standing,
+    same_request: impl FnOnce(&Fingerprint) -> bool,
+) -> Decision {
     if standing.state == StandingState::Expired {
         return Decision::Reclaim { abandoned: false };
     }
@@ -62,6 +65,13 @@ pub fn decide(standing: &Standing, same_request: impl FnOnce(&Fingerprint) -> bo
 
 /// The claim loop's verdict on a key ([`claim`]): run, replay, or refuse.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub enum Verdict {
     /// The request holds the key with `req.token`; run the handler.
     Acquired {
@@ -90,6 +100,13 @@ pub enum Verdict {
 /// The futures are boxed, as [`Store`](crate::store::Store)'s are, so a store's are passed on without another box:
 /// with `impl Future + Send` instead, rustc cannot prove the framework pipelines' futures `Send`
 /// (a "higher-ranked lifetime error").
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub trait ClaimOps: Send {
     /// Installs `req.token` if nothing live stands under the key; otherwise reports what stands.
     fn claim<'a>(
@@ -137,6 +154,13 @@ const MAX_TAKEOVERS: usize = 3;
 /// Claims `req` through `ops` (a `&store`, or an enlisted transaction): one conditional write,
 /// plus a token-conditional takeover when the standing record is expired or abandoned by the
 /// same request.
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub async fn claim(
     mut ops: impl ClaimOps,
     req: &ClaimRequest<'_>,
@@ -171,12 +195,12 @@ pub async fn claim(
 
 /// `Retry-After` for 409 in progress: the configured value capped by what is left of the lease,
 /// in whole seconds rounded up, at least 1.
-pub fn in_progress_retry_after(configured: Duration, lease_left: Duration) -> u64 {
+pub(crate) fn in_progress_retry_after(configured: Duration, lease_left: Duration) -> u64 {
     ceil_secs(configured.min(lease_left)).max(1)
 }
 
 /// Whole seconds, rounded up.
-pub fn ceil_secs(d: Duration) -> u64 {
+pub(crate) fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
@@ -185,15 +209,15 @@ pub fn ceil_secs(d: Duration) -> u64 {
 /// it into the record's headers itself, so every store keeps it exactly as it keeps the others,
 /// and never records a handler's own header of that name, so a replay says it only when the body
 /// really was left out.
-pub const REPLAY_HEADER: &str = "idempotency-replay";
+pub(crate) const REPLAY_HEADER: &str = "idempotency-replay";
 
 /// [`REPLAY_HEADER`]'s value on a replay whose body was not kept.
-pub const BODY_OMITTED: &str = "body-omitted";
+pub(crate) const BODY_OMITTED: &str = "body-omitted";
 
 /// The record of an answer whose body was too large to keep: its status and recorded headers,
 /// an empty body and [`REPLAY_HEADER`]` = body-omitted`. A `content-encoding` goes too: it
 /// describes a body the replay does not have.
-pub fn without_body(status: u16, mut headers: Vec<(String, Bytes)>) -> RecordedResponse {
+pub(crate) fn without_body(status: u16, mut headers: Vec<(String, Bytes)>) -> RecordedResponse {
     headers.retain(|(name, _)| !name.eq_ignore_ascii_case("content-encoding"));
     headers.push((
         REPLAY_HEADER.to_owned(),
@@ -204,8 +228,10 @@ pub fn without_body(status: u16, mut headers: Vec<(String, Bytes)>) -> RecordedR
 
 /// The headers a record keeps: the allowlisted ones, in order, never [`REPLAY_HEADER`] (the
 /// runtime's own). `None` when the response cannot be recorded because of its headers (a `content-encoding` that is not allowlisted: the record
-/// would replay bytes whose decoding the client cannot know).
-pub fn recorded_headers<'a>(
+/// would replay bytes whose decoding the client cannot know). Only the tests name it; the runtime
+/// asks [`recorded_headers_for`], with the endpoint's recording rules.
+#[cfg(test)]
+pub(crate) fn recorded_headers<'a>(
     config: &Config,
     headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
 ) -> Option<Vec<(String, Bytes)>> {
@@ -213,7 +239,7 @@ pub fn recorded_headers<'a>(
 }
 
 /// [`recorded_headers`] under an endpoint's own allowlist, when it has one.
-pub fn recorded_headers_for<'a>(
+pub(crate) fn recorded_headers_for<'a>(
     config: &Config,
     recording: &Recording,
     headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,

@@ -21,6 +21,13 @@ use crate::store::{FencingToken, RecordedResponse, StoreError};
 /// or [`release`](Self::release) it. Dropped unsettled (a panic, a cancelled task), it releases
 /// the key in the background.
 #[derive(Debug)]
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub struct Reservation {
     guard: Option<ReleaseOnDrop>,
     lease: Duration,
@@ -108,13 +115,27 @@ impl Drop for ReleaseOnDrop {
 }
 
 /// How a claimed handler ended.
-pub enum Outcome<T> {
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
+pub enum Ran<T> {
     /// It returned.
     Returned(T),
     /// It panicked; the key has been released.
     Panicked,
 }
 
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 impl Reservation {
     /// A reservation held in `store` by `token`.
     #[allow(clippy::too_many_arguments)]
@@ -189,11 +210,11 @@ impl Reservation {
 
     /// Runs the claimed handler to its end while renewing the lease every third of it. A panic
     /// is caught and the key released before this returns.
-    pub async fn run<F: Future>(&mut self, handler: F) -> Outcome<F::Output> {
+    pub async fn run<F: Future>(&mut self, handler: F) -> Ran<F::Output> {
         let Some(guard) = &self.guard else {
             return match AssertUnwindSafe(handler).catch_unwind().await {
-                Ok(v) => Outcome::Returned(v),
-                Err(_) => Outcome::Panicked,
+                Ok(v) => Ran::Returned(v),
+                Err(_) => Ran::Panicked,
             };
         };
         let handler = AssertUnwindSafe(handler).catch_unwind();
@@ -204,10 +225,10 @@ impl Reservation {
             never = renew => match never {},
         };
         match result {
-            Ok(v) => Outcome::Returned(v),
+            Ok(v) => Ran::Returned(v),
             Err(_) => {
                 self.release_now().await;
-                Outcome::Panicked
+                Ran::Panicked
             }
         }
     }
@@ -592,7 +613,7 @@ pub(crate) mod tests {
                 (renewed, duplicate(&store, &scope, "k").await)
             })
             .await;
-        let Outcome::Returned((renewed, state)) = outcome else {
+        let Ran::Returned((renewed, state)) = outcome else {
             panic!("the handler panicked");
         };
         assert!(renewed, "renewal gave up during the outage");

@@ -12,5 +12,5 @@ pub mod record {
 /// The framework-free start of a request (the core bench measures a first request and a
 /// replay through it).
 pub mod pipeline {
-    pub use crate::pipeline::{Begin, BeginRequest};
+    pub use crate::pipeline::claim::{Begin, BeginRequest, begin};
 }

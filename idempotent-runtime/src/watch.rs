@@ -225,7 +225,6 @@ impl LayerWatch {
     /// service stack around one): a request without a matched route then certainly shows the
     /// layer misplaced, as that router sets the matched route only for its own handlers. (Put
     /// behind another router's route, with `route_service`, its requests arrive matched.)
-    #[cfg(feature = "axum")]
     pub(crate) fn wraps_router(inner: &str) -> bool {
         // The type's name is the only sign the layer gets; a name that ever stopped matching
         // leaves the request count of `saw` to speak.
@@ -234,7 +233,6 @@ impl LayerWatch {
 
     /// An applicable request without a matched route reached a layer around a finished
     /// router: said once, on the first.
-    #[cfg(feature = "axum")]
     pub(crate) fn outside_router(&self, path: &str) {
         if once(&self.said) {
             observe::count(Event::Misconfigured, path);

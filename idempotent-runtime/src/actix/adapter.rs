@@ -7,14 +7,15 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
-use actix_web::error::{InternalError, PayloadError};
+use actix_web::error::PayloadError;
 use actix_web::http::StatusCode;
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
 use bytes::Bytes;
 use futures_util::Stream;
 
-use crate::adapter::{Chunks, Head, REPLAYED_HEADER, Reply};
+use crate::adapter::{Chunks, Head, REPLAYED_HEADER, Reply, Resumed};
+use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
 use crate::scope::Identity;
 
@@ -29,15 +30,17 @@ pub(crate) struct ActixHead<'a> {
 impl<'a> ActixHead<'a> {
     /// For a request whose resource has been matched (inside a handler).
     pub(crate) fn matched(req: &'a HttpRequest) -> Self {
-        let params = req.match_info().iter();
-        Self {
-            req,
-            route: req.match_pattern(),
-            params: params
-                .map(|(_, v)| crate::fingerprint::percent_decode(v).into_owned())
-                .collect(),
-        }
+        let (route, params) = (req.match_pattern(), decoded(req.match_info()));
+        Self { req, route, params }
     }
+}
+
+/// The path parameters' values, percent-decoded as the fingerprint reads them.
+pub(crate) fn decoded(path: &dev::Path<dev::Url>) -> Vec<String> {
+    let values = path
+        .iter()
+        .map(|(_, v)| crate::adapter::decode_path_param(v));
+    values.map(std::borrow::Cow::into_owned).collect()
 }
 
 impl Head for ActixHead<'_> {
@@ -72,10 +75,6 @@ impl Head for ActixHead<'_> {
 
 impl Chunks for dev::Payload {
     type Error = PayloadError;
-
-    fn exact_len(&self) -> Option<u64> {
-        None
-    }
 
     fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, PayloadError>>> {
         Pin::new(self).poll_next(cx)
@@ -137,11 +136,7 @@ impl Reply for HttpResponse {
         error: Option<Box<dyn StdError>>,
         rest: BoxBody,
     ) -> Self {
-        head.set_body(BoxBody::new(Resume {
-            read: Some(read),
-            error,
-            rest,
-        }))
+        head.set_body(BoxBody::new(Resumed::new(read, error, rest)))
     }
 
     fn mark_replayed(mut self) -> Self {
@@ -170,14 +165,8 @@ impl Reply for HttpResponse {
     }
 }
 
-/// What was read of a response body, then its error (if reading failed), then the rest.
-struct Resume {
-    read: Option<Bytes>,
-    error: Option<Box<dyn StdError>>,
-    rest: BoxBody,
-}
-
-impl MessageBody for Resume {
+/// A resumed response body is a stream of its own.
+impl MessageBody for Resumed<BoxBody> {
     type Error = Box<dyn StdError>;
 
     fn size(&self) -> BodySize {
@@ -188,15 +177,20 @@ impl MessageBody for Resume {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Bytes, Self::Error>>> {
-        let this = self.get_mut();
-        if let Some(read) = this.read.take().filter(|r| !r.is_empty()) {
-            return Poll::Ready(Some(Ok(read)));
-        }
-        if let Some(error) = this.error.take() {
-            return Poll::Ready(Some(Err(error)));
-        }
-        Pin::new(&mut this.rest).poll_next(cx)
+        self.get_mut().poll_chunk(cx)
     }
+}
+
+/// The claimed request's context, in the extensions for the handler's own extractors too.
+pub(crate) fn publish(
+    req: &HttpRequest,
+    context: Option<&IdempotencyContext>,
+) -> Option<IdempotencyContext> {
+    let context = context.cloned();
+    if let Some(context) = &context {
+        req.extensions_mut().insert(context.clone());
+    }
+    context
 }
 
 /// The handle registered as application data (`web::Data<Idempotency>`, or a plain
@@ -211,25 +205,3 @@ pub(crate) fn handle_of(req: &HttpRequest) -> Option<Idempotency> {
 pub(crate) const HANDLE_MISSING_FIX: &str = "register it once, outside the HttpServer factory: \
     `let idempotency = web::Data::new(Idempotency::memory());` then \
     `App::new().app_data(idempotency.clone())`";
-
-/// Runs claimed work to its end on actix's runtime (its futures are `!Send`), in a task of its
-/// own when it is not done at its first poll. Boxes the work when called, as
-/// [`crate::pipeline::drive`] does.
-#[cfg(feature = "postgres")]
-pub(crate) fn drive<'a, W, T, E>(
-    handle: &'a Idempotency,
-    route: &'a str,
-    work: W,
-) -> impl Future<Output = crate::adapter::Ended<HttpResponse, T, E>> + 'a
-where
-    W: Future<Output = crate::adapter::Ended<HttpResponse, T, E>> + 'static,
-    T: 'static,
-    E: 'static,
-{
-    crate::pipeline::drive(handle, route, work, actix_web::rt::spawn)
-}
-
-/// A panicked handler's 500 as the error actix's service chain expects from a middleware.
-pub(crate) fn panicked_error(response: HttpResponse) -> actix_web::Error {
-    InternalError::from_response("the idempotent handler panicked", response).into()
-}

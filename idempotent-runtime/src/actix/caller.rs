@@ -5,9 +5,8 @@ use futures_util::future::LocalBoxFuture;
 use actix_web::error::InternalError;
 use actix_web::{FromRequest, HttpRequest, HttpResponse, dev};
 
-use super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
-use crate::pipeline;
-use crate::scope::{Scope, ScopeHash};
+use super::adapter::{ActixHead, HANDLE_MISSING_FIX, handle_of};
+use crate::adapter::{self, Head as _};
 
 /// The caller's scope, resolved exactly as the request pipeline resolves it for a keyed
 /// request ([the contract](crate::design) §4): the [`Identity`](crate::scope::Identity) the
@@ -49,27 +48,9 @@ use crate::scope::{Scope, ScopeHash};
 /// # let _ = actix_web::test::init_service(app).await;
 /// # }
 /// ```
-#[derive(Debug)]
-pub struct CallerScope(Scope);
+pub type CallerScope = adapter::CallerScope;
 
-impl CallerScope {
-    /// The scope hash that leads the caller's store keys.
-    pub fn hash(&self) -> &ScopeHash {
-        self.0.hash()
-    }
-
-    /// The resolved scope: its segments and hash.
-    pub fn scope(&self) -> &Scope {
-        &self.0
-    }
-
-    /// The resolved scope, by value.
-    pub fn into_inner(self) -> Scope {
-        self.0
-    }
-}
-
-impl FromRequest for CallerScope {
+impl FromRequest for adapter::CallerScope {
     type Error = actix_web::Error;
     type Future = LocalBoxFuture<'static, Result<Self, Self::Error>>;
 
@@ -77,15 +58,14 @@ impl FromRequest for CallerScope {
         let req = req.clone();
         Box::pin(async move {
             let head = ActixHead::matched(&req);
-            let Some(handle) = adapter::handle_of(&req) else {
-                let route = head.route.as_deref().unwrap_or("");
-                let response: HttpResponse = pipeline::handle_missing(route, HANDLE_MISSING_FIX);
-                return Err(refused(response));
+            let resolved = match handle_of(&req) {
+                Some(handle) => Self::resolve(&handle, &head).await,
+                None => Err(adapter::handle_missing(
+                    head.route().unwrap_or(""),
+                    HANDLE_MISSING_FIX,
+                )),
             };
-            pipeline::scope_of(&handle, &head)
-                .await
-                .map(Self)
-                .map_err(|problem| refused(pipeline::refuse(&handle, &problem)))
+            resolved.map_err(refused)
         })
     }
 }

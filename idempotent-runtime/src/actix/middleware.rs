@@ -4,18 +4,18 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::future::{Ready, ready};
 use std::rc::Rc;
-use std::sync::Arc;
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{self, ResourceDef, Service, ServiceRequest, ServiceResponse, Transform};
+use actix_web::error::InternalError;
 use actix_web::{Error, HttpMessage, HttpResponse};
 use futures_util::future::LocalBoxFuture;
 
 use super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
-use crate::adapter::{self as sequence, Ended, Prepared, Served};
+use crate::adapter::{
+    self as sequence, Ended, LayerStep, OuterStep, Prepared, RouterLayer, Served,
+};
 use crate::config::EndpointConfig;
-use crate::pipeline::{self, Handled};
-use crate::watch::LayerWatch;
 
 /// Makes every POST and PATCH route of an actix-web scope (or resource, or app) idempotent,
 /// with the same semantics as `#[idempotent]` on each handler (runtime checks only); the
@@ -45,33 +45,23 @@ use crate::watch::LayerWatch;
 /// # let _ = actix_web::test::init_service(app).await;
 /// # }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct IdempotencyMiddleware {
-    endpoint: EndpointConfig,
-    watch: Arc<LayerWatch>,
-}
-
-impl Default for IdempotencyMiddleware {
-    fn default() -> Self {
-        Self::new()
-    }
+    layer: RouterLayer,
 }
 
 impl IdempotencyMiddleware {
     /// POST and PATCH, key optional, the runtime's settings.
     pub fn new() -> Self {
-        Self {
-            endpoint: EndpointConfig::OPTIONAL,
-            watch: Arc::default(),
-        }
+        Self::default()
     }
 
     /// The endpoint settings of every route inside (default [`EndpointConfig::OPTIONAL`]): the
     /// key required or not, lease, retention, caps, statuses, headers, methods; the same value
     /// the attribute builds from its arguments, built in code or read from a file.
-    pub fn endpoint(mut self, endpoint: EndpointConfig) -> Self {
-        self.endpoint = endpoint;
-        self
+    pub fn endpoint(self, endpoint: EndpointConfig) -> Self {
+        let layer = self.layer.with_endpoint(endpoint);
+        Self { layer }
     }
 }
 
@@ -89,8 +79,7 @@ where
     fn new_transform(&self, service: S) -> Self::Future {
         ready(Ok(IdempotencyService {
             service: Rc::new(service),
-            endpoint: self.endpoint.clone(),
-            watch: Arc::clone(&self.watch),
+            layer: self.layer.clone(),
             patterns: Rc::default(),
         }))
     }
@@ -99,8 +88,7 @@ where
 /// The service [`IdempotencyMiddleware`] wraps around its scope.
 pub struct IdempotencyService<S> {
     service: Rc<S>,
-    endpoint: EndpointConfig,
-    watch: Arc<LayerWatch>,
+    layer: RouterLayer,
     // Route patterns compiled once per worker, to read the path parameters of a request whose
     // resource has not been matched yet (a scope middleware runs before the scope's router).
     patterns: Rc<RefCell<HashMap<String, ResourceDef>>>,
@@ -109,7 +97,7 @@ pub struct IdempotencyService<S> {
 impl<S> std::fmt::Debug for IdempotencyService<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotencyService")
-            .field("endpoint", &self.endpoint)
+            .field("endpoint", self.layer.endpoint())
             .finish_non_exhaustive()
     }
 }
@@ -126,10 +114,7 @@ impl<S> IdempotencyService<S> {
         if !def.capture_match_info(&mut path) {
             return Vec::new();
         }
-        let values = path
-            .iter()
-            .map(|(_, v)| crate::fingerprint::percent_decode(v).into_owned());
-        values.collect()
+        adapter::decoded(&path)
     }
 }
 
@@ -146,26 +131,28 @@ where
 
     fn call(&self, mut req: ServiceRequest) -> Self::Future {
         let service = Rc::clone(&self.service);
-        let handle = adapter::handle_of(req.request());
-        let config = handle.as_ref().map(|h| h.config());
-        let by_method = self.endpoint.applies_to(config, req.method().as_str());
-        let matched = req.match_pattern();
-        if by_method {
-            self.watch.saw(matched.is_some(), req.path());
-        }
-        let applies = by_method && !req.extensions().contains::<Handled>();
-        let pattern = matched.filter(|_| applies);
-        let Some(pattern) = pattern else {
-            return Box::pin(async move { Ok(service.call(req).await?.map_into_boxed_body()) });
-        };
-        let Some(handle) = handle else {
-            let response: HttpResponse = pipeline::handle_missing(&pattern, HANDLE_MISSING_FIX);
-            return Box::pin(async move { Ok(req.into_response(response)) });
+        let step = self.layer.step::<HttpResponse, _, _>(
+            adapter::handle_of(req.request()),
+            req.method().as_str(),
+            req.match_pattern(),
+            req.path(),
+            req.extensions().get::<OuterStep>().copied(),
+            HANDLE_MISSING_FIX,
+        );
+        let (handle, pattern) = match step {
+            LayerStep::Pass => {
+                return Box::pin(async move { Ok(service.call(req).await?.map_into_boxed_body()) });
+            }
+            LayerStep::Answer(response) => {
+                return Box::pin(async move { Ok(req.into_response(response)) });
+            }
+            LayerStep::Sequence(handle, pattern, outer) => {
+                req.extensions_mut().insert(outer);
+                (handle, pattern)
+            }
         };
         let params = self.params(&req, &pattern);
-        let endpoint = self.endpoint.clone();
-        let require_key = endpoint.require_key;
-        req.extensions_mut().insert(Handled { require_key });
+        let layer = self.layer.clone();
         let steps = async move {
             let payload = req.take_payload();
             let head = ActixHead {
@@ -174,7 +161,7 @@ where
                 params,
             };
             let prepared =
-                sequence::prepare::<_, _, HttpResponse>(&handle, &endpoint, &head, payload);
+                sequence::prepare::<_, _, HttpResponse>(&handle, layer.endpoint(), &head, payload);
             let claimed = match prepared.await {
                 Prepared::Pass(payload) => {
                     req.set_payload(payload);
@@ -184,9 +171,7 @@ where
                 Prepared::Claimed(claimed) => claimed,
             };
             req.set_payload(dev::Payload::from(claimed.body().clone()));
-            if let Some(context) = claimed.context() {
-                req.extensions_mut().insert(context.clone());
-            }
+            adapter::publish(req.request(), claimed.context());
             // The inner router matches inside `call`, and needs the only reference to the
             // request: nothing here may keep a clone of it.
             let inner = service.call(req);
@@ -197,7 +182,10 @@ where
             match claimed.run_local(Served::ThroughRouter, handler).await {
                 Ended::Answered(response, req) => Ok(ServiceResponse::new(req, response)),
                 Ended::Failed(error) => Err(error),
-                Ended::Panicked(response) => Err(adapter::panicked_error(response)),
+                Ended::Panicked(response) => {
+                    let message = "the idempotent handler panicked";
+                    Err(InternalError::from_response(message, response).into())
+                }
             }
         };
         Box::pin(steps)

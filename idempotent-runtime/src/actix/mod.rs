@@ -124,21 +124,12 @@ impl FromRequest for IdempotencyContext {
     type Future = Ready<Result<Self, Self::Error>>;
 
     fn from_request(req: &HttpRequest, _: &mut dev::Payload) -> Self::Future {
-        ready(
-            req.extensions()
-                .get::<IdempotencyContext>()
-                .cloned()
-                .ok_or_else(|| {
-                    tracing::error!(
-                        "IdempotencyContext extracted outside an idempotent request: put \
-                         #[idempotent] on the handler or IdempotencyMiddleware around it, and \
-                         take Option<IdempotencyContext> where the key is optional"
-                    );
-                    actix_web::error::ErrorInternalServerError(
-                        "this request has no idempotency context",
-                    )
-                }),
-        )
+        let context = req.extensions().get::<IdempotencyContext>().cloned();
+        ready(context.ok_or_else(|| {
+            let response: actix_web::HttpResponse = crate::adapter::context_missing();
+            let message = "this request has no idempotency context";
+            actix_web::error::InternalError::from_response(message, response).into()
+        }))
     }
 }
 
@@ -150,9 +141,6 @@ pub mod __private {
     pub use super::handler::handle;
     #[cfg(feature = "postgres")]
     pub use super::handler::handle_enlisted;
-    pub use crate::config::EndpointConfig as Endpoint;
-    pub use crate::config::Methods;
-    pub use crate::config::Oversized;
     pub use crate::context::IdempotencyContext as Context;
     #[cfg(feature = "postgres")]
     pub use crate::enlisted::EnlistedTx;
@@ -160,12 +148,11 @@ pub mod __private {
     pub use actix_web::dev::Payload as RawPayload;
     pub use actix_web::web::Payload;
     pub use actix_web::{FromRequest, HttpRequest as Request, HttpResponse as Response};
-    pub use core::time::Duration;
 
     /// The answer when a handler takes `IdempotencyContext` and the request has none (a
     /// keyless request let through by an outer middleware whose key is optional).
     pub fn context_missing() -> HttpResponse {
-        crate::pipeline::context_missing()
+        crate::adapter::context_missing()
     }
 
     /// An extractor's rejection as the handler's response.

@@ -1,15 +1,11 @@
 //! [`CallerScope`]: the caller's scope for the operators' API, resolved as the pipeline does.
 
-use std::marker::PhantomData;
-
-use axum::extract::{FromRequestParts, MatchedPath};
+use axum::extract::FromRequestParts;
 use axum::response::Response;
 use http::request::Parts;
 
-use super::adapter::{self, HANDLE_MISSING_FIX};
+use super::adapter::{self, HANDLE_MISSING_FIX, route_of};
 use super::extract::{FromState, HandleSource};
-use crate::pipeline;
-use crate::scope::{Scope, ScopeHash};
 
 /// The caller's scope, resolved exactly as the request pipeline resolves it for a keyed
 /// request ([the contract](crate::design) §4): the [`Identity`](crate::scope::Identity) the
@@ -51,33 +47,7 @@ use crate::scope::{Scope, ScopeHash};
 ///     .route("/admin/records/{key}", delete(forget))
 ///     .with_state(Idempotency::memory());
 /// ```
-pub struct CallerScope<Src = FromState> {
-    scope: Scope,
-    _source: PhantomData<fn() -> Src>,
-}
-
-impl<Src> CallerScope<Src> {
-    /// The scope hash that leads the caller's store keys.
-    pub fn hash(&self) -> &ScopeHash {
-        self.scope.hash()
-    }
-
-    /// The resolved scope: its segments and hash.
-    pub fn scope(&self) -> &Scope {
-        &self.scope
-    }
-
-    /// The resolved scope, by value.
-    pub fn into_inner(self) -> Scope {
-        self.scope
-    }
-}
-
-impl<Src> std::fmt::Debug for CallerScope<Src> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("CallerScope").field(&self.scope).finish()
-    }
-}
+pub type CallerScope<Src = FromState> = crate::adapter::CallerScope<Src>;
 
 impl<S, Src> FromRequestParts<S> for CallerScope<Src>
 where
@@ -88,16 +58,10 @@ where
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         let Some(handle) = Src::handle(&parts.extensions, state) else {
-            let route = parts.extensions.get::<MatchedPath>();
-            let route = route.map_or("", MatchedPath::as_str);
-            return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
+            let route = route_of(&parts.extensions);
+            return Err(crate::adapter::handle_missing(route, HANDLE_MISSING_FIX));
         };
-        let scope = adapter::caller_scope(&handle, parts)
-            .await
-            .map_err(|problem| pipeline::refuse(&handle, &problem))?;
-        Ok(Self {
-            scope,
-            _source: PhantomData,
-        })
+        let params = adapter::params(parts);
+        Self::resolve(&handle, &adapter::head(parts, &params)).await
     }
 }

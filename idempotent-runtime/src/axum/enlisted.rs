@@ -4,16 +4,15 @@
 
 use std::marker::PhantomData;
 
-use axum::extract::{FromRequest, MatchedPath, Request};
+use axum::extract::{FromRequest, Request};
 use axum::response::{IntoResponse, Response};
 
-use super::adapter::{self, HANDLE_MISSING_FIX, Prepared};
+use super::adapter::{HANDLE_MISSING_FIX, prepare_enlisted, route_of};
 use super::extract::{FromState, HandleSource, Via};
+use crate::adapter::{self, ClaimedTx, OuterStep};
 use crate::config::{Endpoint, EndpointConfig};
 use crate::context::IdempotencyContext;
-use crate::enlisted::{EnlistedTx, Held};
-use crate::handle::Idempotency;
-use crate::pipeline::{self, Admitted, Handled};
+use crate::enlisted::EnlistedTx;
 
 /// The wrapper `#[idempotent(enlisted)]` puts around a handler's last parameter. Extracting it
 /// opens the transaction and claims the key in it; [`run`](Self::run) hands the transaction to
@@ -40,14 +39,8 @@ use crate::pipeline::{self, Admitted, Handled};
 #[must_use]
 pub struct EnlistedIdempotent<T, Src = FromState, E: Endpoint = ()> {
     value: T,
-    context: Option<IdempotencyContext>,
-    session: Session,
+    claimed: ClaimedTx,
     _source: PhantomData<fn() -> (Src, E)>,
-}
-
-struct Session {
-    handle: Idempotency,
-    claimed: Admitted<Held>,
 }
 
 impl<T, Src, E: Endpoint> EnlistedIdempotent<T, Src, E> {
@@ -62,19 +55,10 @@ impl<T, Src, E: Endpoint> EnlistedIdempotent<T, Src, E> {
         Fut: Future<Output = (EnlistedTx, Response)> + Send + 'static,
         T: Send + 'static,
     {
-        let Session { handle, claimed } = self.session;
-        let Admitted {
-            held,
-            permit,
-            route,
-            span,
-            ..
-        } = claimed;
-        let (value, context) = (self.value, self.context);
-        let handler = move |tx| handler(tx, value, context);
-        let work = pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), handler);
-        let work = tracing::Instrument::instrument(work, span);
-        adapter::drive(&handle, &route, work).await
+        let (value, context) = (self.value, self.claimed.context().cloned());
+        self.claimed
+            .run(move |tx| handler(tx, value, context))
+            .await
     }
 }
 
@@ -87,37 +71,21 @@ where
     type Rejection = Response;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let route = request.extensions().get::<MatchedPath>();
-        let route = route.map_or("", MatchedPath::as_str);
-        if request.extensions().get::<Handled>().is_some() {
-            return Err(pipeline::enlisted_behind_layer(route));
-        }
-        let Some(handle) = Src::handle(request.extensions(), state) else {
-            return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
-        };
-        let (request, claimed) =
-            match adapter::prepare_enlisted(&handle, Self::ENDPOINT, request).await? {
-                Prepared::Claimed(request, claimed) => (request, claimed),
-                Prepared::Pass(_) => {
-                    unreachable!("enlisted mode reads every body before it begins")
-                }
-            };
-        match T::from_request(request, state)
-            .await
-            .map_err(IntoResponse::into_response)
-        {
+        let (extensions, fix) = (request.extensions(), HANDLE_MISSING_FIX);
+        let outer = extensions.get::<OuterStep>().copied();
+        let handle = Src::handle(extensions, state);
+        let handle = adapter::enlisted_entry::<Response>(outer, handle, route_of(extensions), fix)?;
+        let (request, claimed) = prepare_enlisted(&handle, Self::ENDPOINT, request).await?;
+        let extracted = T::from_request(request, state).await;
+        match extracted.map_err(IntoResponse::into_response) {
             Ok(value) => Ok(Self {
                 value,
-                context: claimed.context.clone(),
-                session: Session { handle, claimed },
+                claimed,
                 _source: PhantomData,
             }),
             // The extractor's rejection (malformed JSON, say) is the request's answer, recorded
             // like any 4xx so the retry gets the same rejection.
-            Err(rejection) => {
-                let Held { tx, settle } = claimed.held;
-                Err(pipeline::settle_enlisted(&handle, settle, tx, rejection).await)
-            }
+            Err(rejection) => Err(claimed.settle(rejection).await),
         }
     }
 }

@@ -3,17 +3,15 @@
 use std::convert::Infallible;
 use std::marker::PhantomData;
 
-use axum::extract::{
-    FromRef, FromRequest, FromRequestParts, MatchedPath, OptionalFromRequestParts, Request,
-};
+use axum::extract::{FromRef, FromRequest, FromRequestParts, OptionalFromRequestParts, Request};
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 
-use super::adapter::{self, HANDLE_MISSING_FIX, Prepared};
+use super::adapter::{HANDLE_MISSING_FIX as FIX, prepare, route_of};
+use crate::adapter::{self, Claimed, Entry, OuterStep, Served};
 use crate::config::{Endpoint, EndpointConfig};
 use crate::context::IdempotencyContext;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Handled, Served};
 
 /// Where the extractor finds the [`Idempotency`].
 pub trait HandleSource<S>: Send + Sync + 'static {
@@ -64,11 +62,9 @@ pub struct Via<M>(PhantomData<M>);
 pub struct Idempotent<T, Src = FromState, E: Endpoint = ()> {
     value: T,
     context: Option<IdempotencyContext>,
-    session: Option<Session>,
+    claimed: Option<Claimed>,
     _source: PhantomData<fn() -> (Src, E)>,
 }
-
-struct Session(crate::adapter::Claimed);
 
 impl<T, Src, E: Endpoint> Idempotent<T, Src, E> {
     /// The endpoint settings `E` names.
@@ -92,11 +88,9 @@ impl<T, Src, E: Endpoint> Idempotent<T, Src, E> {
         Fut: Future<Output = Response> + Send + 'static,
     {
         let future = handler(self.value, self.context);
-        match self.session {
+        match self.claimed {
             None => future.await,
-            Some(Session(claimed)) => {
-                adapter::run_claimed(claimed, Served::ByHandler, future).await
-            }
+            Some(claimed) => claimed.answer(Served::ByHandler, future).await,
         }
     }
 }
@@ -110,64 +104,35 @@ where
     type Rejection = Response;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let plain = |value, context| Self {
-            value,
-            context,
-            session: None,
-            _source: PhantomData,
+        let extensions = request.extensions();
+        let outer = extensions.get::<OuterStep>().copied();
+        // Under an outer step (the layer), the context is the one it left.
+        let context = outer.and_then(|_| extensions.get::<IdempotencyContext>().cloned());
+        let handle = Src::handle(extensions, state);
+        let route = || route_of(extensions);
+        let method = request.method().as_str();
+        let keyed = context.is_some();
+        let entry = adapter::entry(outer, handle, Self::ENDPOINT, method, route, keyed, FIX);
+        let (request, claimed) = match entry {
+            Entry::Answer(answer) => return Err(answer),
+            Entry::Outer | Entry::Bypass => (request, None),
+            Entry::Sequence(handle) => prepare(&handle, Self::ENDPOINT, request).await?,
         };
-        // Where the layer already applies, it decides (the outer one): the attribute steps aside.
-        if let Some(outer) = request.extensions().get::<Handled>().copied() {
-            let context = request.extensions().get::<IdempotencyContext>().cloned();
-            if Self::ENDPOINT.require_key && !outer.require_key {
-                let handle = Src::handle(request.extensions(), state);
-                let route = request.extensions().get::<MatchedPath>();
-                let route = route.map_or("", MatchedPath::as_str);
-                let keyed = context.is_some();
-                if let Some(refusal) =
-                    pipeline::required_under_optional(handle.as_ref(), route, keyed)
-                {
-                    return Err(refusal);
-                }
-            }
-            return T::from_request(request, state)
-                .await
-                .map(|value| plain(value, context))
-                .map_err(IntoResponse::into_response);
-        }
-        let handle = Src::handle(request.extensions(), state);
-        // With a handle, the pipeline's first step decides what a method it does not apply to
-        // means (a pass, or a setup mistake); without one, such a request needs none.
-        if handle.is_none() && !Self::ENDPOINT.applies_to(None, request.method().as_str()) {
-            return T::from_request(request, state)
-                .await
-                .map(|value| plain(value, None))
-                .map_err(IntoResponse::into_response);
-        }
-        let Some(handle) = handle else {
-            let route = request.extensions().get::<MatchedPath>();
-            let route = route.map_or("", MatchedPath::as_str);
-            return Err(pipeline::handle_missing(route, HANDLE_MISSING_FIX));
-        };
-        match adapter::prepare(&handle, Self::ENDPOINT, request).await? {
-            Prepared::Pass(request) => T::from_request(request, state)
-                .await
-                .map(|value| plain(value, None))
-                .map_err(IntoResponse::into_response),
-            Prepared::Claimed(request, claimed) => {
-                let extracted = T::from_request(request, state).await;
-                match extracted.map_err(IntoResponse::into_response) {
-                    Ok(value) => Ok(Self {
-                        value,
-                        context: claimed.context().cloned(),
-                        session: Some(Session(claimed)),
-                        _source: PhantomData,
-                    }),
-                    // The extractor's rejection of a claimed request (malformed JSON, say) is
-                    // its answer: recorded like any 4xx, so the retry gets the same rejection.
-                    Err(rejection) => Err(claimed.settle(rejection).await),
-                }
-            }
+        let context = claimed.as_ref().map_or(context, |c| c.context().cloned());
+        let extracted = T::from_request(request, state).await;
+        match extracted.map_err(IntoResponse::into_response) {
+            Ok(value) => Ok(Self {
+                value,
+                context,
+                claimed,
+                _source: PhantomData,
+            }),
+            // The extractor's rejection of a claimed request (malformed JSON, say) is its
+            // answer: recorded like any 4xx, so the retry gets the same rejection.
+            Err(rejection) => match claimed {
+                Some(claimed) => Err(claimed.settle(rejection).await),
+                None => Err(rejection),
+            },
         }
     }
 }
@@ -198,5 +163,5 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
 /// The answer when a handler needs an [`IdempotencyContext`] and the request has none: a setup
 /// mistake (no key on an endpoint that does not require one, or no idempotency layer).
 pub fn context_missing() -> Response {
-    pipeline::context_missing()
+    adapter::context_missing()
 }

@@ -2,7 +2,6 @@
 
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::extract::{MatchedPath, Request};
@@ -10,11 +9,10 @@ use axum::response::{IntoResponse, Response};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::adapter::{self, Prepared};
+use super::adapter::{HANDLE_MISSING_FIX, prepare};
+use crate::adapter::{LayerStep, OuterStep, RouterLayer, Served};
 use crate::config::EndpointConfig;
 use crate::handle::Idempotency;
-use crate::pipeline::{self, Handled, Served};
-use crate::watch::LayerWatch;
 
 /// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
 /// checks only). It applies to the [`methods`](EndpointConfig::methods) of its endpoint
@@ -41,38 +39,26 @@ use crate::watch::LayerWatch;
 /// ```
 #[derive(Clone, Debug)]
 pub struct IdempotencyLayer {
-    shared: Arc<Shared>,
-}
-
-#[derive(Debug, Clone)]
-struct Shared {
     handle: Idempotency,
-    endpoint: EndpointConfig,
-    watch: Arc<LayerWatch>,
+    layer: RouterLayer,
 }
 
 impl IdempotencyLayer {
     /// A layer over the handle `idempotency`: key optional, POST and PATCH.
     pub fn new(idempotency: Idempotency) -> Self {
+        let layer = RouterLayer::default();
         Self {
-            shared: Arc::new(Shared {
-                handle: idempotency,
-                endpoint: EndpointConfig::OPTIONAL,
-                watch: Arc::default(),
-            }),
+            handle: idempotency,
+            layer,
         }
-    }
-
-    fn edit(mut self, f: impl FnOnce(&mut Shared)) -> Self {
-        f(Arc::make_mut(&mut self.shared));
-        self
     }
 
     /// The endpoint settings of every route inside (default [`EndpointConfig::OPTIONAL`]): the
     /// key required or not, lease, retention, caps, statuses, headers, methods; the same value
     /// the attribute builds from its arguments, built in code or read from a file.
     pub fn endpoint(self, endpoint: EndpointConfig) -> Self {
-        self.edit(|s| s.endpoint = endpoint)
+        let layer = self.layer.with_endpoint(endpoint);
+        Self { layer, ..self }
     }
 }
 
@@ -80,11 +66,10 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let wraps_router = LayerWatch::wraps_router(std::any::type_name::<S>());
         IdempotencyService {
             inner,
-            shared: Arc::clone(&self.shared),
-            wraps_router,
+            handle: self.handle.clone(),
+            layer: self.layer.around(std::any::type_name::<S>()),
         }
     }
 }
@@ -93,9 +78,9 @@ impl<S> Layer<S> for IdempotencyLayer {
 #[derive(Clone, Debug)]
 pub struct IdempotencyService<S> {
     inner: S,
-    shared: Arc<Shared>,
-    /// Put around a finished router: no request it sees can have a matched route of its own.
-    wraps_router: bool,
+    handle: Idempotency,
+    /// The layer's watch, knowing what this service was put around.
+    layer: RouterLayer,
 }
 
 impl<S> Service<Request> for IdempotencyService<S>
@@ -116,33 +101,31 @@ where
         // The clone that was polled ready serves this request; the fresh one waits for its turn.
         let fresh = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, fresh);
-        let shared = Arc::clone(&self.shared);
-        let wraps_router = self.wraps_router;
+        let extensions = request.extensions();
+        let step = self.layer.step(
+            Some(&self.handle),
+            request.method().as_str(),
+            extensions.get::<MatchedPath>().map(MatchedPath::as_str),
+            request.uri().path(),
+            extensions.get::<OuterStep>().copied(),
+            HANDLE_MISSING_FIX,
+        );
+        let outer = match step {
+            LayerStep::Answer(answer) => return Box::pin(async { Ok(answer) }),
+            LayerStep::Pass => {
+                return Box::pin(async move { Ok(inner.call(request).await.into_response()) });
+            }
+            LayerStep::Sequence(_, _, outer) => outer,
+        };
+        request.extensions_mut().insert(outer);
+        let (handle, layer) = (self.handle.clone(), self.layer.clone());
         Box::pin(async move {
-            let handle = &shared.handle;
-            let method = request.method().as_str();
-            let by_method = shared.endpoint.applies_to(Some(handle.config()), method);
-            let matched = request.extensions().get::<MatchedPath>().is_some();
-            if by_method && wraps_router && !matched {
-                shared.watch.outside_router(request.uri().path());
-                if handle.config().strict() {
-                    return Ok(pipeline::refuse(handle, &pipeline::misconfigured()));
-                }
-            } else if by_method {
-                shared.watch.saw(matched, request.uri().path());
-            }
-            let applies = by_method && matched && request.extensions().get::<Handled>().is_none();
-            if !applies {
-                return Ok(inner.call(request).await.into_response());
-            }
-            let require_key = shared.endpoint.require_key;
-            request.extensions_mut().insert(Handled { require_key });
-            let response = match adapter::prepare(handle, &shared.endpoint, request).await {
+            let response = match prepare(&handle, layer.endpoint(), request).await {
                 Err(answer) => answer,
-                Ok(Prepared::Pass(request)) => inner.call(request).await.into_response(),
-                Ok(Prepared::Claimed(request, claimed)) => {
+                Ok((request, None)) => inner.call(request).await.into_response(),
+                Ok((request, Some(claimed))) => {
                     let handler = async move { inner.call(request).await.into_response() };
-                    adapter::run_claimed(claimed, Served::ThroughRouter, handler).await
+                    claimed.answer(Served::ThroughRouter, handler).await
                 }
             };
             Ok(response)

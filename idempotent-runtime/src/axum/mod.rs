@@ -50,7 +50,7 @@ mod extract;
 mod layer;
 mod probe;
 
-pub use crate::pipeline::REPLAYED_HEADER;
+pub use crate::adapter::REPLAYED_HEADER;
 pub use caller::CallerScope;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]

@@ -12,7 +12,7 @@ use crate::budget::{BufferBudget, BufferPermit};
 
 /// Fields a body sends after its data (HTTP trailers, gRPC's status): lowercase names and
 /// values, in the order sent.
-pub type Trailers = Vec<(String, Bytes)>;
+pub(crate) type Trailers = Vec<(String, Bytes)>;
 
 /// A body as the pipeline reads it: data chunks, then the end or an error. Each framework
 /// implements it for its request and response bodies (empty chunks skipped; trailers skipped by
@@ -21,8 +21,10 @@ pub trait Chunks: Unpin {
     /// What a broken body reports.
     type Error;
 
-    /// The exact length, when the body knows it before it is read.
-    fn exact_len(&self) -> Option<u64>;
+    /// The exact length, when the body knows it before it is read (the default: it does not).
+    fn exact_len(&self) -> Option<u64> {
+        None
+    }
 
     /// The next data chunk; `None` at the end.
     fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, Self::Error>>>;

@@ -19,6 +19,13 @@ use crate::store::{ClaimRequest, FencingToken, RecordedResponse, StoreError};
 /// What the pipeline tells the framework integration to do after claiming. `R` is what holds
 /// the key: a reservation in detached mode, the open transaction in enlisted mode.
 #[derive(Debug)]
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub enum Begin<R = Reservation> {
     /// The key is held: run the handler, then settle the reservation.
     Run(R),
@@ -30,6 +37,13 @@ pub enum Begin<R = Reservation> {
 
 /// Everything the pipeline needs to know about a keyed request.
 #[derive(Debug, Clone, Copy)]
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub struct BeginRequest<'a> {
     /// The parsed key.
     pub key: &'a IdempotencyKey,
@@ -130,6 +144,13 @@ impl ClaimMode for Detached {
 
 /// Claims the key in the handle's store and decides: run, replay, or refuse (the detached
 /// mode's claim).
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
     let plan = ClaimPlan::new(req, handle.contributor());
     let route = plan.route;

@@ -21,7 +21,7 @@
 )]
 
 mod body;
-mod claim;
+pub(crate) mod claim;
 #[cfg(feature = "postgres")]
 mod enlisted;
 mod refusals;
@@ -39,13 +39,10 @@ use bytes::Bytes;
 
 pub use body::Chunks;
 pub(crate) use body::{BodyError, Collected};
-pub use claim::{Begin, BeginRequest, begin};
+pub(crate) use claim::{Begin, BeginRequest};
 pub(crate) use claim::{ClaimMode, Detached};
-#[cfg(all(feature = "postgres", feature = "axum"))]
-pub(crate) use enlisted::settle_enlisted;
 #[cfg(feature = "postgres")]
-pub(crate) use enlisted::{Enlisted, enlisted_work};
-#[cfg(feature = "axum")]
+pub(crate) use enlisted::{Enlisted, enlisted_work, settle_enlisted};
 pub(crate) use refusals::misconfigured;
 
 use crate::budget::BufferPermit;
@@ -55,21 +52,12 @@ use crate::fingerprint::FingerprintInput;
 use crate::handle::Idempotency;
 use crate::key::{self, IdempotencyKey};
 use crate::problem::{Problem, ProblemCode, RenderedRefusal};
-use crate::reservation::{Outcome, Reservation};
+use crate::reservation::{Ran, Reservation};
 use crate::scope::{self, Identity, Resolution};
 use crate::store::RecordedResponse;
 
 /// The header that marks a replayed response (`Idempotency-Replayed: true`).
 pub const REPLAYED_HEADER: &str = "idempotency-replayed";
-
-/// Set in the request extensions by the outermost idempotency step that applies to a request
-/// (a layer or middleware, or the attribute), so an inner one steps aside: the outer decides.
-/// `require_key` is the outer step's, so an inner `require_key` attribute sees a mismatch on
-/// any request, keyed or not.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Handled {
-    pub(crate) require_key: bool,
-}
 
 /// What the pipeline reads of a request's head (see [`crate::adapter`]).
 pub trait Head {
@@ -124,7 +112,7 @@ pub trait Reply: Sized {
 
     /// A refusal with the problem's status and `Retry-After` (when it has one), and the body
     /// the handle rendered for it (`application/problem+json` unless the application set a
-    /// renderer). Built through the pipeline's `refuse`, never directly.
+    /// renderer). Built through [`adapter::refusal`](crate::adapter::refusal), never directly.
     fn problem(problem: &Problem, rendered: RenderedRefusal) -> Self {
         let retry_after = problem.retry_after().map(|s| s.to_string());
         let headers = [("content-type", rendered.content_type.as_bytes())]
@@ -515,7 +503,8 @@ pub enum Ended<R, T, E> {
 pub enum Served {
     /// The handler's own answer: settled as it is.
     ByHandler,
-    /// Through a router: its refusals (a 404, 405 or 501 without a body) release the key unrecorded.
+    /// Through a router: its refusals (an empty 404, 405 or 501, with no `content-type`)
+    /// release the key unrecorded.
     ThroughRouter,
 }
 
@@ -555,12 +544,12 @@ where
     R: Reply,
 {
     match reservation.run(handler).await {
-        Outcome::Panicked => Ended::Panicked(refuse(&handle, &refusals::panicked(&route))),
-        Outcome::Returned(Err(error)) => {
+        Ran::Panicked => Ended::Panicked(refuse(&handle, &refusals::panicked(&route))),
+        Ran::Returned(Err(error)) => {
             reservation.release().await;
             Ended::Failed(error)
         }
-        Outcome::Returned(Ok((response, extra))) => {
+        Ran::Returned(Ok((response, extra))) => {
             // The handler is done with the request's body.
             drop(permit);
             let response = match served {

@@ -633,7 +633,7 @@ fn is_lock_timeout(e: &sqlx::Error) -> bool {
 }
 
 /// What a claim or reclaim statement returned.
-enum Outcome {
+enum Decoded {
     Acquired,
     Standing(Standing),
     /// No row: the record vanished, or was committed after the statement's snapshot.
@@ -656,7 +656,7 @@ fn encoded_trailers(response: &RecordedResponse) -> Option<Vec<u8>> {
     (!response.trailers.is_empty()).then(|| response.encode_trailers())
 }
 
-fn decode(rows: Vec<PgRow>) -> Result<Outcome, StoreError> {
+fn decode(rows: Vec<PgRow>) -> Result<Decoded, StoreError> {
     // A row deleted after the snapshot can read back beside a successful insert: the insert
     // wins.
     let mut acquired = false;
@@ -664,28 +664,28 @@ fn decode(rows: Vec<PgRow>) -> Result<Outcome, StoreError> {
         acquired |= row.try_get::<bool, _>(0).map_err(unavailable)?;
     }
     let Some(row) = rows.into_iter().next() else {
-        return Ok(Outcome::Nothing);
+        return Ok(Decoded::Nothing);
     };
     if acquired {
-        return Ok(Outcome::Acquired);
+        return Ok(Decoded::Acquired);
     }
-    standing(&row).map(Outcome::Standing)
+    standing(&row).map(Decoded::Standing)
 }
 
 /// One row of the batched claim: whether this request acquired, else the row read back (none:
 /// re-run it).
-fn decode_batched(row: &PgRow) -> Result<Outcome, StoreError> {
+fn decode_batched(row: &PgRow) -> Result<Decoded, StoreError> {
     if row.try_get::<bool, _>(0).map_err(unavailable)? {
-        return Ok(Outcome::Acquired);
+        return Ok(Decoded::Acquired);
     }
     if row
         .try_get::<Option<i64>, _>(1)
         .map_err(unavailable)?
         .is_none()
     {
-        return Ok(Outcome::Nothing);
+        return Ok(Decoded::Nothing);
     }
-    standing(row).map(Outcome::Standing)
+    standing(row).map(Decoded::Standing)
 }
 
 /// The standing record in columns 1.. of a claim's row ([`STANDING_COLUMNS`]).
@@ -862,7 +862,7 @@ enum Op {
 
 /// An [`Op`]'s answer.
 enum Done {
-    Claimed(Outcome),
+    Claimed(Decoded),
     Completed(bool),
 }
 
@@ -908,7 +908,7 @@ impl batch::Job for Rounds {
         }
         let answered = query.bind(core.offset()).fetch_all(&core.pool).await?;
 
-        let mut outcomes: Vec<Option<Result<Outcome, StoreError>>> = Vec::new();
+        let mut outcomes: Vec<Option<Result<Decoded, StoreError>>> = Vec::new();
         outcomes.resize_with(claims.len(), || None);
         let mut done = Vec::new();
         for row in &answered {
@@ -970,12 +970,12 @@ impl batch::Job for Rounds {
 fn unheard_claim(
     core: Arc<Core>,
     row: ClaimRow,
-    out: Result<Outcome, StoreError>,
+    out: Result<Decoded, StoreError>,
 ) -> Option<impl Future<Output = ()> + Send + 'static> {
     let holds = match &out {
-        Ok(Outcome::Acquired) | Err(_) => true,
-        Ok(Outcome::Standing(standing)) => standing.token.as_i64() == row.token,
-        Ok(Outcome::Nothing) => false,
+        Ok(Decoded::Acquired) | Err(_) => true,
+        Ok(Decoded::Standing(standing)) => standing.token.as_i64() == row.token,
+        Ok(Decoded::Nothing) => false,
     };
     if !holds {
         return None;
@@ -1158,9 +1158,9 @@ impl PostgresStore {
                 On::Transaction(_) => self.core.claim_statement(on, &row, None).await?,
             };
             match outcome {
-                Outcome::Acquired => return Ok(Claim::Acquired),
-                Outcome::Standing(standing) => return Ok(Claim::Standing(standing)),
-                Outcome::Nothing => continue,
+                Decoded::Acquired => return Ok(Claim::Acquired),
+                Decoded::Standing(standing) => return Ok(Claim::Standing(standing)),
+                Decoded::Nothing => continue,
             }
         }
         Ok(still_running(req))
@@ -1173,7 +1173,7 @@ impl PostgresStore {
         &self,
         row: ClaimRow,
         stale: FencingToken,
-    ) -> Result<Outcome, StoreError> {
+    ) -> Result<Decoded, StoreError> {
         let (answer, answer_rx) = tokio::sync::oneshot::channel();
         let core = Arc::clone(&self.core);
         tokio::spawn(async move {
@@ -1205,10 +1205,10 @@ impl PostgresStore {
                 On::Transaction(_) => self.core.claim_statement(on, &row, Some(stale)).await?,
             };
             match outcome {
-                Outcome::Acquired => return Ok(Claim::Acquired),
+                Decoded::Acquired => return Ok(Claim::Acquired),
                 // The row vanished (released or swept): claim it afresh.
-                Outcome::Nothing => return self.claim_on(on, req).await,
-                Outcome::Standing(standing) => {
+                Decoded::Nothing => return self.claim_on(on, req).await,
+                Decoded::Standing(standing) => {
                     let takeable = standing.state == StandingState::Expired
                         || (standing.token == stale && standing.state == StandingState::Abandoned);
                     if !takeable {
@@ -1281,7 +1281,7 @@ impl Core {
         on: &mut On<'_>,
         row: &ClaimRow,
         stale: Option<FencingToken>,
-    ) -> Result<Outcome, StoreError> {
+    ) -> Result<Decoded, StoreError> {
         let sql = match stale {
             Some(_) => &self.sql.reclaim,
             None => &self.sql.claim,
@@ -1320,7 +1320,7 @@ impl Core {
             match rows {
                 Ok(rows) => return decode(rows),
                 Err(e) if is_lock_timeout(&e) => {
-                    return Ok(Outcome::Standing(busy(row.fingerprint, row.lease)));
+                    return Ok(Decoded::Standing(busy(row.fingerprint, row.lease)));
                 }
                 Err(e) if attempts_left > 0 && connection_dropped(&e) => attempts_left -= 1,
                 Err(e) => return Err(unavailable(e)),

@@ -1,0 +1,267 @@
+//! What every adapter over the [`http`] crate's types shares (axum here; a hyper, tonic or
+//! poem adapter the same way): [`Head`] over a request's [`Parts`](http::request::Parts)
+//! ([`HttpHead`]), [`Chunks`] over any body that implements [`HttpBody`] (trailers kept when a
+//! response is recorded), and [`Reply`] for `http::Response<B>`, trailers included. An adapter
+//! over such a framework implements [`HttpBody`] for its body type (one constructor) and
+//! finds the route, the path parameters and the peer address its framework's way.
+
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use futures_util::StreamExt as _;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, request};
+use http_body::{Frame, SizeHint};
+
+use super::{Chunks, Head, REPLAYED_HEADER, Reply};
+use crate::scope::Identity;
+
+const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(crate::key::HEADER_NAME);
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// A request head as the sequence reads it: the request's parts, and what the framework
+/// knows of it (the matched route pattern, the decoded path parameters in pattern order, the
+/// connection's peer address). The caller's [`Identity`] is read from the parts' extensions.
+#[derive(Debug)]
+pub struct HttpHead<'a> {
+    parts: &'a request::Parts,
+    route: Option<&'a str>,
+    params: Vec<&'a str>,
+    peer: Option<IpAddr>,
+}
+
+impl<'a> HttpHead<'a> {
+    /// The head of the request whose parts are `parts`.
+    pub fn new(
+        parts: &'a request::Parts,
+        route: Option<&'a str>,
+        params: Vec<&'a str>,
+        peer: Option<IpAddr>,
+    ) -> Self {
+        Self {
+            parts,
+            route,
+            params,
+            peer,
+        }
+    }
+}
+
+impl Head for HttpHead<'_> {
+    fn method(&self) -> &str {
+        self.parts.method.as_str()
+    }
+
+    fn route(&self) -> Option<&str> {
+        self.route
+    }
+
+    fn path_params(&self) -> Vec<&str> {
+        self.params.clone()
+    }
+
+    fn query(&self) -> Option<&str> {
+        self.parts.uri.query()
+    }
+
+    fn header_values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        let headers = &self.parts.headers;
+        // The names every keyed request looks up, as `HeaderName`s: a lookup by `&str` parses
+        // and lowercases the name first, which cost more than the lookup itself.
+        let values = match name {
+            crate::key::HEADER_NAME => headers.get_all(IDEMPOTENCY_KEY),
+            "content-type" => headers.get_all(http::header::CONTENT_TYPE),
+            "content-length" => headers.get_all(http::header::CONTENT_LENGTH),
+            "authorization" => headers.get_all(http::header::AUTHORIZATION),
+            "x-forwarded-for" => headers.get_all(X_FORWARDED_FOR),
+            _ => headers.get_all(name),
+        };
+        values.iter().map(HeaderValue::as_bytes)
+    }
+
+    fn peer(&self) -> Option<IpAddr> {
+        self.peer
+    }
+
+    fn with_identity<T>(&self, f: impl FnOnce(Option<&Identity>) -> T) -> T {
+        f(self.parts.extensions.get::<Identity>())
+    }
+}
+
+/// A framework's body type over the [`http_body`] traits, as the sequence reads and rebuilds
+/// it: from bytes (a recorded or replayed body), or wrapping another body (the rest of a
+/// stream, a body followed by its trailers). Implementing it gives the type [`Chunks`], and
+/// `http::Response<Self>` [`Reply`].
+pub trait HttpBody:
+    http_body::Body<Data = Bytes, Error: Send + 'static> + From<Bytes> + Unpin + Send + Sized + 'static
+{
+    /// `body` as this type.
+    fn wrap<T>(body: T) -> Self
+    where
+        T: http_body::Body<Data = Bytes, Error = Self::Error> + Send + 'static;
+}
+
+/// The next data frame of `body`; trailers go to `trailers` (or are skipped), empty chunks
+/// are skipped.
+fn poll_data<B: HttpBody>(
+    body: &mut B,
+    cx: &mut Context<'_>,
+    mut trailers: Option<&mut Vec<(String, Bytes)>>,
+) -> Poll<Option<Result<Bytes, B::Error>>> {
+    loop {
+        let frame = match ready!(Pin::new(&mut *body).poll_frame(cx)) {
+            None => return Poll::Ready(None),
+            Some(Err(error)) => return Poll::Ready(Some(Err(error))),
+            Some(Ok(frame)) => frame,
+        };
+        match frame.into_data() {
+            Ok(data) if !data.is_empty() => return Poll::Ready(Some(Ok(data))),
+            Ok(_empty) => {}
+            Err(frame) => {
+                if let (Some(kept), Ok(map)) = (trailers.as_deref_mut(), frame.into_trailers()) {
+                    kept.extend(map.iter().map(|(name, value)| {
+                        let value = Bytes::copy_from_slice(value.as_bytes());
+                        (name.as_str().to_owned(), value)
+                    }));
+                }
+            }
+        }
+    }
+}
+
+impl<B: HttpBody> Chunks for B {
+    type Error = B::Error;
+
+    fn exact_len(&self) -> Option<u64> {
+        self.size_hint().exact()
+    }
+
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, B::Error>>> {
+        poll_data(self, cx, None)
+    }
+
+    fn poll_chunk_keeping(
+        &mut self,
+        cx: &mut Context<'_>,
+        trailers: &mut Vec<(String, Bytes)>,
+    ) -> Poll<Option<Result<Bytes, B::Error>>> {
+        poll_data(self, cx, Some(trailers))
+    }
+}
+
+/// A body, then its trailers as a last frame: how a response with trailers is rebuilt after
+/// its body was read (to record it) or replayed.
+struct Trailing<B> {
+    body: B,
+    trailers: Option<HeaderMap>,
+}
+
+impl<B: HttpBody> http_body::Body for Trailing<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = &mut *self;
+        match ready!(Pin::new(&mut this.body).poll_frame(cx)) {
+            Some(frame) => Poll::Ready(Some(frame)),
+            None => Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.trailers.is_none() && self.body.is_end_stream()
+    }
+
+    /// Never exact while trailers are to come: a server sends an HTTP/1.1 body of known length
+    /// with `content-length`, which leaves no place for trailers.
+    fn size_hint(&self) -> SizeHint {
+        match self.trailers {
+            None => self.body.size_hint(),
+            Some(_) => {
+                let mut hint = SizeHint::new();
+                hint.set_lower(self.body.size_hint().lower());
+                hint
+            }
+        }
+    }
+}
+
+/// Each pair whose name and value are valid in HTTP, appended to `map`.
+fn append<'a>(map: &mut HeaderMap, pairs: impl IntoIterator<Item = (&'a str, &'a [u8])>) {
+    for (name, value) in pairs {
+        let name = HeaderName::from_bytes(name.as_bytes());
+        let value = HeaderValue::from_bytes(value);
+        if let (Ok(name), Ok(value)) = (name, value) {
+            map.append(name, value);
+        }
+    }
+}
+
+impl<B: HttpBody> Reply for http::Response<B> {
+    type Head = http::response::Parts;
+    type Body = B;
+
+    fn status(&self) -> u16 {
+        self.status().as_u16()
+    }
+
+    fn headers(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        let headers = self.headers().iter();
+        headers.map(|(name, value)| (name.as_str(), value.as_bytes()))
+    }
+
+    fn into_parts(self) -> (Self::Head, B) {
+        http::Response::into_parts(self)
+    }
+
+    fn from_parts(head: Self::Head, body: B) -> Self {
+        http::Response::from_parts(head, body)
+    }
+
+    fn recorded(head: Self::Head, bytes: Bytes, _drained: B) -> Self {
+        http::Response::from_parts(head, B::from(bytes))
+    }
+
+    fn resumed(head: Self::Head, read: Bytes, error: Option<B::Error>, rest: B) -> Self {
+        let read = futures_util::stream::iter([Ok(Frame::data(read))]);
+        let error = futures_util::stream::iter(error.map(Err));
+        // Frames, not data: the rest's trailers go on too.
+        let rest = http_body_util::BodyStream::new(rest);
+        let frames = http_body_util::StreamBody::new(read.chain(error).chain(rest));
+        http::Response::from_parts(head, B::wrap(frames))
+    }
+
+    fn with_trailers(self, trailers: &[(String, Bytes)]) -> Self {
+        if trailers.is_empty() {
+            return self;
+        }
+        let mut map = HeaderMap::with_capacity(trailers.len());
+        append(&mut map, trailers.iter().map(|(n, v)| (n.as_str(), &v[..])));
+        let (head, body) = http::Response::into_parts(self);
+        let trailers = Some(map);
+        http::Response::from_parts(head, B::wrap(Trailing { body, trailers }))
+    }
+
+    fn mark_replayed(mut self) -> Self {
+        self.headers_mut().insert(
+            HeaderName::from_static(REPLAYED_HEADER),
+            HeaderValue::from_static("true"),
+        );
+        self
+    }
+
+    fn build<'a>(
+        status: u16,
+        headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        body: Bytes,
+    ) -> Self {
+        let mut response = http::Response::new(B::from(body));
+        *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+        append(response.headers_mut(), headers);
+        response
+    }
+}
