@@ -12,6 +12,8 @@
 //!     cargo test --all-features -p idempotent-runtime --test postgres_tls
 //! ```
 
+#[cfg(not(any(feature = "tls-rustls", feature = "tls-native-tls")))]
+use idempotent_runtime::store::ConnectError;
 use idempotent_runtime::store::postgres::PostgresStore;
 
 mod support;
@@ -153,7 +155,10 @@ async fn sslmode_require_without_a_tls_feature_fails_at_connect_naming_the_featu
         .await
         .expect_err("sslmode=require connected without a TLS feature");
     let message = error.to_string();
-    assert!(matches!(error, sqlx::Error::Tls(_)), "{error:?}");
+    assert!(
+        matches!(error, ConnectError::Database(sqlx::Error::Tls(_))),
+        "{error:?}"
+    );
     assert!(message.contains("`tls-rustls`"), "{message}");
     assert!(message.contains("`tls-native-tls`"), "{message}");
 }
