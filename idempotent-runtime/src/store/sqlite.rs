@@ -387,7 +387,7 @@ impl SqliteStore {
     /// use idempotent_runtime::store::sqlite::SqliteStore;
     ///
     /// let migrations = SqliteStore::migrations("idempotency_records")?;
-    /// assert_eq!(migrations.iter().map(|m| m.version).collect::<Vec<_>>(), [1, 2]);
+    /// assert_eq!(migrations.iter().map(|m| m.version).collect::<Vec<_>>(), [1, 2, 3]);
     /// # Ok::<(), idempotent_runtime::store::InvalidName>(())
     /// ```
     pub fn migrations(table: &str) -> Result<Migrations, InvalidName> {
