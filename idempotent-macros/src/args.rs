@@ -2,6 +2,7 @@
 //! `max_body = "64KiB"`, `max_response = "1MiB"`, `oversized = "run_again"|"record_without_body"`,
 //! `reuse_status = 422|409`, `failure_mode = "closed"|"open"`, `non_replayable = [401, …]`,
 //! `recorded_headers = ["content-type", …]`, `methods = ["POST", "PUT"]`, `crate = path`,
+//! `key = header("webhook-id")|body("/id")`, `fingerprint = ["/amount", …]`,
 //! `framework = axum|actix` and `enlisted`. Their shape and the choices are checked here, with
 //! errors on the offending token; durations, sizes, statuses and header names are checked by the
 //! runtime's own `const fn`s, which the expansion evaluates in a `const` spanned at the literal
@@ -24,6 +25,10 @@ mod kw {
     syn::custom_keyword!(non_replayable);
     syn::custom_keyword!(recorded_headers);
     syn::custom_keyword!(methods);
+    syn::custom_keyword!(key);
+    syn::custom_keyword!(fingerprint);
+    syn::custom_keyword!(header);
+    syn::custom_keyword!(body);
     syn::custom_keyword!(framework);
     syn::custom_keyword!(enlisted);
     syn::custom_keyword!(axum);
@@ -53,6 +58,14 @@ impl Oversized {
         };
         proc_macro2::Ident::new(name, Span::call_site())
     }
+}
+
+/// `key = header("…")` or `key = body("/…")`: where the endpoint reads its key.
+pub(crate) enum KeyArg {
+    /// A header name, as written (the expansion lowercases it).
+    Header(LitStr),
+    /// A JSON Pointer into the body.
+    Body(LitStr),
 }
 
 /// `reuse_status = 422 | 409`.
@@ -95,6 +108,10 @@ pub(crate) struct Args {
     /// `methods = ["POST", …]`, as the runtime's `Methods` bits (POST 1, PUT 2, PATCH 4,
     /// DELETE 8).
     pub methods: Option<u8>,
+    /// `key = header("…") | body("/…")`.
+    pub key: Option<KeyArg>,
+    /// `fingerprint = ["/amount", …]`: the JSON Pointers the fingerprint covers.
+    pub fingerprint: Option<Vec<LitStr>>,
     /// `crate = path`: where the runtime is, for renamed dependencies.
     pub krate: Option<Path>,
     /// `framework = axum|actix`, with the span of the value.
@@ -225,6 +242,37 @@ impl Parse for Args {
                 input.parse::<kw::methods>()?;
                 once("methods")?;
                 args.methods = Some(methods_value(input)?);
+            } else if lookahead.peek(kw::key) {
+                input.parse::<kw::key>()?;
+                once("key")?;
+                args.key = Some(key_value(input)?);
+            } else if lookahead.peek(kw::fingerprint) {
+                input.parse::<kw::fingerprint>()?;
+                once("fingerprint")?;
+                let pointers = list_value(
+                    input,
+                    "fingerprint",
+                    "[\"/amount\", \"/currency\"]",
+                    |i| {
+                        if i.peek(LitStr) {
+                            i.parse::<LitStr>()
+                        } else {
+                            Err(Error::new(
+                                i.span(),
+                                "`fingerprint` lists JSON Pointers as strings, e.g. `[\"/amount\", \"/currency\"]`",
+                            ))
+                        }
+                    },
+                )?;
+                if pointers.is_empty() {
+                    return Err(Error::new(
+                        name_span,
+                        "`fingerprint = []` would compare no part of the body; list the fields \
+                         that make two requests the same, or leave `fingerprint` out for the \
+                         whole body",
+                    ));
+                }
+                args.fingerprint = Some(pointers);
             } else if lookahead.peek(Token![crate]) {
                 input.parse::<Token![crate]>()?;
                 once("crate")?;
@@ -266,7 +314,8 @@ impl Parse for Args {
                          max_response = \"1MiB\", oversized = \"record_without_body\", \
                          reuse_status = 409, failure_mode = \"open\", non_replayable = [401, …], \
                          recorded_headers = [\"content-type\", …], methods = [\"POST\", \"PUT\"], \
-                         crate = path, framework = axum|actix, enlisted"
+                         key = header(\"webhook-id\") | body(\"/id\"), \
+                         fingerprint = [\"/amount\", …], crate = path, framework = axum|actix, enlisted"
                     ),
                 ));
             } else {
@@ -329,6 +378,41 @@ fn list_value<T>(
         .parse_terminated(item, Token![,])?
         .into_iter()
         .collect())
+}
+
+/// `= header("name")` or `= body("/pointer")`. The name and the pointer are checked by the
+/// runtime's `const fn`s in the expansion, at the literal.
+fn key_value(input: ParseStream<'_>) -> syn::Result<KeyArg> {
+    input.parse::<Token![=]>()?;
+    let expected = "`key` is `header(\"name\")` (a request header, e.g. `header(\"webhook-id\")`) \
+                    or `body(\"/pointer\")` (a JSON Pointer into the body, e.g. `body(\"/id\")`)";
+    let lookahead = input.lookahead1();
+    let header = if lookahead.peek(kw::header) {
+        input.parse::<kw::header>()?;
+        true
+    } else if lookahead.peek(kw::body) {
+        input.parse::<kw::body>()?;
+        false
+    } else {
+        return Err(Error::new(input.span(), expected));
+    };
+    if !input.peek(syn::token::Paren) {
+        return Err(Error::new(input.span(), expected));
+    }
+    let inner;
+    syn::parenthesized!(inner in input);
+    if !inner.peek(LitStr) {
+        return Err(Error::new(inner.span(), expected));
+    }
+    let lit: LitStr = inner.parse()?;
+    if !inner.is_empty() {
+        return Err(Error::new(inner.span(), expected));
+    }
+    Ok(if header {
+        KeyArg::Header(lit)
+    } else {
+        KeyArg::Body(lit)
+    })
 }
 
 /// `[401, 403]`: integers that are `u16`s; which statuses may be listed is the runtime's check.

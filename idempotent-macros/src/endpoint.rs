@@ -20,7 +20,7 @@
 use proc_macro2::{Group, Literal, Span, TokenStream, TokenTree};
 use quote::quote;
 
-use crate::args::{Args, FailureMode, ReuseStatus};
+use crate::args::{Args, FailureMode, KeyArg, ReuseStatus};
 
 /// `tokens` with every span set to `span`, so that an expression built from them is reported
 /// at `span` as a whole.
@@ -41,7 +41,7 @@ fn respan(tokens: TokenStream, span: Span) -> TokenStream {
 }
 
 /// The `EndpointConfig` expression (a `&'static` reference, as `Endpoint::CONFIG` holds it).
-fn config(args: &Args, private: &TokenStream) -> TokenStream {
+fn config(args: &Args, private: &TokenStream, name: &proc_macro2::Ident) -> TokenStream {
     let mut chain = quote!(#private::EndpointConfig::new());
     let mut set = |setter: &str, value: TokenStream| {
         let setter = proc_macro2::Ident::new(setter, Span::call_site());
@@ -101,6 +101,26 @@ fn config(args: &Args, private: &TokenStream) -> TokenStream {
             .map(|lit| respan(quote!(#private::header(#lit)), lit.span()));
         set("recorded_headers", quote!(&[#(#names),*]));
     }
+    match &args.key {
+        Some(KeyArg::Header(lit)) => {
+            // Header names are case-insensitive; the runtime keeps them in lowercase.
+            let lower = syn::LitStr::new(&lit.value().to_ascii_lowercase(), lit.span());
+            set(
+                "key",
+                respan(quote!(#private::key_header(#lower)), lit.span()),
+            );
+        }
+        Some(KeyArg::Body(lit)) => set("key", respan(quote!(#private::key_body(#lit)), lit.span())),
+        None => {}
+    }
+    if args.fingerprint.is_some() {
+        // The pointers are a constant of their own (see `item`): a `const fn`'s argument is not
+        // given a `'static` lifetime, a constant's value is.
+        set(
+            "fingerprint",
+            quote!(#private::BodySubset::from_static(#name::FINGERPRINT)),
+        );
+    }
     quote!(&#chain)
 }
 
@@ -114,7 +134,18 @@ pub(crate) fn item(
 ) -> TokenStream {
     let rt = args.runtime();
     let private = quote!(#rt::__private);
-    let config = config(args, &private);
+    let config = config(args, &private, name);
+    let pointers = args.fingerprint.as_ref().map(|pointers| {
+        let pointers = pointers
+            .iter()
+            .map(|lit| respan(quote!(#private::pointer(#lit)), lit.span()));
+        quote! {
+            #(#attrs)*
+            impl #name {
+                const FINGERPRINT: &'static [#private::JsonPointer] = &[#(#pointers),*];
+            }
+        }
+    });
     quote! {
         #(#attrs)*
         #[doc(hidden)]
@@ -124,6 +155,7 @@ pub(crate) fn item(
         impl #private::Endpoint for #name {
             const CONFIG: &'static #private::EndpointConfig = #config;
         }
+        #pointers
         // A free constant is evaluated whether or not anything uses it; the impl's constant
         // only where the extractor is instantiated (a routed handler), which `cargo check`
         // never does.

@@ -52,6 +52,27 @@ pub const fn header(name: &'static str) -> &'static str {
     name
 }
 
+pub use crate::fingerprint::BodySubset;
+pub use crate::key::{JsonPointer, KeySource};
+
+/// `key = header("…")`: the name, lowercased by the macro, checked where it is written.
+#[track_caller]
+pub const fn key_header(name: &'static str) -> KeySource {
+    KeySource::header_static(name)
+}
+
+/// `key = body("/…")`: the JSON Pointer, checked where it is written.
+#[track_caller]
+pub const fn key_body(pointer: &'static str) -> KeySource {
+    KeySource::body_static(pointer)
+}
+
+/// One pointer of `fingerprint = [...]`, checked where it is written.
+#[track_caller]
+pub const fn pointer(pointer: &'static str) -> JsonPointer {
+    JsonPointer::from_static(pointer)
+}
+
 pub use crate::probe::{BodyProbe, NotStreaming, StreamingBody};
 
 /// The axum expansion's helpers.

@@ -183,7 +183,7 @@ impl std::fmt::Debug for Claimed {
 
 /// The first half of [`prepare`]: method, key and body. The request's span (named after its
 /// route) covers this and the claim.
-pub async fn front<H: Head, B: Chunks, R: Reply>(
+pub async fn front<H: Head, B: Chunks + From<Bytes>, R: Reply>(
     handle: &Idempotency,
     endpoint: &EndpointConfig,
     head: &H,
@@ -247,7 +247,7 @@ impl Buffered {
 
 /// The steps before the handler, in order, for one request: [`front`], then
 /// [`Buffered::claim`].
-pub async fn prepare<H: Head, B: Chunks, R: Reply>(
+pub async fn prepare<H: Head, B: Chunks + From<Bytes>, R: Reply>(
     handle: &Idempotency,
     endpoint: &EndpointConfig,
     head: &H,
@@ -712,7 +712,7 @@ mod enlisted {
     /// [`front`](super::front) in enlisted mode: every body is read before its transaction
     /// begins (a request without a key too, so a slow client never holds a connection), so
     /// there is no pass; `Err` is a refusal.
-    pub async fn front_enlisted<H: Head, B: Chunks, R: Reply>(
+    pub async fn front_enlisted<H: Head, B: Chunks + From<Bytes>, R: Reply>(
         handle: &Idempotency,
         endpoint: &EndpointConfig,
         head: &H,
@@ -810,7 +810,7 @@ mod enlisted {
 
     /// [`prepare`](super::prepare) in enlisted mode: [`front_enlisted`], then
     /// [`BufferedTx::claim`].
-    pub async fn prepare_enlisted<H: Head, B: Chunks, R: Reply>(
+    pub async fn prepare_enlisted<H: Head, B: Chunks + From<Bytes>, R: Reply>(
         handle: &Idempotency,
         endpoint: &EndpointConfig,
         head: &H,

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 
+use crate::fingerprint::BodySubset;
+use crate::key::KeySource;
 use crate::scope::Anonymous;
 
 pub mod grammar;
@@ -584,6 +586,8 @@ pub struct EndpointConfig {
     pub(crate) failure_mode: Option<FailureMode>,
     pub(crate) oversized: Option<Oversized>,
     pub(crate) methods: Option<Methods>,
+    pub(crate) key: Option<KeySource>,
+    pub(crate) fingerprint: Option<BodySubset>,
 }
 
 /// A list of statuses: a `'static` slice (what a `const` holds) or a shared one (what a file
@@ -739,6 +743,8 @@ impl EndpointConfig {
             failure_mode: None,
             oversized: None,
             methods: None,
+            key: None,
+            fingerprint: None,
         }
     }
 
@@ -788,6 +794,32 @@ impl EndpointConfig {
     pub const fn methods(mut self, methods: Methods) -> Self {
         self.methods = Some(methods);
         self
+    }
+
+    /// Where the key comes from ([the contract](crate::design) §4): a header other than
+    /// [`Config::key_header`] (a webhook provider's `webhook-id`), or a JSON Pointer into the
+    /// body (`KeySource::body_static("/id")`, a Stripe-style event id). With a body source the
+    /// body is read within its bounds before the key is known: the order of checks becomes
+    /// body → key syntax → key presence → scope → claim, and a pointer that selects nothing is
+    /// a missing key, one that selects an object, an array or a body that is not JSON an
+    /// invalid one.
+    pub const fn key(mut self, source: KeySource) -> Self {
+        std::mem::forget(self.key.replace(source));
+        self
+    }
+
+    /// Compare retries by these fields of a JSON body instead of the whole body
+    /// ([`BodySubset`]: fingerprint version 2, the selected values in RFC 8785 form), so a
+    /// client timestamp or nonce elsewhere in the body does not turn an honest retry into a
+    /// 422. A body that is not JSON is then refused, 400 `IDEMPOTENCY_BODY_INVALID`.
+    pub const fn fingerprint(mut self, subset: BodySubset) -> Self {
+        std::mem::forget(self.fingerprint.replace(subset));
+        self
+    }
+
+    /// The key source in force: the endpoint's, else the configured header.
+    pub(crate) fn key_source(&self) -> Option<&KeySource> {
+        self.key.as_ref()
     }
 
     /// Statuses below 500 never recorded, replacing [`ConfigBuilder::non_replayable`]'s list.
@@ -865,6 +897,7 @@ impl EndpointConfig {
             reuse_status: self.reuse_status.unwrap_or(config.reuse_status),
             failure_mode: self.failure_mode.unwrap_or(config.failure_mode),
             methods: self.methods.unwrap_or(config.methods),
+            fingerprint: self.fingerprint.clone(),
             recording: Recording {
                 non_replayable: self.non_replayable.clone(),
                 recorded_headers: self.recorded_headers.clone(),
@@ -947,6 +980,8 @@ pub struct Effective {
     pub failure_mode: FailureMode,
     /// The methods it applies to.
     pub methods: Methods,
+    /// What of the body the fingerprint covers: `None` the whole body (version 1).
+    pub fingerprint: Option<BodySubset>,
     /// Which responses are recorded.
     pub recording: Recording,
 }

@@ -51,6 +51,13 @@ impl Head for PlainHead {
 /// A body held in memory, sent as one chunk.
 struct PlainBody(Option<Bytes>);
 
+/// A request body the pipeline read (to find a key in it) and hands back to the handler.
+impl From<Bytes> for PlainBody {
+    fn from(bytes: Bytes) -> Self {
+        Self(Some(bytes))
+    }
+}
+
 impl Chunks for PlainBody {
     type Error = Infallible;
     fn exact_len(&self) -> Option<u64> {

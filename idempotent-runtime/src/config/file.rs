@@ -278,13 +278,16 @@ struct EndpointFile {
     non_replayable: Option<Vec<u16>>,
     recorded_headers: Option<Vec<String>>,
     methods: Option<Vec<String>>,
+    key: Option<crate::key::KeySource>,
+    fingerprint: Option<crate::fingerprint::BodySubset>,
 }
 
 /// The keys are the attribute's arguments (`require_key = true` where the attribute writes
 /// the bare flag), each optional, read in the same grammar and refused where the attribute
 /// would refuse them: a lease under 30 ms, a `non_replayable` status outside 200–499, a
 /// `recorded_headers` entry that is not a header name (names are lowercased). Unknown fields
-/// are refused.
+/// are refused. `key` is a header name (`"webhook-id"`) or `"body:/pointer"`; `fingerprint` a
+/// list of JSON Pointers.
 ///
 /// ```
 /// # fn main() -> Result<(), serde_json::Error> {
@@ -344,6 +347,18 @@ impl<'de> Deserialize<'de> for EndpointConfig {
         }
         if let Some(names) = f.methods {
             e = e.methods(methods::<D::Error>(&names)?);
+        }
+        if let Some(source) = f.key {
+            e = e.key(source);
+        }
+        if let Some(subset) = f.fingerprint {
+            if subset.pointers().is_empty() {
+                return Err(de::Error::custom(
+                    "fingerprint: an empty list would compare no part of the body; list the \
+                     fields that make two requests the same, or leave it out for the whole body",
+                ));
+            }
+            e = e.fingerprint(subset);
         }
         Ok(e)
     }
@@ -423,6 +438,10 @@ mod tests {
             (r#"{"methods": ["GET"]}"#, "safe methods"),
             (r#"{"require_key": "yes"}"#, "bool"),
             (r#"{"key_header": "x-key"}"#, "unknown field"),
+            (r#"{"key": "body:id"}"#, "starts with `/`"),
+            (r#"{"key": "x key"}"#, "not allowed in a header name"),
+            (r#"{"fingerprint": []}"#, "compare no part of the body"),
+            (r#"{"fingerprint": ["amount"]}"#, "starts with `/`"),
         ] {
             let error = serde_json::from_str::<EndpointConfig>(bad)
                 .unwrap_err()
@@ -431,5 +450,30 @@ mod tests {
         }
         let empty: EndpointConfig = serde_json::from_str("{}").unwrap();
         assert_eq!(empty, EndpointConfig::OPTIONAL);
+    }
+
+    /// `key` and `fingerprint` read as the attribute writes them.
+    #[test]
+    fn key_source_and_fingerprint_fields() {
+        use crate::fingerprint::BodySubset;
+        use crate::key::{JsonPointer, KeySource};
+
+        const FIELDS: &[JsonPointer] = &[
+            JsonPointer::from_static("/type"),
+            JsonPointer::from_static("/data"),
+        ];
+        const EVENTS: EndpointConfig = EndpointConfig::REQUIRED
+            .key(KeySource::body_static("/id"))
+            .fingerprint(BodySubset::from_static(FIELDS));
+        let read: EndpointConfig = serde_json::from_str(
+            r#"{"require_key": true, "key": "body:/id", "fingerprint": ["/type", "/data"]}"#,
+        )
+        .unwrap();
+        assert_eq!(read, EVENTS);
+        let header: EndpointConfig = serde_json::from_str(r#"{"key": "Webhook-Id"}"#).unwrap();
+        assert_eq!(
+            header,
+            EndpointConfig::new().key(KeySource::header_static("webhook-id"))
+        );
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{Effective, FailureMode};
-use crate::fingerprint::{self, Fingerprint, FingerprintContributor, FingerprintInput};
+use crate::fingerprint::{self, BodySubset, Fingerprint, FingerprintContributor, FingerprintInput};
 use crate::handle::Idempotency;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, AuditDecision, AuditEvent, Event, KeyDisplay};
@@ -59,31 +59,42 @@ pub(crate) struct ClaimPlan<'a> {
     pub(crate) claim: ClaimRequest<'a>,
     pub(crate) route: &'a str,
     input: &'a FingerprintInput<'a>,
+    subset: Option<&'a BodySubset>,
     contributor: Option<&'a dyn FingerprintContributor>,
 }
 
 impl<'a> ClaimPlan<'a> {
+    /// The plan, or the refusal of a body the endpoint's fingerprint cannot read (a subset
+    /// fingerprint over a body that is not JSON), before anything is claimed.
     pub(crate) fn new(
         req: &'a BeginRequest<'a>,
         contributor: Option<&'a dyn FingerprintContributor>,
-    ) -> Self {
+    ) -> Result<Self, Problem> {
         let scope = req.input.scope;
-        Self {
+        let route = req.input.route.unwrap_or("");
+        let subset = req.endpoint.fingerprint.as_ref();
+        let fingerprint = match subset {
+            None => fingerprint::compute(&req.input, contributor),
+            Some(subset) => fingerprint::compute_subset(&req.input, subset, contributor)
+                .map_err(|error| super::refusals::subset_invalid(&error, route))?,
+        };
+        Ok(Self {
             claim: ClaimRequest {
                 scope: scope.hash(),
                 key: req.key.as_str(),
                 quota_bucket: scope.quota_bucket(),
-                fingerprint: fingerprint::compute(&req.input, contributor),
+                fingerprint,
                 token: FencingToken::mint(),
                 lease: req.endpoint.lease,
                 retention: req.endpoint.retention,
                 route: req.input.route.unwrap_or(""),
                 response_room: req.endpoint.max_response,
             },
-            route: req.input.route.unwrap_or(""),
+            route,
             input: &req.input,
+            subset,
             contributor,
-        }
+        })
     }
 
     /// Whether a stored fingerprint is this request's, compared with the encoder of the
@@ -93,8 +104,13 @@ impl<'a> ClaimPlan<'a> {
         if stored.version == fp.version {
             return *stored == fp;
         }
-        fingerprint::compute_version(stored.version, self.input, self.contributor)
-            .is_some_and(|f| f == *stored)
+        fingerprint::compute_version_subset(
+            stored.version,
+            self.input,
+            self.subset,
+            self.contributor,
+        )
+        .is_some_and(|f| f.is_ok_and(|f| f == *stored))
     }
 }
 
@@ -152,7 +168,10 @@ impl ClaimMode for Detached {
     )
 )]
 pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
-    let plan = ClaimPlan::new(req, handle.contributor());
+    let plan = match ClaimPlan::new(req, handle.contributor()) {
+        Ok(plan) => plan,
+        Err(problem) => return Begin::Refuse(problem),
+    };
     let route = plan.route;
     let store = handle.store();
     // Released if this future is dropped while the store call is out.

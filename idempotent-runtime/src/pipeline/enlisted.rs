@@ -115,7 +115,10 @@ fn in_progress(handle: &Idempotency, req: &BeginRequest<'_>, lease: Duration) ->
 /// the store's reserved connections; only a request that may run waits for a pooled
 /// connection to begin its transaction.
 async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
-    let plan = ClaimPlan::new(req, handle.contributor());
+    let plan = match ClaimPlan::new(req, handle.contributor()) {
+        Ok(plan) => plan,
+        Err(problem) => return Begin::Refuse(problem),
+    };
     let route = plan.route;
     let store = Arc::clone(handle.store());
     let Some(pg) = postgres(&*store) else {

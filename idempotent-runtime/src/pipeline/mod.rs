@@ -195,7 +195,7 @@ pub(crate) fn required_under_optional<R: Reply>(
     let problem = match handle {
         _ if strict => refusals::misconfigured(),
         _ if keyed => return None,
-        Some(handle) => refusals::key_missing(handle.config(), route),
+        Some(handle) => refusals::key_missing(handle.config(), route, None),
         None => Problem::new(
             400,
             ProblemCode::KeyRequired,
@@ -268,9 +268,26 @@ pub(crate) enum Front<B> {
     Buffered(Buffered),
 }
 
-/// Key syntax → key presence → body. A request without a key on an optional endpoint passes
-/// untouched, except in a mode whose transaction must not wait for a slow body (enlisted).
-pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
+/// Where this endpoint's key is read: a header (its own, else the configured one), or the body.
+enum KeyAt<'a> {
+    Header(&'a str),
+    Body(&'a key::JsonPointer),
+}
+
+fn key_at<'a>(handle: &'a Idempotency, endpoint: &'a EndpointConfig) -> KeyAt<'a> {
+    match endpoint.key_source() {
+        None => KeyAt::Header(handle.config().key_header()),
+        Some(source) => match source.body_pointer() {
+            Some(pointer) => KeyAt::Body(pointer),
+            None => KeyAt::Header(source.header_name().unwrap_or(key::HEADER_NAME)),
+        },
+    }
+}
+
+/// Key syntax → key presence → body; for a key read from the body, body → key syntax → key
+/// presence. A request without a key on an optional endpoint passes (with its body, read or
+/// not), except in a mode whose transaction must not wait for a slow body (enlisted).
+pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks + From<Bytes>>(
     handle: &Idempotency,
     endpoint: &EndpointConfig,
     head: &H,
@@ -278,31 +295,45 @@ pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
 ) -> Front<B> {
     let route = route_of(head);
     let effective = endpoint.resolve(handle.config());
-    let keys = head.header_values(handle.config().key_header());
-    let key = if effective.methods.contains(head.method()) {
-        match key::parse_header_values(keys) {
-            Err(error) => return Front::Refuse(refusals::key_invalid(error, route)),
-            Ok(None) if effective.require_key => {
-                return Front::Refuse(refusals::key_missing(handle.config(), route));
-            }
-            Ok(None) if !M::BUFFERS_UNKEYED => return Front::Pass(body),
-            Ok(key) => key,
-        }
-    } else {
-        // Not this endpoint's method: it passes untouched (enlisted: in a transaction, as a
-        // request without a key). A keyed unsafe one shows a handler routed for a method its
-        // attribute does not list.
-        let method = head.method();
-        if keys.count() > 0 && !is_safe(method) {
-            handle.watch().unlisted_method(route, method);
-            if handle.config().strict() {
-                return Front::Refuse(refusals::misconfigured());
+    let key_at = key_at(handle, endpoint);
+    let applies = effective.methods.contains(head.method());
+    let key = match key_at {
+        KeyAt::Header(name) if applies => {
+            match key::parse_header_values(head.header_values(name)) {
+                Err(error) => return Front::Refuse(refusals::key_invalid(error, route)),
+                Ok(None) if effective.require_key => {
+                    return Front::Refuse(refusals::key_missing(
+                        handle.config(),
+                        route,
+                        endpoint.key_source(),
+                    ));
+                }
+                Ok(None) if !M::BUFFERS_UNKEYED => return Front::Pass(body),
+                Ok(key) => key,
             }
         }
-        if !M::BUFFERS_UNKEYED {
-            return Front::Pass(body);
+        // Known once the body is read.
+        KeyAt::Body(_) if applies => None,
+        _ => {
+            // Not this endpoint's method: it passes untouched (enlisted: in a transaction, as
+            // a request without a key). A keyed unsafe one shows a handler routed for a method
+            // its attribute does not list.
+            let method = head.method();
+            let keyed = match key_at {
+                KeyAt::Header(name) => head.header_values(name).next().is_some(),
+                KeyAt::Body(_) => false,
+            };
+            if keyed && !is_safe(method) {
+                handle.watch().unlisted_method(route, method);
+                if handle.config().strict() {
+                    return Front::Refuse(refusals::misconfigured());
+                }
+            }
+            if !M::BUFFERS_UNKEYED {
+                return Front::Pass(body);
+            }
+            None
         }
-        None
     };
     let announced = first_header(head, "content-length")
         .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse::<u64>().ok());
@@ -315,22 +346,41 @@ pub(crate) async fn front<M: ClaimMode, H: Head, B: Chunks>(
         config.body_timeout(),
     )
     .await;
-    match read {
-        Ok((body, permit)) => Front::Buffered(Buffered {
-            key,
-            body,
-            permit,
-            effective,
-        }),
+    let (body, permit) = match read {
+        Ok(read) => read,
         Err(BodyError::TooLarge) => {
-            Front::Refuse(refusals::payload_too_large(effective.max_body, route))
+            return Front::Refuse(refusals::payload_too_large(effective.max_body, route));
         }
-        Err(BodyError::Timeout) => Front::Refuse(refusals::body_timeout(handle.config(), route)),
+        Err(BodyError::Timeout) => {
+            return Front::Refuse(refusals::body_timeout(handle.config(), route));
+        }
         Err(BodyError::BuffersFull) => {
-            Front::Refuse(refusals::buffers_full(handle.config(), route))
+            return Front::Refuse(refusals::buffers_full(handle.config(), route));
         }
-        Err(BodyError::Broken) => Front::Refuse(refusals::body_invalid(route)),
-    }
+        Err(BodyError::Broken) => return Front::Refuse(refusals::body_invalid(route)),
+    };
+    let key = match key_at {
+        KeyAt::Body(pointer) if applies => match key::key_from_body(pointer, &body) {
+            Err(error) => return Front::Refuse(refusals::body_key_invalid(&error, route)),
+            Ok(None) if effective.require_key => {
+                return Front::Refuse(refusals::key_missing(
+                    handle.config(),
+                    route,
+                    endpoint.key_source(),
+                ));
+            }
+            // The body was read to look for the key: the handler gets it as it arrived.
+            Ok(None) if !M::BUFFERS_UNKEYED => return Front::Pass(B::from(body)),
+            Ok(key) => key,
+        },
+        _ => key,
+    };
+    Front::Buffered(Buffered {
+        key,
+        body,
+        permit,
+        effective,
+    })
 }
 
 /// A request admitted to run: it holds its key (or, enlisted without a key, its transaction); run the

@@ -3,7 +3,8 @@
 //! settings they quote, so they belong to no type.
 
 use crate::config::Config;
-use crate::key::KeyError;
+use crate::fingerprint::SubsetError;
+use crate::key::{BodyKeyError, KeyError, KeySource};
 use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemCode};
 use crate::record;
@@ -17,15 +18,43 @@ pub(crate) fn key_invalid(error: KeyError, route: &str) -> Problem {
     Problem::new(400, ProblemCode::KeyInvalid, error.to_string())
 }
 
-/// The refusal for a missing key on a `require_key` endpoint.
-pub(crate) fn key_missing(config: &Config, route: &str) -> Problem {
+/// The refusal for a missing key on a `require_key` endpoint (`at`: where it reads the key,
+/// `None` for the default header).
+pub(crate) fn key_missing(config: &Config, route: &str, at: Option<&KeySource>) -> Problem {
     observe::count(Event::KeyMissing, route);
     observe::decided(Event::KeyMissing.name());
+    let detail = match at {
+        None => "this endpoint requires an Idempotency-Key header".to_owned(),
+        Some(at) => match at.body_pointer() {
+            Some(pointer) => {
+                format!("this endpoint requires an idempotency key in the JSON body at {pointer}")
+            }
+            None => format!(
+                "this endpoint requires an idempotency key in the {} header",
+                at.header_name().unwrap_or(crate::key::HEADER_NAME)
+            ),
+        },
+    };
     Problem::new(
         config.missing_key_status().code(),
         ProblemCode::KeyRequired,
-        "this endpoint requires an Idempotency-Key header",
+        detail,
     )
+}
+
+/// The refusal for a key the body holds but that cannot be one (or a body that is not JSON).
+pub(crate) fn body_key_invalid(error: &BodyKeyError, route: &str) -> Problem {
+    observe::count(Event::KeyInvalid, route);
+    observe::decided(Event::KeyInvalid.name());
+    tracing::debug!(route, %error, "idempotency key in the body refused");
+    error.problem()
+}
+
+/// The refusal for a body a fingerprint over its fields cannot read.
+pub(crate) fn subset_invalid(error: &SubsetError, route: &str) -> Problem {
+    tracing::debug!(route, %error, "request body is not JSON the fingerprint can read");
+    observe::decided("body_invalid");
+    error.problem()
 }
 
 /// The refusal for a body over its cap.

@@ -123,6 +123,16 @@ impl TestBody {
     }
 }
 
+impl From<Bytes> for TestBody {
+    fn from(bytes: Bytes) -> Self {
+        Self {
+            exact: Some(bytes.len() as u64),
+            chunks: VecDeque::from([Ok(bytes)]),
+            ..Self::default()
+        }
+    }
+}
+
 impl Chunks for TestBody {
     type Error = &'static str;
 
@@ -1108,4 +1118,178 @@ async fn a_handlers_own_idempotency_replay_header_is_never_recorded() {
         None,
         "a replay of a whole answer never says its body was omitted: {replay:?}"
     );
+}
+
+// Where the key comes from, and what the fingerprint covers (issue 31).
+
+const EVENT_FIELDS: &[crate::key::JsonPointer] = &[
+    crate::key::JsonPointer::from_static("/type"),
+    crate::key::JsonPointer::from_static("/data"),
+];
+const EVENTS: &EndpointConfig = &EndpointConfig::REQUIRED
+    .key(crate::key::KeySource::body_static("/id"))
+    .fingerprint(crate::fingerprint::BodySubset::from_static(EVENT_FIELDS));
+const OPTIONAL_BODY_KEY: &EndpointConfig =
+    &EndpointConfig::OPTIONAL.key(crate::key::KeySource::body_static("/id"));
+const WEBHOOK: &EndpointConfig =
+    &EndpointConfig::REQUIRED.key(crate::key::KeySource::header_static("webhook-id"));
+
+async fn front_of(
+    handle: &Idempotency,
+    endpoint: &EndpointConfig,
+    head: &TestHead,
+    body: &'static [u8],
+) -> Front<TestBody> {
+    front::<Detached, _, _>(handle, endpoint, head, TestBody::of(&[body])).await
+}
+
+/// Claims through `endpoint` and answers `status` with `body`, or returns the answer instead.
+async fn through(
+    handle: &Idempotency,
+    endpoint: &EndpointConfig,
+    head: &TestHead,
+    request: &'static [u8],
+) -> Result<(Admitted<Reservation>, String), Sent> {
+    let buffered = match front_of(handle, endpoint, head, request).await {
+        Front::Buffered(buffered) => buffered,
+        Front::Refuse(problem) => panic!("refused: {problem:?}"),
+        Front::Pass(_) => panic!("passed"),
+    };
+    let admitted = claim::<Detached, _, Sent>(handle, head, buffered).await?;
+    let key = admitted.context.as_ref().unwrap().key().as_str().to_owned();
+    Ok((admitted, key))
+}
+
+#[tokio::test]
+async fn a_key_in_the_body_is_read_after_the_body_and_checked_as_a_header_key() {
+    let handle = handle_with_budget(1 << 20);
+    let anonymous = TestHead::default().peer(Ipv4Addr::new(10, 0, 0, 1).into());
+    // The Idempotency-Key header means nothing on such an endpoint: the body's id is the key.
+    let head = TestHead::keyed("header-key");
+    let (admitted, key) = through(&handle, EVENTS, &head, br#"{"id":"evt_1","type":"a"}"#)
+        .await
+        .unwrap_or_else(|sent| panic!("not claimed: {sent:?}"));
+    assert_eq!(key, "evt_1");
+    admitted.held.release().await;
+    let (admitted, key) = through(&handle, EVENTS, &anonymous, br#"{"id": 42}"#)
+        .await
+        .unwrap_or_else(|sent| panic!("not claimed: {sent:?}"));
+    assert_eq!(key, "42", "a number is its JSON text");
+    admitted.held.release().await;
+
+    for (body, code) in [
+        (&br#"{"type":"a"}"#[..], ProblemCode::KeyRequired),
+        (br#"{"id":{"nested":1}}"#, ProblemCode::KeyInvalid),
+        (br#"{"id":["a"]}"#, ProblemCode::KeyInvalid),
+        (br#"{"id":null}"#, ProblemCode::KeyInvalid),
+        (br#"{"id":""}"#, ProblemCode::KeyInvalid),
+        (br#"{"id":"has space"}"#, ProblemCode::KeyInvalid),
+        (b"not json", ProblemCode::KeyInvalid),
+    ] {
+        let refused = front_of(&handle, EVENTS, &anonymous, body).await;
+        assert_eq!(refusal(refused), code, "{}", String::from_utf8_lossy(body));
+    }
+    // The body's bounds come first: a body over the cap is 413 whatever key it would hold.
+    let small = EndpointConfig::REQUIRED
+        .key(crate::key::KeySource::body_static("/id"))
+        .max_body(8);
+    let big = front_of(&handle, &small, &anonymous, br#"{"id":"evt_1"}"#).await;
+    assert_eq!(refusal(big), ProblemCode::PayloadTooLarge);
+}
+
+#[tokio::test]
+async fn an_optional_body_key_that_is_absent_passes_the_body_on_whole() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::default().peer(Ipv4Addr::new(10, 0, 0, 1).into());
+    let Front::Pass(mut body) = front_of(&handle, OPTIONAL_BODY_KEY, &head, br#"{"a":1}"#).await
+    else {
+        panic!("a body without the key passes on an optional endpoint");
+    };
+    let chunk = std::future::poll_fn(|cx| body.poll_chunk(cx)).await;
+    assert_eq!(chunk.unwrap().unwrap(), &br#"{"a":1}"#[..]);
+    assert_eq!(handle.budget().used(), 0, "nothing stays charged");
+}
+
+#[tokio::test]
+async fn an_endpoint_reads_its_key_from_its_own_header() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::default()
+        .header("webhook-id", "msg_1")
+        .peer(Ipv4Addr::new(10, 0, 0, 1).into());
+    let (admitted, key) = through(&handle, WEBHOOK, &head, b"{}")
+        .await
+        .unwrap_or_else(|sent| panic!("not claimed: {sent:?}"));
+    assert_eq!(key, "msg_1");
+    admitted.held.release().await;
+    // The configured header is not this endpoint's.
+    let default_only = TestHead::keyed("k");
+    let missing = front_of(&handle, WEBHOOK, &default_only, b"{}").await;
+    let Front::Refuse(problem) = missing else {
+        panic!("a request without webhook-id is refused");
+    };
+    assert_eq!(problem.code(), ProblemCode::KeyRequired);
+    assert!(
+        problem.detail().contains("webhook-id"),
+        "{}",
+        problem.detail()
+    );
+    let bad = TestHead::default().header("webhook-id", "a,b");
+    assert_eq!(
+        refusal(front_of(&handle, WEBHOOK, &bad, b"{}").await),
+        ProblemCode::KeyInvalid
+    );
+}
+
+#[tokio::test]
+async fn a_subset_fingerprint_replays_other_fields_and_refuses_a_changed_field() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::default().peer(Ipv4Addr::new(10, 0, 0, 1).into());
+    let first =
+        br#"{"id":"evt_9","type":"paid","data":{"amount":100,"currency":"EUR"},"sent_at":1}"#;
+    let (admitted, _) = through(&handle, EVENTS, &head, first)
+        .await
+        .unwrap_or_else(|sent| panic!("not claimed: {sent:?}"));
+    let (reply, body) = TestReply::new(200, b"{\"ok\":true}");
+    settle(&handle, admitted.held, Sent(reply, body)).await;
+
+    // Another timestamp, member order and number form: the same request.
+    let retry =
+        br#"{"sent_at":2,"data":{"currency":"EUR","amount":1e2},"type":"paid","id":"evt_9"}"#;
+    let replay = through(&handle, EVENTS, &head, retry)
+        .await
+        .err()
+        .expect("a replay");
+    assert!(replay.0.replayed);
+    assert_eq!(&replay.0.body[..], b"{\"ok\":true}");
+    // A changed amount is another request under the same key.
+    let changed = br#"{"id":"evt_9","type":"paid","data":{"amount":101,"currency":"EUR"}}"#;
+    let reused = through(&handle, EVENTS, &head, changed)
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(
+        (reused.0.status, reused.0.code),
+        (422, Some(ProblemCode::KeyReused))
+    );
+}
+
+#[tokio::test]
+async fn a_subset_fingerprint_refuses_a_body_that_is_not_json_before_claiming() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::keyed("k");
+    const SUBSET_ONLY: &EndpointConfig = &EndpointConfig::REQUIRED
+        .fingerprint(crate::fingerprint::BodySubset::from_static(EVENT_FIELDS));
+    let refused = through(&handle, SUBSET_ONLY, &head, b"{not json")
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(
+        (refused.0.status, refused.0.code),
+        (400, Some(ProblemCode::BodyInvalid))
+    );
+    // Nothing was claimed: the same key with a JSON body runs.
+    let (admitted, _) = through(&handle, SUBSET_ONLY, &head, b"{}")
+        .await
+        .unwrap_or_else(|sent| panic!("not claimed: {sent:?}"));
+    admitted.held.release().await;
 }
