@@ -11,12 +11,14 @@
 //! `/shops/{shop}/orders` (a scope) and `/search` (a resource) sit behind
 //! `IdempotencyMiddleware`; `/big` has both, and the attribute steps aside. `/metrics` is the
 //! Prometheus scrape; `/admin/records?key=K` inspects (GET) and forgets (DELETE) the caller's
-//! own record.
+//! own record. `/webhooks/standard` reads its key from the `webhook-id` header after a
+//! middleware checked the signature; `/events` reads its key from the body and fingerprints two
+//! of its fields.
 
 use std::collections::HashMap;
 use std::io::Write as _;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
@@ -25,7 +27,7 @@ use actix_web::{
     App, HttpMessage, HttpRequest, HttpResponse, HttpServer, Responder, get, post, web,
 };
 use idempotent_examples::admin;
-use idempotent_examples::conformance::{Executions, Options, RunLog, identity, init_logging};
+use idempotent_examples::conformance::{self, Executions, Options, RunLog, identity, init_logging};
 use idempotent_runtime::actix::{CallerScope, IdempotencyMiddleware, idempotent};
 use idempotent_runtime::{EndpointConfig, Idempotency, IdempotencyContext};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -121,6 +123,51 @@ async fn status(state: web::Data<AppState>, status: web::Query<Status>) -> HttpR
     let n = state.executions.next("/status");
     let code = StatusCode::from_u16(status.code).unwrap_or(StatusCode::BAD_REQUEST);
     HttpResponse::build(code).json(json!({"execution": n}))
+}
+
+/// `POST /webhooks/standard`: a Standard Webhooks receiver. The delivery id (`webhook-id`) is
+/// the key; the signature is checked by a middleware on the resource ([`verify_delivery`])
+/// that publishes the provider as the caller, so a forged delivery claims nothing.
+#[idempotent(require_key, key = header("webhook-id"))]
+async fn standard_webhook(state: web::Data<AppState>, _event: web::Json<Value>) -> HttpResponse {
+    let n = state.executions.next("/webhooks/standard");
+    HttpResponse::Ok().json(json!({"execution": n}))
+}
+
+/// Checks a delivery's signature over its body, then puts the body back for the handler.
+async fn verify_delivery(
+    mut req: ServiceRequest,
+    next: actix_web::middleware::Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let max_body = req
+        .app_data::<web::Data<Idempotency>>()
+        .map_or(1 << 20, |handle| handle.config().max_body());
+    let body = match conformance::read_delivery(req.take_payload(), max_body).await {
+        Ok(body) => body,
+        Err(status) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
+            let response = HttpResponse::build(status).finish();
+            return Ok(req.into_response(response).map_into_right_body());
+        }
+    };
+    let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes());
+    let verified = conformance::webhook_verifier().verify(header, &body, SystemTime::now());
+    if let Err(error) = verified {
+        tracing::debug!(%error, "webhook delivery refused");
+        let response = HttpResponse::Unauthorized().finish();
+        return Ok(req.into_response(response).map_into_right_body());
+    }
+    req.extensions_mut().insert(conformance::webhook_provider());
+    req.set_payload(actix_web::dev::Payload::from(body));
+    Ok(next.call(req).await?.map_into_left_body())
+}
+
+/// `POST /events`: a Stripe-style receiver. The key is the event's `id` in the body; retries are
+/// compared by `/type` and `/data` only, so a redelivery with another envelope replays.
+#[idempotent(require_key, key = body("/id"), fingerprint = ["/type", "/data"])]
+async fn event(state: web::Data<AppState>, _event: web::Json<Value>) -> HttpResponse {
+    let n = state.executions.next("/events");
+    HttpResponse::Ok().json(json!({"execution": n}))
 }
 
 #[derive(Deserialize)]
@@ -324,6 +371,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .route("/notes", web::post().to(create_note))
                 .route("/status", web::post().to(status))
                 .route("/panic", web::post().to(panic))
+                .route("/events", web::post().to(event))
+                .service(
+                    web::resource("/webhooks/standard")
+                        .wrap(actix_web::middleware::from_fn(verify_delivery))
+                        .route(web::post().to(standard_webhook)),
+                )
                 .service(
                     web::resource("/big")
                         .wrap(IdempotencyMiddleware::new().endpoint(EndpointConfig::REQUIRED))

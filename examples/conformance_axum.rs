@@ -8,14 +8,16 @@
 //! `/orders` and `/status` take the store from the application state (`FromRef`); `/notes`,
 //! `/shops/{shop}/orders`, `/slow` and `/panic` from the request extensions
 //! (`Extension<Idempotency>`); `/search` and `/big` sit behind `IdempotencyLayer` (and
-//! `/big` also carries the attribute, which steps aside). `/metrics` is the Prometheus scrape;
+//! `/big` also carries the attribute, which steps aside). `/webhooks/standard` reads its key from
+//! the `webhook-id` header after a route layer checked the signature; `/events` reads its key
+//! from the body and fingerprints two of its fields. `/metrics` is the Prometheus scrape;
 //! `/admin/records?key=K` inspects (GET) and forgets (DELETE) the caller's own record.
 
 use std::collections::HashMap;
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use axum::body::Body;
 use axum::extract::{FromRef, Path, Query, RawQuery, Request, State};
@@ -26,7 +28,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use idempotent_examples::admin;
 use idempotent_examples::conformance::{
-    Executions, Options, RunLog, identity, init_logging, shutdown_signal,
+    self, Executions, Options, RunLog, identity, init_logging, shutdown_signal,
 };
 use idempotent_runtime::axum::{CallerScope, IdempotencyLayer, idempotent};
 use idempotent_runtime::{EndpointConfig, Idempotency, IdempotencyContext};
@@ -241,6 +243,52 @@ mod ledger {
     }
 }
 
+/// `POST /webhooks/standard`: a Standard Webhooks receiver. The delivery id (`webhook-id`) is
+/// the key; the signature is checked before the idempotency step ([`verify_delivery`]), which
+/// publishes the provider as the caller, so a forged delivery claims nothing.
+#[idempotent(require_key, key = header("webhook-id"))]
+async fn standard_webhook(
+    State(state): State<AppState>,
+    Json(_event): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    let n = state.executions.next("/webhooks/standard");
+    (StatusCode::OK, Json(json!({"execution": n})))
+}
+
+/// Checks a delivery's signature over its body, then hands the body on (a route layer, so it
+/// runs before the handler's extractors and the idempotency step among them).
+async fn verify_delivery(State(max_body): State<usize>, request: Request, next: Next) -> Response {
+    let (mut parts, body) = request.into_parts();
+    let body = match conformance::read_delivery(body.into_data_stream(), max_body).await {
+        Ok(body) => body,
+        Err(status) => {
+            return StatusCode::from_u16(status)
+                .unwrap_or(StatusCode::BAD_REQUEST)
+                .into_response();
+        }
+    };
+    let header = |name: &str| parts.headers.get(name).map(HeaderValue::as_bytes);
+    let verified = conformance::webhook_verifier().verify(header, &body, SystemTime::now());
+    if let Err(error) = verified {
+        tracing::debug!(%error, "webhook delivery refused");
+        return StatusCode::UNAUTHORIZED.into_response();
+    }
+    parts.extensions.insert(conformance::webhook_provider());
+    next.run(Request::from_parts(parts, Body::from(body))).await
+}
+
+/// `POST /events`: a Stripe-style receiver. The key is the event's `id` in the body; retries are
+/// compared by `/type` and `/data` only, so a redelivery with another envelope (a new
+/// `created` time, say) replays.
+#[idempotent(require_key, key = body("/id"), fingerprint = ["/type", "/data"])]
+async fn event(
+    State(state): State<AppState>,
+    Json(_event): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    let n = state.executions.next("/events");
+    (StatusCode::OK, Json(json!({"execution": n})))
+}
+
 async fn executions(State(state): State<AppState>) -> Json<Value> {
     Json(state.executions.snapshot())
 }
@@ -333,6 +381,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/search", post(search))
         .route("/big", post(big))
         .route_layer(IdempotencyLayer::new(idempotency.clone()).endpoint(EndpointConfig::REQUIRED));
+    let webhooks = Router::new()
+        .route("/webhooks/standard", post(standard_webhook))
+        .route_layer(middleware::from_fn_with_state(
+            options.max_body,
+            verify_delivery,
+        ));
     let app = Router::new()
         .route("/orders", post(create_order))
         .route("/orders/{id}", get(get_order))
@@ -341,6 +395,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/slow", post(slow))
         .route("/status", post(status))
         .route("/panic", post(panic))
+        .route("/events", post(event))
+        .merge(webhooks)
         .route("/executions", get(executions))
         .route("/metrics", get(scrape))
         .route("/admin/records", get(admin_record).delete(admin_record))

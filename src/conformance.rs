@@ -13,6 +13,7 @@ use idempotent_runtime::config::{Config, MissingKeyStatus, Oversized, ReuseStatu
 use idempotent_runtime::problem::{Problem, ProblemCode};
 use idempotent_runtime::scope::{ClientId, Identity, RequestHead, Resolution};
 use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
+use idempotent_runtime::webhook::StandardWebhooks;
 use ipnet::IpNet;
 
 /// Which store to run on.
@@ -443,12 +444,47 @@ pub fn identity(
     Ok(identity)
 }
 
+/// The Standard Webhooks secret of `POST /webhooks/standard`: `whsec_` and the base64 of
+/// `conformance`.
+pub const WEBHOOK_SECRET: &str = "whsec_Y29uZm9ybWFuY2U=";
+
+/// The verifier of `POST /webhooks/standard`'s deliveries.
+pub fn webhook_verifier() -> StandardWebhooks {
+    StandardWebhooks::new(WEBHOOK_SECRET).expect("the conformance secret is well formed")
+}
+
+/// Who a verified delivery comes from: the provider, as the scope's identity, so that its
+/// delivery ids never meet another caller's keys.
+pub fn webhook_provider() -> Identity {
+    Identity::client(ClientId::OAuth("standard-webhooks".to_owned()))
+}
+
+/// Reads at most `limit` bytes of a webhook delivery's body before its signature is checked:
+/// `Err(413)` past it, `Err(400)` for a body broken mid-read.
+pub async fn read_delivery<S, E>(chunks: S, limit: usize) -> Result<bytes::Bytes, u16>
+where
+    S: futures_util::Stream<Item = Result<bytes::Bytes, E>>,
+{
+    use futures_util::StreamExt as _;
+    let mut chunks = std::pin::pin!(chunks);
+    let mut body = bytes::BytesMut::new();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|_| 400u16)?;
+        if body.len() + chunk.len() > limit {
+            return Err(413);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
+}
+
 /// Per-route counters of real handler executions (`GET /executions`).
 #[derive(Debug, Default)]
 pub struct Executions(Mutex<BTreeMap<&'static str, u64>>);
 
-/// Every route pattern the servers expose, for `GET /executions`.
-pub const ROUTES: [&str; 10] = [
+/// Every route pattern the servers expose, for `GET /executions`: the POST routes, then
+/// `/orders/{id}` (never counted).
+pub const ROUTES: [&str; 12] = [
     "/orders",
     "/notes",
     "/shops/{shop}/orders",
@@ -458,6 +494,8 @@ pub const ROUTES: [&str; 10] = [
     "/panic",
     "/search",
     "/ledger",
+    "/webhooks/standard",
+    "/events",
     "/orders/{id}",
 ];
 
@@ -474,7 +512,7 @@ impl Executions {
     pub fn snapshot(&self) -> serde_json::Value {
         let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = serde_json::Map::new();
-        for route in &ROUTES[..9] {
+        for route in &ROUTES[..ROUTES.len() - 1] {
             out.insert((*route).into(), map.get(route).copied().unwrap_or(0).into());
         }
         serde_json::Value::Object(out)

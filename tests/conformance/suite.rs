@@ -92,6 +92,10 @@ conformance! {
     retention_lapses_and_the_key_runs_again,
     malformed_authorization_is_401_before_idempotency,
     other_methods_pass_through,
+    standard_webhook_redeliveries_run_once,
+    standard_webhook_with_a_bad_signature_claims_nothing,
+    event_keyed_by_its_body_id_replays_a_new_envelope,
+    event_key_mistakes_are_answered_as_the_contract_says,
 }
 
 mod cases {
@@ -795,5 +799,160 @@ mod cases {
         let raw = s.raw(request.as_bytes());
         assert_eq!(raw.status, 200, "{}", raw.text);
         assert_eq!(s.get("/orders/99").await.status, 404);
+    }
+
+    /// A Standard Webhooks delivery of `body` with id `id`, signed now (or with `signature`).
+    fn delivery(s: &Server, id: &str, body: &str, signature: Option<&str>) -> harness::Call {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        let signed =
+            idempotent_examples::conformance::webhook_verifier().sign(id, now, body.as_bytes());
+        s.post("/webhooks/standard")
+            .header("webhook-id", id)
+            .header("webhook-timestamp", &now.to_string())
+            .header("webhook-signature", signature.unwrap_or(&signed))
+            .raw_json(body)
+    }
+
+    /// Sends `call()` until it is not 409, as a provider retries "later": at most 50 times.
+    async fn until_done(call: impl Fn() -> harness::Call) -> Resp {
+        for _ in 0..50 {
+            let r = call().send().await;
+            if r.status != 409 {
+                return r;
+            }
+            r.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("still in progress after 50 attempts");
+    }
+
+    pub async fn standard_webhook_redeliveries_run_once(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let body = r#"{"type":"invoice.paid","data":{"id":"in_1"}}"#;
+        // Eight copies at once (a provider's retries racing), each retried on 409.
+        let racing = (0..8).map(|_| until_done(|| delivery(&s, "msg_race", body, None)));
+        let answers = futures_util::future::join_all(racing).await;
+        // Then eight one after another.
+        let mut all = answers;
+        for _ in 0..8 {
+            all.push(delivery(&s, "msg_race", body, None).send().await);
+        }
+        let first = all
+            .iter()
+            .find(|r| !r.replayed())
+            .expect("one delivery ran");
+        assert_eq!((first.status, first.json()), (200, json!({"execution": 1})));
+        for r in &all {
+            assert_eq!(r.status, 200, "{:?}", r.body);
+            assert_eq!(r.body, first.body, "every answer is the recorded one");
+        }
+        assert_eq!(all.iter().filter(|r| !r.replayed()).count(), 1);
+        assert_eq!(s.runs("/webhooks/standard").await, 1);
+        // Another delivery id is another event.
+        let other = delivery(&s, "msg_other", body, None).send().await;
+        assert_eq!((other.status, other.replayed()), (200, false));
+        assert_eq!(s.runs("/webhooks/standard").await, 2);
+    }
+
+    pub async fn standard_webhook_with_a_bad_signature_claims_nothing(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let body = r#"{"type":"invoice.paid"}"#;
+        let forged = "v1,bm90IHRoZSByaWdodCBzaWduYXR1cmUgYXQgYWxsIQ==";
+        let r = delivery(&s, "msg_forged", body, Some(forged)).send().await;
+        assert_eq!(r.status, 401, "{:?}", r.body);
+        // Signed for another body: as forged.
+        let tampered = delivery(&s, "msg_forged", r#"{"type":"other"}"#, None)
+            .raw_json(body)
+            .send()
+            .await;
+        assert_eq!(tampered.status, 401);
+        assert_eq!(s.runs("/webhooks/standard").await, 0);
+        // Nothing was claimed: the genuine delivery with that id runs.
+        let genuine = delivery(&s, "msg_forged", body, None).send().await;
+        assert_eq!((genuine.status, genuine.replayed()), (200, false));
+        assert_eq!(genuine.json(), json!({"execution": 1}));
+    }
+
+    pub async fn event_keyed_by_its_body_id_replays_a_new_envelope(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let event = |created: u64, amount: u64| {
+            json!({"id": "evt_1", "created": created, "type": "charge.succeeded",
+                   "data": {"amount": amount, "currency": "eur"}})
+        };
+        let first = s.post("/events").json(&event(1, 100)).send().await;
+        assert_eq!((first.status, first.replayed()), (200, false));
+        assert_eq!(first.json(), json!({"execution": 1}));
+        // A redelivery with another timestamp, and members in another order: a replay.
+        let reordered = r#"{"data":{"currency":"eur","amount":100},"type":"charge.succeeded","created":2,"id":"evt_1"}"#;
+        let again = s.post("/events").raw_json(reordered).send().await;
+        assert_eq!((again.status, again.replayed()), (200, true));
+        assert_eq!(again.body, first.body);
+        // The same id with another amount is another request under a used key.
+        let changed = s.post("/events").json(&event(3, 101)).send().await;
+        changed.assert_problem(422, "IDEMPOTENCY_KEY_REUSED");
+        // The Idempotency-Key header means nothing here.
+        let header_only = s
+            .post("/events")
+            .key("evt_1")
+            .json(&json!({"type": "x"}))
+            .send()
+            .await;
+        header_only.assert_problem(400, "IDEMPOTENCY_KEY_REQUIRED");
+        assert_eq!(s.runs("/events").await, 1);
+    }
+
+    pub async fn event_key_mistakes_are_answered_as_the_contract_says(name: &'static str) {
+        let s = Server::start(name, &[]);
+        let cases = [
+            (r#"{"type":"x","data":{}}"#, 400, "IDEMPOTENCY_KEY_REQUIRED"),
+            (
+                r#"{"id":{"nested":"evt"},"type":"x"}"#,
+                400,
+                "IDEMPOTENCY_KEY_INVALID",
+            ),
+            (
+                r#"{"id":["evt_1"],"type":"x"}"#,
+                400,
+                "IDEMPOTENCY_KEY_INVALID",
+            ),
+            (r#"{"id":null,"type":"x"}"#, 400, "IDEMPOTENCY_KEY_INVALID"),
+            (r#"{"id":"","type":"x"}"#, 400, "IDEMPOTENCY_KEY_INVALID"),
+            (
+                r#"{"id":"two words","type":"x"}"#,
+                400,
+                "IDEMPOTENCY_KEY_INVALID",
+            ),
+            (
+                r#"{"id":"evt_1","id":"evt_2"}"#,
+                400,
+                "IDEMPOTENCY_KEY_INVALID",
+            ),
+            ("not json at all", 400, "IDEMPOTENCY_KEY_INVALID"),
+        ];
+        for (body, status, code) in cases {
+            let r = s.post("/events").raw_json(body).send().await;
+            assert!(
+                !r.body.windows(5).any(|w| w == b"evt_2"),
+                "a key is never echoed"
+            );
+            r.assert_problem(status, code);
+        }
+        // A numeric id is a key too, as its JSON text.
+        let numeric = s
+            .post("/events")
+            .json(&json!({"id": 42, "type": "x"}))
+            .send()
+            .await;
+        assert_eq!(numeric.status, 200);
+        let again = s
+            .post("/events")
+            .json(&json!({"id": 42, "type": "x"}))
+            .send()
+            .await;
+        assert!(again.replayed());
+        assert_eq!(s.runs("/events").await, 1);
     }
 }
