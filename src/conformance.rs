@@ -61,6 +61,9 @@ pub struct Options {
     /// `--strict` / `--no-strict`: refuse a detected setup mistake with 500
     /// `IDEMPOTENCY_MISCONFIGURED` (default: the build's, strict in debug builds).
     pub strict: bool,
+    /// `--wait-in-progress SECS`: hold a duplicate of a running key up to SECS, then replay,
+    /// instead of 409 (default: off).
+    pub wait_in_progress: Duration,
 }
 
 impl Default for Options {
@@ -83,6 +86,7 @@ impl Default for Options {
             local_cache: false,
             oversized: Oversized::RunAgain,
             strict: cfg!(debug_assertions),
+            wait_in_progress: Duration::ZERO,
         }
     }
 }
@@ -91,7 +95,8 @@ const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite|re
 --lease SECS --retention SECS --max-body BYTES --max-response BYTES --body-timeout SECS \
 --reuse-status 422|409 \
 --missing-status 400|428 --trusted-proxy CIDR (repeatable) --key-header NAME \
---credential-header NAME (repeatable) --local-cache --oversized run_again|record_without_body --strict --no-strict";
+--credential-header NAME (repeatable) --local-cache --oversized run_again|record_without_body --strict --no-strict \
+--wait-in-progress SECS";
 
 impl Options {
     /// Parses `std::env::args()`.
@@ -138,6 +143,12 @@ impl Options {
                 "--max-body" => o.max_body = bytes(&value).ok_or_else(|| bad("not bytes"))?,
                 "--max-response" => {
                     o.max_response = bytes(&value).ok_or_else(|| bad("not bytes"))?;
+                }
+                "--wait-in-progress" => {
+                    o.wait_in_progress = match value.trim() {
+                        "0" => Duration::ZERO,
+                        v => secs(v).ok_or_else(|| bad("not seconds"))?,
+                    };
                 }
                 "--body-timeout" => {
                     o.body_timeout = secs(&value).ok_or_else(|| bad("not seconds"))?;
@@ -196,6 +207,7 @@ impl Options {
                     .chain(self.credential_headers.iter().map(String::as_str)),
             )
             .strict(self.strict)
+            .wait_in_progress(self.wait_in_progress)
             .build()
     }
 
@@ -615,7 +627,8 @@ mod tests {
     fn parses_every_option() {
         let o = Options::parse(
             "--addr 127.0.0.1:0 --store sqlite --database-url x.db --lease 0.5 --retention 10 \
-             --max-body 10 --max-response 20 --reuse-status 409 --local-cache --missing-status 428"
+             --max-body 10 --max-response 20 --reuse-status 409 --local-cache --missing-status 428 \
+             --wait-in-progress 2.5"
                 .split(' ')
                 .map(String::from),
         )
@@ -627,7 +640,9 @@ mod tests {
         assert_eq!(o.reuse_status, ReuseStatus::Conflict);
         assert_eq!(o.missing_status, MissingKeyStatus::PreconditionRequired);
         assert!(o.local_cache);
+        assert_eq!(o.wait_in_progress, Duration::from_millis(2500));
         assert!(!Options::parse([]).unwrap().local_cache);
+        assert_eq!(Options::parse([]).unwrap().wait_in_progress, Duration::ZERO);
         assert_eq!(Options::parse([]).unwrap().oversized, Oversized::RunAgain);
         let bodiless = Options::parse(["--oversized".into(), "record_without_body".into()]);
         let bodiless = bodiless.unwrap().config();

@@ -3,6 +3,7 @@
 //! `reuse_status = 422|409`, `failure_mode = "closed"|"open"`, `non_replayable = [401, …]`,
 //! `recorded_headers = ["content-type", …]`, `methods = ["POST", "PUT"]`, `crate = path`,
 //! `key = header("webhook-id")|body("/id")`, `fingerprint = ["/amount", …]`,
+//! `wait_in_progress = "5s"`,
 //! `framework = axum|actix` and `enlisted`. Their shape and the choices are checked here, with
 //! errors on the offending token; durations, sizes, statuses and header names are checked by the
 //! runtime's own `const fn`s, which the expansion evaluates in a `const` spanned at the literal
@@ -26,6 +27,7 @@ mod kw {
     syn::custom_keyword!(recorded_headers);
     syn::custom_keyword!(methods);
     syn::custom_keyword!(key);
+    syn::custom_keyword!(wait_in_progress);
     syn::custom_keyword!(fingerprint);
     syn::custom_keyword!(header);
     syn::custom_keyword!(body);
@@ -108,6 +110,8 @@ pub(crate) struct Args {
     /// `methods = ["POST", …]`, as the runtime's `Methods` bits (POST 1, PUT 2, PATCH 4,
     /// DELETE 8).
     pub methods: Option<u8>,
+    /// `wait_in_progress = "…"`, as written.
+    pub wait_in_progress: Option<LitStr>,
     /// `key = header("…") | body("/…")`.
     pub key: Option<KeyArg>,
     /// `fingerprint = ["/amount", …]`: the JSON Pointers the fingerprint covers.
@@ -242,6 +246,10 @@ impl Parse for Args {
                 input.parse::<kw::methods>()?;
                 once("methods")?;
                 args.methods = Some(methods_value(input)?);
+            } else if lookahead.peek(kw::wait_in_progress) {
+                input.parse::<kw::wait_in_progress>()?;
+                once("wait_in_progress")?;
+                args.wait_in_progress = Some(string_value(input, "wait_in_progress", "5s")?);
             } else if lookahead.peek(kw::key) {
                 input.parse::<kw::key>()?;
                 once("key")?;
@@ -315,7 +323,7 @@ impl Parse for Args {
                          reuse_status = 409, failure_mode = \"open\", non_replayable = [401, …], \
                          recorded_headers = [\"content-type\", …], methods = [\"POST\", \"PUT\"], \
                          key = header(\"webhook-id\") | body(\"/id\"), \
-                         fingerprint = [\"/amount\", …], crate = path, framework = axum|actix, enlisted"
+                         fingerprint = [\"/amount\", …], wait_in_progress = \"5s\", crate = path, framework = axum|actix, enlisted"
                     ),
                 ));
             } else {

@@ -60,6 +60,9 @@ fn config(args: &Args, private: &TokenStream, name: &proc_macro2::Ident) -> Toke
     if let Some(lit) = &args.retention {
         set("retention", parsed("duration", lit));
     }
+    if let Some(lit) = &args.wait_in_progress {
+        set("wait_in_progress", parsed("duration", lit));
+    }
     if let Some(lit) = &args.max_body {
         set("max_body", parsed("size", lit));
     }

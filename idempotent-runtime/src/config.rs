@@ -217,6 +217,7 @@ pub struct Config {
     pub(crate) anonymous: Anonymous,
     pub(crate) trusted_proxies: Vec<IpNet>,
     pub(crate) shutdown_grace: Duration,
+    pub(crate) wait_in_progress: Duration,
     pub(crate) key_header: String,
     pub(crate) credential_headers: Vec<String>,
     pub(crate) methods: Methods,
@@ -252,6 +253,7 @@ impl Default for Config {
             anonymous: Anonymous::default(),
             trusted_proxies: Vec::new(),
             shutdown_grace: Duration::from_secs(30),
+            wait_in_progress: Duration::ZERO,
             key_header: crate::key::HEADER_NAME.to_owned(),
             credential_headers: vec!["authorization".to_owned()],
             methods: Methods::DEFAULT,
@@ -333,6 +335,11 @@ impl Config {
     /// How long shutdown waits for claimed handlers.
     pub fn shutdown_grace(&self) -> Duration {
         self.shutdown_grace
+    }
+    /// How long a duplicate of a running request waits for it instead of answering 409
+    /// (zero, the default: it answers 409 at once).
+    pub fn wait_in_progress(&self) -> Duration {
+        self.wait_in_progress
     }
 
     /// The header that carries the key (lowercase; default `idempotency-key`).
@@ -474,6 +481,18 @@ impl ConfigBuilder {
         self.0.shutdown_grace = d;
         self
     }
+    /// Hold a duplicate of a running request up to `d` and answer it with the first one's
+    /// recorded response, instead of 409 `IDEMPOTENCY_IN_PROGRESS` at once (default zero: no
+    /// wait), for clients that cannot retry on 409. The duplicate holds no database connection
+    /// while it waits: it is woken when a request of this process settles, and otherwise looks
+    /// at the store again at growing intervals (10 ms doubling to 250 ms). If the first
+    /// request's key is released (its answer was not recordable), the waiting duplicate claims
+    /// it and runs; past `d` it is answered 409 as without the setting. Detached mode only: an
+    /// enlisted duplicate is answered 409 at once ([the contract](crate::design) §5).
+    pub fn wait_in_progress(mut self, d: Duration) -> Self {
+        self.0.wait_in_progress = d;
+        self
+    }
     /// The header that carries the key (default `Idempotency-Key`), for APIs that already use
     /// another name such as `X-Idempotency-Key`. Compared case-insensitively.
     pub fn key_header(mut self, name: impl AsRef<str>) -> Self {
@@ -588,6 +607,7 @@ pub struct EndpointConfig {
     pub(crate) methods: Option<Methods>,
     pub(crate) key: Option<KeySource>,
     pub(crate) fingerprint: Option<BodySubset>,
+    pub(crate) wait_in_progress: Option<Duration>,
 }
 
 /// A list of statuses: a `'static` slice (what a `const` holds) or a shared one (what a file
@@ -745,6 +765,7 @@ impl EndpointConfig {
             methods: None,
             key: None,
             fingerprint: None,
+            wait_in_progress: None,
         }
     }
 
@@ -814,6 +835,13 @@ impl EndpointConfig {
     /// 422. A body that is not JSON is then refused, 400 `IDEMPOTENCY_BODY_INVALID`.
     pub const fn fingerprint(mut self, subset: BodySubset) -> Self {
         std::mem::forget(self.fingerprint.replace(subset));
+        self
+    }
+
+    /// How long a duplicate of a running request waits for its answer instead of 409,
+    /// overriding [`Config::wait_in_progress`] (zero: no wait).
+    pub const fn wait_in_progress(mut self, wait: Duration) -> Self {
+        self.wait_in_progress = Some(wait);
         self
     }
 
@@ -898,6 +926,7 @@ impl EndpointConfig {
             failure_mode: self.failure_mode.unwrap_or(config.failure_mode),
             methods: self.methods.unwrap_or(config.methods),
             fingerprint: self.fingerprint.clone(),
+            wait_in_progress: self.wait_in_progress.unwrap_or(config.wait_in_progress),
             recording: Recording {
                 non_replayable: self.non_replayable.clone(),
                 recorded_headers: self.recorded_headers.clone(),
@@ -982,6 +1011,8 @@ pub struct Effective {
     pub methods: Methods,
     /// What of the body the fingerprint covers: `None` the whole body (version 1).
     pub fingerprint: Option<BodySubset>,
+    /// How long a duplicate waits for a running request's answer (zero: 409 at once).
+    pub wait_in_progress: Duration,
     /// Which responses are recorded.
     pub recording: Recording,
 }

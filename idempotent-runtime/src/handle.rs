@@ -2,6 +2,7 @@
 //! the hooks, the buffer budget and the count of running handlers.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::budget::BufferBudget;
 use crate::config::Config;
@@ -48,10 +49,20 @@ struct Inner {
     budget: Arc<BufferBudget>,
     watch: Watch,
     sweeper: Option<tokio::task::JoinHandle<()>>,
+    /// Duplicates waiting for a running request (`wait_in_progress`), woken when a request of
+    /// this process settles; nobody is notified while nobody waits.
+    settled: Settled,
     /// The keys enlisted requests of this process hold now, so a duplicate is answered 409
     /// without the database.
     #[cfg(feature = "postgres")]
     enlisted_in_flight: crate::enlisted::HeldKeys,
+}
+
+/// See `Inner::settled`.
+#[derive(Default)]
+struct Settled {
+    waiting: AtomicUsize,
+    notify: tokio::sync::Notify,
 }
 
 impl Drop for Inner {
@@ -228,6 +239,7 @@ impl Builder {
                 budget: BufferBudget::new(max_buffered),
                 watch,
                 sweeper,
+                settled: Settled::default(),
                 #[cfg(feature = "postgres")]
                 enlisted_in_flight: crate::enlisted::HeldKeys::default(),
             }),
@@ -247,6 +259,24 @@ impl Idempotency {
     }
 
     /// Counts a claimed handler until the guard drops, so [`Self::shutdown`] waits for it.
+    /// Waits until a request of this process settles (its key recorded or released), or
+    /// `until`, whichever comes first.
+    pub(crate) async fn settled_or(&self, until: tokio::time::Instant) {
+        let settled = &self.inner.settled;
+        settled.waiting.fetch_add(1, Ordering::SeqCst);
+        let notified = settled.notify.notified();
+        let _ = tokio::time::timeout_at(until, notified).await;
+        settled.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Wakes the duplicates waiting in [`settled_or`](Self::settled_or), if any.
+    pub(crate) fn wake_waiting(&self) {
+        let settled = &self.inner.settled;
+        if settled.waiting.load(Ordering::SeqCst) > 0 {
+            settled.notify.notify_waiters();
+        }
+    }
+
     pub(crate) fn enter_running(&self) -> RunningGuard {
         self.inner.running.enter()
     }

@@ -96,6 +96,7 @@ conformance! {
     standard_webhook_with_a_bad_signature_claims_nothing,
     event_keyed_by_its_body_id_replays_a_new_envelope,
     event_key_mistakes_are_answered_as_the_contract_says,
+    duplicates_wait_for_the_first_answer_when_asked,
 }
 
 mod cases {
@@ -954,5 +955,40 @@ mod cases {
             .await;
         assert!(again.replayed());
         assert_eq!(s.runs("/events").await, 1);
+    }
+
+    pub async fn duplicates_wait_for_the_first_answer_when_asked(name: &'static str) {
+        let s = Server::start(name, &["--wait-in-progress", "10"]);
+        // Sixteen copies at once: one runs, fifteen wait for it and replay its answer.
+        let calls = (0..16).map(|_| s.post("/slow?ms=400").key("k-wait").send());
+        let answers = futures_util::future::join_all(calls).await;
+        assert!(
+            answers.iter().all(|r| r.status == 201),
+            "no 409 while waiting"
+        );
+        assert_eq!(answers.iter().filter(|r| !r.replayed()).count(), 1);
+        assert!(answers.iter().all(|r| r.body == answers[0].body));
+        assert_eq!(s.runs("/slow").await, 1);
+        // Racing webhook redeliveries: every answer is the recorded 2xx at once.
+        let body = r#"{"type":"invoice.paid"}"#;
+        let racing = (0..8).map(|_| delivery(&s, "msg_wait", body, None).send());
+        let answers = futures_util::future::join_all(racing).await;
+        assert!(
+            answers.iter().all(|r| r.status == 200),
+            "every delivery is answered 200"
+        );
+        assert_eq!(s.runs("/webhooks/standard").await, 1);
+
+        // A wait shorter than the handler ends in 409, as without the setting.
+        let short = Server::start(name, &["--wait-in-progress", "0.2"]);
+        let first = short.post("/slow?ms=2000").key("k-short").send();
+        let second = async {
+            short.wait_runs("/slow", 1).await;
+            short.post("/slow?ms=2000").key("k-short").send().await
+        };
+        let (first, second) = tokio::join!(first, second);
+        assert_eq!(first.status, 201);
+        second.assert_problem(409, "IDEMPOTENCY_IN_PROGRESS");
+        assert_eq!(short.runs("/slow").await, 1);
     }
 }

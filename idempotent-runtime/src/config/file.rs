@@ -143,6 +143,7 @@ struct File {
     anonymous: Option<AnonymousPolicy>,
     trusted_proxies: Option<Vec<String>>,
     shutdown_grace: Option<Human<Duration>>,
+    wait_in_progress: Option<Human<Duration>>,
     key_header: Option<String>,
     credential_headers: Option<Vec<String>>,
     methods: Option<Vec<String>>,
@@ -198,6 +199,9 @@ impl<'de> Deserialize<'de> for Config {
         }
         if let Some(Human(v)) = f.shutdown_grace {
             b = b.shutdown_grace(v);
+        }
+        if let Some(Human(v)) = f.wait_in_progress {
+            b = b.wait_in_progress(v);
         }
         if let Some(v) = f.non_replayable {
             b = b.non_replayable(v);
@@ -280,6 +284,7 @@ struct EndpointFile {
     methods: Option<Vec<String>>,
     key: Option<crate::key::KeySource>,
     fingerprint: Option<crate::fingerprint::BodySubset>,
+    wait_in_progress: Option<Human<Duration>>,
 }
 
 /// The keys are the attribute's arguments (`require_key = true` where the attribute writes
@@ -350,6 +355,9 @@ impl<'de> Deserialize<'de> for EndpointConfig {
         }
         if let Some(source) = f.key {
             e = e.key(source);
+        }
+        if let Some(Human(wait)) = f.wait_in_progress {
+            e = e.wait_in_progress(wait);
         }
         if let Some(subset) = f.fingerprint {
             if subset.pointers().is_empty() {

@@ -174,15 +174,7 @@ pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
     };
     let route = plan.route;
     let store = handle.store();
-    // Released if this future is dropped while the store call is out.
-    let in_flight = ReleaseOnDrop::new(
-        Arc::clone(store),
-        *req.input.scope.hash(),
-        req.key.clone(),
-        plan.claim.token,
-    );
-    let claimed = record::claim(&**store, &plan.claim, |f| plan.same_request(f)).await;
-    in_flight.disarm();
+    let claimed = claim_waiting(handle, req, &plan).await;
     match claimed {
         Ok(claimed) => answer(handle, req, claimed, || {
             Reservation::held(
@@ -201,6 +193,45 @@ pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
         Err(error) => {
             let mode = req.endpoint.failure_mode;
             claim_failed(handle, error, &plan.claim, req.key, route, mode).await
+        }
+    }
+}
+
+/// The claim, tried again while the key is in progress and the endpoint's
+/// `wait_in_progress` lasts: woken when a request of this process settles, else at growing
+/// intervals. Between two tries nothing is held (no connection, no lock), and only the last
+/// outcome is counted and audited, by [`answer`].
+async fn claim_waiting(
+    handle: &Idempotency,
+    req: &BeginRequest<'_>,
+    plan: &ClaimPlan<'_>,
+) -> Result<Verdict, StoreError> {
+    const FIRST_POLL: Duration = Duration::from_millis(10);
+    const LAST_POLL: Duration = Duration::from_millis(250);
+    let store = handle.store();
+    let wait = req.endpoint.wait_in_progress;
+    let deadline = (!wait.is_zero()).then(|| tokio::time::Instant::now() + wait);
+    let mut poll = FIRST_POLL;
+    loop {
+        // Released if this future is dropped while the store call is out.
+        let in_flight = ReleaseOnDrop::new(
+            Arc::clone(store),
+            *req.input.scope.hash(),
+            req.key.clone(),
+            plan.claim.token,
+        );
+        let claimed = record::claim(&**store, &plan.claim, |f| plan.same_request(f)).await;
+        in_flight.disarm();
+        let Some(deadline) = deadline else {
+            return claimed;
+        };
+        let now = tokio::time::Instant::now();
+        match claimed {
+            Ok(Verdict::InProgress { .. }) if now < deadline => {
+                handle.settled_or(deadline.min(now + poll)).await;
+                poll = (poll * 2).min(LAST_POLL);
+            }
+            claimed => return claimed,
         }
     }
 }

@@ -593,6 +593,15 @@ pub(crate) async fn work<R, T, E>(
 where
     R: Reply,
 {
+    /// Wakes duplicates waiting for this key (`wait_in_progress`) once it is settled, however
+    /// the work ends.
+    struct Settled<'a>(&'a Idempotency);
+    impl Drop for Settled<'_> {
+        fn drop(&mut self) {
+            self.0.wake_waiting();
+        }
+    }
+    let _settled = Settled(&handle);
     match reservation.run(handler).await {
         Ran::Panicked => Ended::Panicked(refuse(&handle, &refusals::panicked(&route))),
         Ran::Returned(Err(error)) => {

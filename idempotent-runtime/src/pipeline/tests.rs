@@ -1293,3 +1293,102 @@ async fn a_subset_fingerprint_refuses_a_body_that_is_not_json_before_claiming() 
         .unwrap_or_else(|sent| panic!("not claimed: {sent:?}"));
     admitted.held.release().await;
 }
+
+// Waiting for a running request instead of 409 (`wait_in_progress`).
+
+const WAITS: &EndpointConfig = &EndpointConfig::REQUIRED.wait_in_progress(Duration::from_secs(5));
+
+async fn answer_through(handle: &Idempotency, endpoint: &EndpointConfig, head: &TestHead) -> Sent {
+    let buffered = match front_of(handle, endpoint, head, b"{}").await {
+        Front::Buffered(buffered) => buffered,
+        Front::Refuse(problem) => panic!("refused: {problem:?}"),
+        Front::Pass(_) => panic!("passed"),
+    };
+    match claim::<Detached, _, Sent>(handle, head, buffered).await {
+        Ok(_) => panic!("claimed"),
+        Err(answer) => answer,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_duplicate_is_answered_with_the_first_ones_response() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::keyed("k");
+    let first = claimed(&handle, &head, b"{}").await;
+    let waiting = {
+        let (handle, head) = (handle.clone(), TestHead::keyed("k"));
+        tokio::spawn(async move { answer_through(&handle, WAITS, &head).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!waiting.is_finished(), "the duplicate waits");
+    let (reply, body) = TestReply::new(201, b"{\"id\":1}");
+    let handler = async move { Ok::<_, Infallible>((Sent(reply, body), ())) };
+    let route = first.route.clone();
+    let ended = work(
+        handle.clone(),
+        first.held,
+        first.permit,
+        route,
+        Served::ByHandler,
+        handler,
+    );
+    assert!(matches!(ended.await, Ended::Answered(..)));
+    let answer = waiting.await.unwrap();
+    assert_eq!((answer.0.status, answer.0.replayed), (201, true));
+    assert_eq!(&answer.0.body[..], b"{\"id\":1}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_duplicate_is_answered_409_past_its_wait() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::keyed("k");
+    let _first = claimed(&handle, &head, b"{}").await;
+    let started = tokio::time::Instant::now();
+    let answer = answer_through(&handle, WAITS, &head).await;
+    assert_eq!(
+        (answer.0.status, answer.0.code),
+        (409, Some(ProblemCode::InProgress))
+    );
+    assert!(
+        started.elapsed() >= Duration::from_secs(5),
+        "it waited its bound"
+    );
+    assert!(started.elapsed() < Duration::from_secs(6), "and no longer");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_duplicate_runs_when_the_first_releases_its_key() {
+    let handle = handle_with_budget(1 << 20);
+    let head = TestHead::keyed("k");
+    let first = claimed(&handle, &head, b"{}").await;
+    let waiting = {
+        let (handle, head) = (handle.clone(), TestHead::keyed("k"));
+        tokio::spawn(async move {
+            let buffered = match front_of(&handle, WAITS, &head, b"{}").await {
+                Front::Buffered(buffered) => buffered,
+                _ => panic!("not buffered"),
+            };
+            claim::<Detached, _, Sent>(&handle, &head, buffered)
+                .await
+                .is_ok()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // A 503 is not recordable: the first releases the key.
+    let (reply, body) = TestReply::new(503, b"{}");
+    let handler = async move { Ok::<_, Infallible>((Sent(reply, body), ())) };
+    let route = first.route.clone();
+    work(
+        handle.clone(),
+        first.held,
+        first.permit,
+        route,
+        Served::ByHandler,
+        handler,
+    )
+    .await;
+    assert!(
+        waiting.await.unwrap(),
+        "the waiting duplicate claimed the key and runs"
+    );
+}
