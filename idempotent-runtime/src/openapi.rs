@@ -262,8 +262,16 @@ impl IdempotentOperation {
     }
 
     /// The endpoint's overrides, as the layer or middleware is given them: whether the key is
-    /// required, the status for a reused key, the body cap, the recorded statuses.
+    /// required, the status for a reused key, the body cap, the recorded statuses, and where
+    /// the key comes from (an endpoint reading it from a header of its own documents that
+    /// header; one reading it from the body documents no key header).
     pub fn endpoint(mut self, endpoint: EndpointConfig) -> Self {
+        if let Some(source) = endpoint.key_source() {
+            self.key_header = source
+                .header_name()
+                .map(display_header_name)
+                .unwrap_or_default();
+        }
         self.endpoint = endpoint;
         self
     }
@@ -455,6 +463,10 @@ impl IdempotentOperation {
     }
 
     fn add_key_parameter(&self, operation: &mut Operation) {
+        if self.key_header.is_empty() {
+            // The key is in the body, which the operation's request body documents.
+            return;
+        }
         let parameters = operation.parameters.get_or_insert_with(Vec::new);
         let declared = parameters.iter().any(|p| {
             p.parameter_in == ParameterIn::Header && p.name.eq_ignore_ascii_case(&self.key_header)

@@ -435,3 +435,34 @@ fn header_names_are_shown_capitalized() {
         "Idempotency-Replayed"
     );
 }
+
+#[test]
+fn an_endpoints_key_source_chooses_the_documented_header() {
+    use crate::key::KeySource;
+
+    let mut webhook = Operation::new();
+    IdempotentOperation::new()
+        .endpoint(EndpointConfig::REQUIRED.key(KeySource::header_static("webhook-id")))
+        .apply(&mut webhook);
+    let webhook = serde_json::to_value(&webhook).unwrap();
+    assert_eq!(webhook["parameters"][0]["name"], "Webhook-Id");
+    assert_eq!(webhook["parameters"][0]["required"], true);
+
+    let mut event = Operation::new();
+    IdempotentOperation::new()
+        .endpoint(EndpointConfig::REQUIRED.key(KeySource::body_static("/id")))
+        .apply(&mut event);
+    let event = serde_json::to_value(&event).unwrap();
+    assert!(
+        event["parameters"].as_array().is_none_or(Vec::is_empty),
+        "a key in the body is no header parameter: {event:#}"
+    );
+    assert_eq!(
+        example_codes(&event["responses"]["400"]),
+        [
+            "IDEMPOTENCY_BODY_INVALID",
+            "IDEMPOTENCY_KEY_INVALID",
+            "IDEMPOTENCY_KEY_REQUIRED"
+        ]
+    );
+}
