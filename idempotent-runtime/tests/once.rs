@@ -1,0 +1,273 @@
+//! Plain functions run once per key (`Idempotency::once`, DESIGN.md §6), on every store that
+//! runs here: the memory store, the cache in front of it, SQLite, PostgreSQL and Redis
+//! (`DATABASE_URL`, `REDIS_URL`; skipped when unset unless CI's `IDEMPOTENT_REQUIRE_*` says
+//! otherwise). Each store gets the same cases: 64 concurrent callers with one key, a changed
+//! input, an error and a panic releasing the key, waiting for a running call.
+//!
+//! ```text
+//! cargo test -p idempotent-runtime --all-features --test once
+//! ```
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idempotent_runtime::Idempotency;
+use idempotent_runtime::once::OnceError;
+use idempotent_runtime::scope::{ClientId, Identity, Scope};
+use idempotent_runtime::store::cache::CachedStore;
+use idempotent_runtime::store::memory::MemoryStore;
+use idempotent_runtime::store::{FencingToken, Store};
+use serde::{Deserialize, Serialize};
+
+mod support;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Charge {
+    id: String,
+    amount: u64,
+}
+
+fn job(name: &str) -> Scope {
+    Scope::from_identity(&Identity::client(ClientId::OAuth(name.to_owned())), None).unwrap()
+}
+
+fn handle(store: impl Store) -> Idempotency {
+    Idempotency::builder(store).sweeper(false).build()
+}
+
+/// Every case against one store. `unique` keeps keys apart from earlier runs on shared stores.
+async fn cases(idempotency: &Idempotency, unique: &str) {
+    let billing = job(&format!("billing-{unique}"));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let charge = |amount: u64| {
+        let runs = Arc::clone(&runs);
+        move || async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Ok::<_, std::io::Error>(Charge {
+                id: format!("ch_{amount}"),
+                amount,
+            })
+        }
+    };
+
+    // 64 callers at once: one runs, the others get its output or "in progress".
+    let calls = (0..64).map(|_| {
+        idempotency
+            .once(&billing, "invoice-1")
+            .name("charge")
+            .run(&1200u64, charge(1200))
+    });
+    let results = futures_util::future::join_all(calls).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the function ran once");
+    let mut outputs = 0;
+    for result in &results {
+        match result {
+            Ok(charge) => {
+                assert_eq!(
+                    charge,
+                    &Charge {
+                        id: "ch_1200".into(),
+                        amount: 1200
+                    }
+                );
+                outputs += 1;
+            }
+            Err(OnceError::InProgress { retry_after }) => {
+                assert!(*retry_after >= Duration::from_secs(1));
+            }
+            Err(other) => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(outputs >= 1);
+    // Later calls return the recorded output without running.
+    let again = idempotency
+        .once(&billing, "invoice-1")
+        .name("charge")
+        .run(&1200u64, charge(1200))
+        .await
+        .unwrap();
+    assert_eq!(again.id, "ch_1200");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // Another input, or another function, under the same key is refused.
+    let changed = idempotency
+        .once(&billing, "invoice-1")
+        .name("charge")
+        .run(&999u64, charge(999))
+        .await;
+    assert!(
+        matches!(changed, Err(OnceError::InputChanged)),
+        "{changed:?}"
+    );
+    let renamed = idempotency
+        .once(&billing, "invoice-1")
+        .name("refund")
+        .run(&1200u64, charge(1200))
+        .await;
+    assert!(
+        matches!(renamed, Err(OnceError::InputChanged)),
+        "{renamed:?}"
+    );
+    // Another scope is another key space.
+    let other = idempotency
+        .once(&job(&format!("payroll-{unique}")), "invoice-1")
+        .name("charge")
+        .run(&1200u64, charge(1200))
+        .await;
+    assert!(other.is_ok());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    // A map's order does not change the input.
+    let a: HashMap<String, u64> = (0..32).map(|i| (format!("k{i}"), i)).collect();
+    let b: HashMap<String, u64> = (0..32).rev().map(|i| (format!("k{i}"), i)).collect();
+    let first = idempotency
+        .once(&billing, "map")
+        .run(&a, || async { Ok::<_, ()>(1u8) });
+    assert_eq!(first.await.unwrap(), 1);
+    let second = idempotency
+        .once(&billing, "map")
+        .run(&b, || async { Ok::<_, ()>(2u8) });
+    assert_eq!(
+        second.await.unwrap(),
+        1,
+        "the same input: the recorded output"
+    );
+
+    // An error releases the key: the next call runs.
+    let failed = idempotency
+        .once(&billing, "flaky")
+        .run("x", || async { Err::<u8, _>("provider down") })
+        .await;
+    assert!(matches!(failed, Err(OnceError::Failed("provider down"))));
+    let retried = idempotency
+        .once(&billing, "flaky")
+        .run("x", || async { Ok::<_, &str>(7u8) });
+    assert_eq!(retried.await.unwrap(), 7);
+
+    // A panic releases the key too.
+    let panicked = idempotency
+        .once(&billing, "panics")
+        .run("x", || async {
+            if true {
+                panic!("on purpose");
+            }
+            Ok::<u8, ()>(0)
+        })
+        .await;
+    assert!(matches!(panicked, Err(OnceError::Panicked)));
+    let after = idempotency
+        .once(&billing, "panics")
+        .run("x", || async { Ok::<_, ()>(3u8) });
+    assert_eq!(after.await.unwrap(), 3);
+
+    // Waiting: every caller gets the output.
+    let waited = Arc::new(AtomicUsize::new(0));
+    let calls = (0..16).map(|_| {
+        let waited = Arc::clone(&waited);
+        idempotency
+            .once(&billing, "waits")
+            .wait(Duration::from_secs(20))
+            .run("x", move || async move {
+                waited.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok::<_, ()>(42u32)
+            })
+    });
+    let results = futures_util::future::join_all(calls).await;
+    assert!(results.iter().all(|r| matches!(r, Ok(42))), "{results:?}");
+    assert_eq!(waited.load(Ordering::SeqCst), 1);
+
+    // A bad key is refused before anything runs.
+    let bad = idempotency
+        .once(&billing, "two words")
+        .run("x", || async { Ok::<_, ()>(0u8) });
+    assert!(matches!(bad.await, Err(OnceError::InvalidKey(_))));
+    // A dropped call (the caller gave up) leaves the key to the next one after its lease.
+    let short = idempotency
+        .once(&billing, "dropped")
+        .lease(Duration::from_millis(300))
+        .run("x", || std::future::pending::<Result<u8, ()>>());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), short)
+            .await
+            .is_err()
+    );
+    // Its key is released when it is dropped, or lapses with its lease: the next call runs.
+    let value = idempotency
+        .once(&billing, "dropped")
+        .wait(Duration::from_secs(10))
+        .run("x", || async { Ok::<_, ()>(5u8) })
+        .await
+        .unwrap();
+    assert_eq!(value, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_the_memory_store() {
+    cases(&handle(MemoryStore::default()), "memory").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn behind_the_cache() {
+    cases(&handle(CachedStore::new(MemoryStore::default())), "cache").await;
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_sqlite() {
+    use idempotent_runtime::store::sqlite::SqliteStore;
+    let path = std::env::temp_dir().join(format!(
+        "idempotent-once-{:016x}.db",
+        FencingToken::mint().0
+    ));
+    let store = SqliteStore::open(&path).await.expect("open");
+    store.migrate().await.expect("migrate");
+    cases(&handle(store), "sqlite").await;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut p = path.clone().into_os_string();
+        p.push(suffix);
+        let _ = std::fs::remove_file(p);
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_postgres() {
+    use idempotent_runtime::store::postgres::PostgresStore;
+    let Some(url) = support::database_url() else {
+        return;
+    };
+    let schema = format!("idem_once_{:016x}", FencingToken::mint().0);
+    let store = PostgresStore::builder()
+        .schema(&schema)
+        .connect(&url)
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate");
+    cases(&handle(store), &schema).await;
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let drop = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
+    sqlx::query(sqlx::AssertSqlSafe(drop))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_redis() {
+    use idempotent_runtime::store::redis::RedisStore;
+    let Some(url) = support::redis_url() else {
+        return;
+    };
+    let prefix = format!("idem-once-{:016x}", FencingToken::mint().0);
+    let store = RedisStore::builder()
+        .prefix(&prefix)
+        .connect(&url)
+        .await
+        .expect("connect to REDIS_URL");
+    cases(&handle(store), &prefix).await;
+}
