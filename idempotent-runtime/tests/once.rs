@@ -195,6 +195,48 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
             .await
             .is_err()
     );
+    // A crash mid-function: nothing runs after it (no destructor, no renewal), as under
+    // SIGKILL. The key stands until its lease lapses; then the next call runs it once.
+    let crashed_runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&crashed_runs);
+    let mut crashing = Box::pin(
+        idempotency
+            .once(&billing, "crash")
+            .lease(Duration::from_millis(600))
+            .run("x", move || async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                std::future::pending::<Result<u8, ()>>().await
+            }),
+    );
+    let started = tokio::time::timeout(Duration::from_millis(300), crashing.as_mut()).await;
+    assert!(started.is_err(), "the function is running");
+    std::mem::forget(crashing);
+    let during = idempotency
+        .once(&billing, "crash")
+        .run("x", || async { Ok::<_, ()>(9u8) });
+    assert!(
+        matches!(during.await, Err(OnceError::InProgress { .. })),
+        "held by its lease"
+    );
+    let counted = Arc::clone(&crashed_runs);
+    let after = idempotency
+        .once(&billing, "crash")
+        .wait(Duration::from_secs(10))
+        .run("x", move || async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, ()>(9u8)
+        });
+    assert_eq!(after.await.unwrap(), 9, "run again once the lease lapsed");
+    assert_eq!(
+        crashed_runs.load(Ordering::SeqCst),
+        2,
+        "the crashed run and one more"
+    );
+    let replay = idempotency
+        .once(&billing, "crash")
+        .run("x", || async { Ok::<_, ()>(0u8) });
+    assert_eq!(replay.await.unwrap(), 9);
+
     // Its key is released when it is dropped, or lapses with its lease: the next call runs.
     let value = idempotency
         .once(&billing, "dropped")
