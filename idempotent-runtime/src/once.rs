@@ -35,7 +35,8 @@
 //!
 //! # Failure
 //!
-//! An `Err` or a panic of the function releases the key: the next call runs it again. A store
+//! An `Err` or a panic of the function releases the key: the next call runs it again, as it
+//! does after an output larger than `max_response` (returned, not recorded). A store
 //! that cannot be reached is [`OnceError::Store`] before anything runs (always fail closed: a
 //! function has no client to tell). A crash while it runs leaves the key held until its lease
 //! lapses; the next call after that runs it once more (counted `reclaimed`).
@@ -307,6 +308,17 @@ impl<'a> Once<'a> {
             Ran::Returned(Ok(output)) => output,
         };
         match serde_json::to_vec(&output) {
+            Ok(body) if body.len() > self.handle.config().max_response() => {
+                // Kept only within the response cap, as an answer is: it is returned, and the
+                // next call runs again.
+                tracing::warn!(
+                    name = self.name,
+                    bytes = body.len(),
+                    "the output is larger than max_response: returned, not recorded"
+                );
+                reservation.release().await;
+                Ok(output)
+            }
             Ok(body) => {
                 let headers = vec![
                     (

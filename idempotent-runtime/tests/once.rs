@@ -313,3 +313,27 @@ async fn on_redis() {
         .expect("connect to REDIS_URL");
     cases(&handle(store), &prefix).await;
 }
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_mysql() {
+    use idempotent_runtime::store::mysql::MySqlStore;
+    let Some(url) = support::mysql_url() else {
+        return;
+    };
+    // A database of its own: `migrate()` creates it, and the test drops it.
+    let database = format!("idem_once_{:016x}", FencingToken::mint().0);
+    let store = MySqlStore::builder()
+        .database(&database)
+        .connect(&url)
+        .await
+        .expect("connect to MYSQL_URL");
+    store.migrate().await.expect("migrate");
+    cases(&handle(store), &database).await;
+    let admin = sqlx::MySqlPool::connect(&url).await.unwrap();
+    let drop = format!("DROP DATABASE IF EXISTS `{database}`");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+        .execute(&admin)
+        .await
+        .unwrap();
+}

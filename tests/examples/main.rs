@@ -1,14 +1,17 @@
 //! The examples do what they claim: the README's quick start followed literally, the orders
-//! service's envelope and metrics, the payments service, and the NATS consumer end to end.
+//! service's envelope and metrics, the payments service, the NATS consumer end to end, and the
+//! NATS charges consumer that runs a plain function once per message id.
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
-//!     cargo test --all-features --test examples [quickstart::|orders_axum::|payments::|consumer_nats::]
+//!     cargo test --all-features --test examples [quickstart::|orders_axum::|payments::|consumer_nats::|charges_once::]
 //! ```
 
 #[path = "../support/mod.rs"]
 mod support;
 
+#[cfg(feature = "redis")]
+mod charges_once;
 #[cfg(feature = "postgres")]
 mod consumer_nats;
 #[cfg(all(feature = "axum", feature = "postgres"))]
