@@ -189,7 +189,7 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
     let short = idempotency
         .once(&billing, "dropped")
         .lease(Duration::from_millis(300))
-        .run("x", || std::future::pending::<Result<u8, ()>>());
+        .run("x", std::future::pending::<Result<u8, ()>>);
     assert!(
         tokio::time::timeout(Duration::from_millis(50), short)
             .await
