@@ -56,8 +56,9 @@ use crate::fingerprint::Fingerprint;
 use crate::handle::Idempotency;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::observe::{self, Event};
+use crate::pipeline::claim::claim_waiting;
 use crate::record::{self, Verdict};
-use crate::reservation::{Ran, ReleaseOnDrop, Reservation};
+use crate::reservation::{Ran, Reservation};
 use crate::scope::Scope;
 use crate::store::{ClaimRequest, FencingToken, RecordedResponse, StoreError};
 
@@ -208,7 +209,9 @@ impl<'a> Once<'a> {
             route: self.name,
             response_room: handle.config().max_response(),
         };
-        let verdict = self.claim(&claim, &key).await.map_err(|error| {
+        let same_input = |f: &Fingerprint| *f == claim.fingerprint;
+        let claimed = claim_waiting(handle, &claim, &key, same_input, self.wait).await;
+        let verdict = claimed.map_err(|error| {
             observe::count(Event::StoreError, self.name);
             OnceError::Store(error)
         })?;
@@ -252,35 +255,6 @@ impl<'a> Once<'a> {
             Verdict::KeyReused => {
                 observe::count(Event::KeyReused, self.name);
                 Err(OnceError::InputChanged)
-            }
-        }
-    }
-
-    /// The claim, tried again while the key is in progress and the wait lasts (as a request
-    /// with `wait_in_progress` does).
-    async fn claim(
-        &self,
-        claim: &ClaimRequest<'_>,
-        key: &IdempotencyKey,
-    ) -> Result<Verdict, StoreError> {
-        const FIRST_POLL: Duration = Duration::from_millis(10);
-        const LAST_POLL: Duration = Duration::from_millis(250);
-        let store = self.handle.store();
-        let deadline = (!self.wait.is_zero()).then(|| tokio::time::Instant::now() + self.wait);
-        let mut poll = FIRST_POLL;
-        loop {
-            // Released if this future is dropped while the store call is out.
-            let in_flight =
-                ReleaseOnDrop::new(Arc::clone(store), *claim.scope, key.clone(), claim.token);
-            let verdict = record::claim(&**store, claim, |f| *f == claim.fingerprint).await;
-            in_flight.disarm();
-            let now = tokio::time::Instant::now();
-            match (verdict, deadline) {
-                (Ok(Verdict::InProgress { .. }), Some(deadline)) if now < deadline => {
-                    self.handle.settled_or(deadline.min(now + poll)).await;
-                    poll = (poll * 2).min(LAST_POLL);
-                }
-                (verdict, _) => return verdict,
             }
         }
     }

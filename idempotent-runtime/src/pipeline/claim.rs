@@ -174,7 +174,9 @@ pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
     };
     let route = plan.route;
     let store = handle.store();
-    let claimed = claim_waiting(handle, req, &plan).await;
+    let same_request = |f: &Fingerprint| plan.same_request(f);
+    let wait = req.endpoint.wait_in_progress;
+    let claimed = claim_waiting(handle, &plan.claim, req.key, same_request, wait).await;
     match claimed {
         Ok(claimed) => answer(handle, req, claimed, || {
             Reservation::held(
@@ -197,41 +199,35 @@ pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
     }
 }
 
-/// The claim, tried again while the key is in progress and the endpoint's
-/// `wait_in_progress` lasts: woken when a request of this process settles, else at growing
-/// intervals. Between two tries nothing is held (no connection, no lock), and only the last
-/// outcome is counted and audited, by [`answer`].
-async fn claim_waiting(
+/// The claim, tried again while the key is in progress and `wait` lasts (an endpoint's
+/// `wait_in_progress`, or a plain function's wait): woken when a request of this process
+/// settles, else at growing intervals. Between two tries nothing is held (no connection, no
+/// lock); the caller counts and audits only the last outcome.
+pub(crate) async fn claim_waiting(
     handle: &Idempotency,
-    req: &BeginRequest<'_>,
-    plan: &ClaimPlan<'_>,
+    claim: &ClaimRequest<'_>,
+    key: &IdempotencyKey,
+    same_request: impl Fn(&Fingerprint) -> bool,
+    wait: Duration,
 ) -> Result<Verdict, StoreError> {
     const FIRST_POLL: Duration = Duration::from_millis(10);
     const LAST_POLL: Duration = Duration::from_millis(250);
     let store = handle.store();
-    let wait = req.endpoint.wait_in_progress;
     let deadline = (!wait.is_zero()).then(|| tokio::time::Instant::now() + wait);
     let mut poll = FIRST_POLL;
     loop {
         // Released if this future is dropped while the store call is out.
-        let in_flight = ReleaseOnDrop::new(
-            Arc::clone(store),
-            *req.input.scope.hash(),
-            req.key.clone(),
-            plan.claim.token,
-        );
-        let claimed = record::claim(&**store, &plan.claim, |f| plan.same_request(f)).await;
+        let in_flight =
+            ReleaseOnDrop::new(Arc::clone(store), *claim.scope, key.clone(), claim.token);
+        let claimed = record::claim(&**store, claim, &same_request).await;
         in_flight.disarm();
-        let Some(deadline) = deadline else {
-            return claimed;
-        };
         let now = tokio::time::Instant::now();
-        match claimed {
-            Ok(Verdict::InProgress { .. }) if now < deadline => {
+        match (claimed, deadline) {
+            (Ok(Verdict::InProgress { .. }), Some(deadline)) if now < deadline => {
                 handle.settled_or(deadline.min(now + poll)).await;
                 poll = (poll * 2).min(LAST_POLL);
             }
-            claimed => return claimed,
+            (claimed, _) => return claimed,
         }
     }
 }
