@@ -163,9 +163,9 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
         .run("x", || async { Ok::<_, ()>(3u8) });
     assert_eq!(after.await.unwrap(), 3);
 
-    // Waiting: every caller gets the output.
+    // Waiting: all 64 callers get the output.
     let waited = Arc::new(AtomicUsize::new(0));
-    let calls = (0..16).map(|_| {
+    let calls = (0..64).map(|_| {
         let waited = Arc::clone(&waited);
         idempotency
             .once(&billing, "waits")
@@ -336,4 +336,96 @@ async fn on_mysql() {
         .execute(&admin)
         .await
         .unwrap();
+}
+
+/// The child process of [`a_killed_process_holds_its_key_for_its_lease_then_the_next_call_runs_once`]:
+/// claims `crash` on the SQLite file named by `ONCE_CRASH_DB`, says so on stdout, and runs until
+/// it is killed. Does nothing as an ordinary test.
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_child() {
+    use idempotent_runtime::store::sqlite::SqliteStore;
+    let Ok(path) = std::env::var("ONCE_CRASH_DB") else {
+        return;
+    };
+    let idempotency = handle(SqliteStore::open(&path).await.expect("open"));
+    let _ = idempotency
+        .once(&job("crash"), "k")
+        .lease(Duration::from_secs(1))
+        .run("x", || async {
+            use std::io::Write as _;
+            println!("ONCE-CHILD-RUNNING");
+            std::io::stdout().flush().expect("stdout");
+            std::future::pending::<Result<u8, ()>>().await
+        })
+        .await;
+}
+
+/// SIGKILL of the process running the function: the key stands while its lease lasts (renewed
+/// until the kill), then the next call, in another process, runs the function once.
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_holds_its_key_for_its_lease_then_the_next_call_runs_once() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    use idempotent_runtime::store::sqlite::SqliteStore;
+    let path = std::env::temp_dir().join(format!(
+        "idempotent-once-crash-{:016x}.db",
+        FencingToken::mint().0
+    ));
+    let store = SqliteStore::open(&path).await.expect("open");
+    store.migrate().await.expect("migrate");
+    let idempotency = handle(store);
+
+    let mut child = Command::new(std::env::current_exe().expect("this test binary"))
+        .args(["crash_child", "--exact", "--nocapture", "--test-threads=1"])
+        .env("ONCE_CRASH_DB", &path)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the child");
+    let stdout = child.stdout.take().expect("piped");
+    let running = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.contains("ONCE-CHILD-RUNNING"))
+    });
+    let running = tokio::time::timeout(Duration::from_secs(60), running).await;
+    assert!(
+        matches!(running, Ok(Ok(true))),
+        "the child never ran the function"
+    );
+    child.kill().expect("SIGKILL");
+    child.wait().expect("reaped");
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let scope = job("crash");
+    let call = || idempotency.once(&scope, "k").lease(Duration::from_secs(1));
+    let during = call().run("x", || async { Ok::<_, ()>(1u8) }).await;
+    assert!(
+        matches!(during, Err(OnceError::InProgress { .. })),
+        "{during:?}"
+    );
+    let after = call()
+        .wait(Duration::from_secs(15))
+        .run("x", move || async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, ()>(2u8)
+        })
+        .await;
+    assert_eq!(
+        after.unwrap(),
+        2,
+        "run again after the killed holder's lease"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let replay = call().run("x", || async { Ok::<_, ()>(3u8) }).await;
+    assert_eq!(replay.unwrap(), 2);
+    for suffix in ["", "-wal", "-shm"] {
+        let mut p = path.clone().into_os_string();
+        p.push(suffix);
+        let _ = std::fs::remove_file(p);
+    }
 }
