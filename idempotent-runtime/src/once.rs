@@ -50,6 +50,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
+use tracing::Instrument as _;
 
 use crate::digest::Encoder;
 use crate::fingerprint::Fingerprint;
@@ -165,9 +166,10 @@ impl<'a> Once<'a> {
         self
     }
 
-    /// How long a crashed call blocks its key (renewed every third while the function runs).
+    /// How long a crashed call blocks its key (renewed every third while the function runs);
+    /// at least 30 ms, as everywhere a lease is set.
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.lease = lease.max(crate::config::MIN_LEASE);
         self
     }
 
@@ -194,7 +196,20 @@ impl<'a> Once<'a> {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
+        // One span a call, as a request has, with the decision recorded in it.
+        let span = observe::request_span(self.name);
+        self.run_in_span(input, f).instrument(span).await
+    }
+
+    async fn run_in_span<I, T, E, F, Fut>(self, input: &I, f: F) -> Result<T, OnceError<E>>
+    where
+        I: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
         let key = IdempotencyKey::new(self.key).map_err(OnceError::InvalidKey)?;
+        observe::scoped(self.scope.hash());
         let fingerprint = fingerprint(self.name, input)?;
         let handle = self.handle;
         let store = handle.store();
@@ -224,6 +239,7 @@ impl<'a> Once<'a> {
                         "reclaimed an abandoned call; its function may have run before"
                     );
                 }
+                observe::decided(if reclaimed { "reclaimed" } else { "executed" });
                 observe::count(Event::Executed, self.name);
                 let reservation = Reservation::held(
                     Arc::clone(store),
@@ -241,10 +257,12 @@ impl<'a> Once<'a> {
                 ran
             }
             Verdict::Replay(recorded) => {
+                observe::decided("replayed");
                 observe::count(Event::Replayed, self.name);
                 decode(&recorded)
             }
             Verdict::InProgress { lease_left } => {
+                observe::decided("in_progress");
                 observe::count(Event::InProgress, self.name);
                 let configured = handle.config().in_progress_retry_after();
                 let secs = record::in_progress_retry_after(configured, lease_left);
@@ -253,6 +271,7 @@ impl<'a> Once<'a> {
                 })
             }
             Verdict::KeyReused => {
+                observe::decided("key_reused");
                 observe::count(Event::KeyReused, self.name);
                 Err(OnceError::InputChanged)
             }
