@@ -31,6 +31,12 @@ mod types;
 ///                                                an answer over max_response is replayed as its
 ///                                                status and headers with an empty body
 /// #[idempotent(methods = ["POST", "PUT"])]       the methods it applies to (default POST, PATCH)
+/// #[idempotent(require_key, key = header("webhook-id"))]
+///                                                the key from another header (a provider's id)
+/// #[idempotent(require_key, key = body("/id"), fingerprint = ["/type", "/data"])]
+///                                                the key from the JSON body; retries compared by
+///                                                these fields only (RFC 8785)
+/// #[idempotent(wait_in_progress = "5s")]         a duplicate waits for the first answer, not 409
 /// #[idempotent(reuse_status = 409, failure_mode = "open",
 ///              non_replayable = [401, 403, 404], recorded_headers = ["content-type", "x-id"])]
 ///                                                the rest of the per-route settings
@@ -96,6 +102,12 @@ pub fn idempotent_axum(attr: TokenStream, item: TokenStream) -> TokenStream {
 ///                                                an answer over max_response is replayed as its
 ///                                                status and headers with an empty body
 /// #[idempotent(methods = ["POST", "PUT"])]       the methods it applies to (default POST, PATCH)
+/// #[idempotent(require_key, key = header("webhook-id"))]
+///                                                the key from another header (a provider's id)
+/// #[idempotent(require_key, key = body("/id"), fingerprint = ["/type", "/data"])]
+///                                                the key from the JSON body; retries compared by
+///                                                these fields only (RFC 8785)
+/// #[idempotent(wait_in_progress = "5s")]         a duplicate waits for the first answer, not 409
 /// #[idempotent(reuse_status = 409, failure_mode = "open",
 ///              non_replayable = [401, 403, 404], recorded_headers = ["content-type", "x-id"])]
 ///                                                the rest of the per-route settings
