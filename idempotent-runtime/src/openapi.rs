@@ -755,7 +755,7 @@ fn example_detail(code: ProblemCode) -> &'static str {
         ProblemCode::InProgress => {
             "a request with this Idempotency-Key is still being processed; retry later"
         }
-        ProblemCode::KeyReused => "this Idempotency-Key was already used with a different request",
+        ProblemCode::KeyReused => "this idempotency key was already used with a different request",
         ProblemCode::KeyRequired => "this endpoint requires an Idempotency-Key header",
         ProblemCode::KeyInvalid => {
             "the Idempotency-Key may contain only visible ASCII characters (0x21-0x7E)"

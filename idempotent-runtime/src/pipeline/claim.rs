@@ -301,7 +301,7 @@ pub(crate) fn answer<R>(
             Begin::Refuse(Problem::new(
                 req.endpoint.reuse_status.code(),
                 ProblemCode::KeyReused,
-                "this Idempotency-Key was already used with a different request",
+                "this idempotency key was already used with a different request",
             ))
         }
     }
