@@ -201,17 +201,26 @@ async fn search(state: web::Data<AppState>, req: HttpRequest) -> HttpResponse {
     HttpResponse::Ok().json(json!({"query": req.query_string(), "execution": n}))
 }
 
-/// `POST /ledger?ms=N` and `GET /ledger` (PostgreSQL store only): an enlisted handler writing a
-/// row through the request's transaction, and the committed rows.
+/// `POST /ledger?ms=N` and `GET /ledger` (the PostgreSQL, MySQL and SQLite stores): an enlisted
+/// handler writing a row through the request's transaction, one per database (a handler's
+/// `EnlistedTx` names its database), and the committed rows.
 #[cfg(feature = "postgres")]
 mod ledger {
     use super::*;
-    use idempotent_examples::conformance::ledger;
+    use idempotent_examples::conformance::StoreKind;
+    use idempotent_examples::conformance::ledger::{self, Ledger};
     use idempotent_runtime::enlisted::EnlistedTx;
 
-    /// The pool `GET /ledger` reads with; `None` unless the store is PostgreSQL.
-    pub(super) struct LedgerPool(pub(super) Option<sqlx::PgPool>);
+    /// The pool `GET /ledger` reads with; `None` for a store without SQL transactions.
+    pub(super) struct LedgerPool(pub(super) Option<Ledger>);
 
+    fn reply((status, body): (u16, Value)) -> HttpResponse {
+        let status = StatusCode::from_u16(status).expect("a status the ledger answers");
+        HttpResponse::build(status).json(body)
+    }
+
+    /// PostgreSQL's, and the one other stores route to (it answers 500
+    /// `IDEMPOTENCY_STORE_NOT_ENLISTABLE` there).
     #[idempotent(require_key, enlisted)]
     async fn write(
         state: web::Data<AppState>,
@@ -219,30 +228,60 @@ mod ledger {
         hold: web::Query<Slow>,
     ) -> HttpResponse {
         let n = state.executions.next("/ledger");
-        if let Err(error) = ledger::insert(tx.conn(), n).await {
-            return HttpResponse::InternalServerError()
-                .json(json!({"error": error.to_string(), "execution": n}));
-        }
-        tokio::time::sleep(Duration::from_millis(hold.ms)).await;
-        HttpResponse::Created().json(json!({"execution": n}))
+        let inserted = ledger::insert(tx.conn(), n).await;
+        reply(ledger::answer(n, inserted, hold.ms).await)
+    }
+
+    #[cfg(feature = "mysql")]
+    #[idempotent(require_key, enlisted)]
+    async fn write_mysql(
+        state: web::Data<AppState>,
+        tx: &mut EnlistedTx<sqlx::MySql>,
+        hold: web::Query<Slow>,
+    ) -> HttpResponse {
+        let n = state.executions.next("/ledger");
+        let inserted = ledger::insert_mysql(tx.conn(), n).await;
+        reply(ledger::answer(n, inserted, hold.ms).await)
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[idempotent(require_key, enlisted)]
+    async fn write_sqlite(
+        state: web::Data<AppState>,
+        tx: &mut EnlistedTx<sqlx::Sqlite>,
+        hold: web::Query<Slow>,
+    ) -> HttpResponse {
+        let n = state.executions.next("/ledger");
+        let inserted = ledger::insert_sqlite(tx.conn(), n).await;
+        reply(ledger::answer(n, inserted, hold.ms).await)
     }
 
     async fn rows(pool: web::Data<LedgerPool>) -> HttpResponse {
-        let Some(pool) = &pool.0 else {
+        let Some(ledger) = &pool.0 else {
             return HttpResponse::NotFound().finish();
         };
-        match ledger::rows(pool).await {
+        match ledger::rows(ledger).await {
             Ok(rows) => HttpResponse::Ok().json(rows),
             Err(error) => HttpResponse::ServiceUnavailable().body(error.to_string()),
         }
     }
 
-    pub(super) fn routes(pool: web::Data<LedgerPool>) -> impl FnOnce(&mut web::ServiceConfig) {
+    pub(super) fn routes(
+        store: StoreKind,
+        pool: web::Data<LedgerPool>,
+    ) -> impl FnOnce(&mut web::ServiceConfig) {
         move |config| {
+            let write = match store {
+                #[cfg(feature = "mysql")]
+                StoreKind::Mysql => web::post().to(write_mysql),
+                #[cfg(feature = "sqlite")]
+                StoreKind::Sqlite => web::post().to(write_sqlite),
+                _ => web::post().to(write),
+            };
             config.service(
                 web::resource("/ledger")
                     .app_data(pool)
-                    .route(web::post().to(write))
+                    .route(write)
                     .route(web::get().to(rows)),
             );
         }
@@ -344,6 +383,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let json_limit = options.max_body.max(2 << 20);
 
     #[cfg(feature = "postgres")]
+    let store = options.store;
+    #[cfg(feature = "postgres")]
     let ledger_pool = web::Data::new(ledger::LedgerPool(
         idempotent_examples::conformance::ledger::open(&options).await?,
     ));
@@ -393,7 +434,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                         .route("/{shop}/orders", web::post().to(create_shop_order)),
                 );
             #[cfg(feature = "postgres")]
-            let app = app.configure(ledger::routes(ledger_pool.clone()));
+            let app = app.configure(ledger::routes(store, ledger_pool.clone()));
             app
         })
         .workers(2)

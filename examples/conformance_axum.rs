@@ -190,19 +190,21 @@ async fn search(State(state): State<AppState>, RawQuery(query): RawQuery) -> Jso
     Json(json!({"query": query.unwrap_or_default(), "execution": n}))
 }
 
-/// `POST /ledger?ms=N` and `GET /ledger` (PostgreSQL store only): an enlisted handler writing a
-/// row through the request's transaction, and the committed rows.
+/// `POST /ledger?ms=N` and `GET /ledger` (the PostgreSQL, MySQL and SQLite stores): an enlisted
+/// handler writing a row through the request's transaction, one per database (a handler's
+/// `EnlistedTx` names its database), and the committed rows.
 #[cfg(feature = "postgres")]
 mod ledger {
     use super::*;
-    use idempotent_examples::conformance::ledger;
+    use idempotent_examples::conformance::ledger::{self, Ledger};
+    use idempotent_examples::conformance::{Options, StoreKind};
     use idempotent_runtime::enlisted::EnlistedTx;
 
     #[derive(Clone)]
     pub(super) struct LedgerState {
         pub(super) idempotency: Idempotency,
         pub(super) executions: Arc<Executions>,
-        pub(super) pool: Option<sqlx::PgPool>,
+        pub(super) ledger: Option<Ledger>,
     }
 
     impl FromRef<LedgerState> for Idempotency {
@@ -211,6 +213,13 @@ mod ledger {
         }
     }
 
+    fn reply((status, body): (u16, Value)) -> Response {
+        let status = StatusCode::from_u16(status).expect("a status the ledger answers");
+        (status, Json(body)).into_response()
+    }
+
+    /// PostgreSQL's, and the one other stores route to (it answers 500
+    /// `IDEMPOTENCY_STORE_NOT_ENLISTABLE` there).
     #[idempotent(require_key, enlisted)]
     async fn write(
         State(state): State<LedgerState>,
@@ -218,27 +227,54 @@ mod ledger {
         Query(slow): Query<Slow>,
     ) -> Response {
         let n = state.executions.next("/ledger");
-        if let Err(error) = ledger::insert(tx.conn(), n).await {
-            let body = json!({"error": error.to_string(), "execution": n});
-            return (StatusCode::INTERNAL_SERVER_ERROR, Json(body)).into_response();
-        }
-        tokio::time::sleep(Duration::from_millis(slow.ms)).await;
-        (StatusCode::CREATED, Json(json!({"execution": n}))).into_response()
+        let inserted = ledger::insert(tx.conn(), n).await;
+        reply(ledger::answer(n, inserted, slow.ms).await)
+    }
+
+    #[cfg(feature = "mysql")]
+    #[idempotent(require_key, enlisted)]
+    async fn write_mysql(
+        State(state): State<LedgerState>,
+        tx: &mut EnlistedTx<sqlx::MySql>,
+        Query(slow): Query<Slow>,
+    ) -> Response {
+        let n = state.executions.next("/ledger");
+        let inserted = ledger::insert_mysql(tx.conn(), n).await;
+        reply(ledger::answer(n, inserted, slow.ms).await)
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[idempotent(require_key, enlisted)]
+    async fn write_sqlite(
+        State(state): State<LedgerState>,
+        tx: &mut EnlistedTx<sqlx::Sqlite>,
+        Query(slow): Query<Slow>,
+    ) -> Response {
+        let n = state.executions.next("/ledger");
+        let inserted = ledger::insert_sqlite(tx.conn(), n).await;
+        reply(ledger::answer(n, inserted, slow.ms).await)
     }
 
     async fn rows(State(state): State<LedgerState>) -> Response {
-        let Some(pool) = &state.pool else {
+        let Some(ledger) = &state.ledger else {
             return StatusCode::NOT_FOUND.into_response();
         };
-        match ledger::rows(pool).await {
+        match ledger::rows(ledger).await {
             Ok(rows) => Json(rows).into_response(),
             Err(error) => (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response(),
         }
     }
 
-    pub(super) fn routes<S>(state: LedgerState) -> Router<S> {
+    pub(super) fn routes<S>(options: &Options, state: LedgerState) -> Router<S> {
+        let write = match options.store {
+            #[cfg(feature = "mysql")]
+            StoreKind::Mysql => post(write_mysql),
+            #[cfg(feature = "sqlite")]
+            StoreKind::Sqlite => post(write_sqlite),
+            _ => post(write),
+        };
         Router::new()
-            .route("/ledger", post(write).get(rows))
+            .route("/ledger", write.get(rows))
             .with_state(state)
     }
 }
@@ -370,11 +406,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         metrics,
     };
     #[cfg(feature = "postgres")]
-    let ledger = ledger::routes(ledger::LedgerState {
-        idempotency: idempotency.clone(),
-        executions: Arc::clone(&state.executions),
-        pool: idempotent_examples::conformance::ledger::open(&options).await?,
-    });
+    let ledger = ledger::routes(
+        &options,
+        ledger::LedgerState {
+            idempotency: idempotency.clone(),
+            executions: Arc::clone(&state.executions),
+            ledger: idempotent_examples::conformance::ledger::open(&options).await?,
+        },
+    );
     #[cfg(not(feature = "postgres"))]
     let ledger = Router::new();
     let layered = Router::new()

@@ -361,54 +361,129 @@ pub fn sqlite_options(url: &str) -> Result<sqlx::sqlite::SqliteConnectOptions, s
     Ok(options.create_if_missing(true))
 }
 
-/// The `ledger` table behind `POST /ledger` and `GET /ledger` (PostgreSQL store only): rows the
-/// enlisted handler inserts in the request's transaction, so a checker can compare committed
-/// rows with executions.
-#[cfg(feature = "postgres")]
+/// The `ledger` table behind `POST /ledger` and `GET /ledger` (the PostgreSQL, MySQL and SQLite
+/// stores): rows the enlisted handler inserts in the request's transaction, so a checker can
+/// compare committed rows with executions.
 pub mod ledger {
-    use sqlx::PgPool;
-    use sqlx::postgres::PgPoolOptions;
+    use std::time::Duration;
+
+    use serde_json::{Value, json};
+    use sqlx::{AssertSqlSafe, Executor};
 
     use super::{Options, StoreKind};
 
-    /// A small pool of its own for `GET /ledger` and the table's creation, so the store's pool
-    /// keeps its default size and its connections only serve requests. `None` unless the
-    /// store is PostgreSQL.
-    pub async fn open(options: &Options) -> Result<Option<PgPool>, Box<dyn std::error::Error>> {
-        let (StoreKind::Postgres, Some(url)) = (options.store, options.database_url.as_deref())
-        else {
-            return Ok(None);
-        };
-        let pool = PgPoolOptions::new().max_connections(2).connect(url).await?;
-        // Replicas start together: serialise the creation, as `migrate()` does.
-        let mut tx = pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idempotent-conformance-ledger'))")
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
-            "CREATE TABLE IF NOT EXISTS ledger (id bigserial PRIMARY KEY, execution bigint NOT NULL)",
-        )
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(Some(pool))
+    /// A small pool of its own for `GET /ledger` and the table's creation, on the store's
+    /// database, so the store's pool keeps its default size and its connections only serve
+    /// requests.
+    #[derive(Clone, Debug)]
+    pub enum Ledger {
+        /// `--store postgres`.
+        Postgres(sqlx::PgPool),
+        /// `--store mysql`.
+        #[cfg(feature = "mysql")]
+        MySql(sqlx::MySqlPool),
+        /// `--store sqlite`.
+        #[cfg(feature = "sqlite")]
+        Sqlite(sqlx::SqlitePool),
     }
 
-    /// Inserts the row of execution `n` through the enlisted transaction's connection.
+    const CREATE: &str = "CREATE TABLE IF NOT EXISTS ledger (execution bigint NOT NULL)";
+
+    /// Opens the pool and creates the table; `None` for a store without SQL transactions.
+    pub async fn open(options: &Options) -> Result<Option<Ledger>, Box<dyn std::error::Error>> {
+        let Some(url) = options.database_url.as_deref() else {
+            return Ok(None);
+        };
+        match options.store {
+            StoreKind::Postgres => {
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(2)
+                    .connect(url)
+                    .await?;
+                // Replicas start together: serialise the creation, as `migrate()` does.
+                let mut tx = pool.begin().await?;
+                sqlx::query(
+                    "SELECT pg_advisory_xact_lock(hashtext('idempotent-conformance-ledger'))",
+                )
+                .execute(&mut *tx)
+                .await?;
+                tx.execute(CREATE).await?;
+                tx.commit().await?;
+                Ok(Some(Ledger::Postgres(pool)))
+            }
+            #[cfg(feature = "mysql")]
+            StoreKind::Mysql => {
+                let pool = sqlx::mysql::MySqlPoolOptions::new()
+                    .max_connections(2)
+                    .connect(url)
+                    .await?;
+                // InnoDB, so the rows commit and roll back with the request's transaction.
+                pool.execute(
+                    "CREATE TABLE IF NOT EXISTS ledger (execution bigint NOT NULL) ENGINE = InnoDB",
+                )
+                .await?;
+                Ok(Some(Ledger::MySql(pool)))
+            }
+            #[cfg(feature = "sqlite")]
+            StoreKind::Sqlite => {
+                // Reads only (WAL: they never wait for the store's writer), after the creation.
+                let pool = sqlx::sqlite::SqlitePoolOptions::new()
+                    .max_connections(2)
+                    .connect_with(super::sqlite_options(url)?.busy_timeout(Duration::from_secs(5)))
+                    .await?;
+                pool.execute(CREATE).await?;
+                Ok(Some(Ledger::Sqlite(pool)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The row of execution `n`, for the enlisted transaction's connection.
+    fn row(n: u64) -> AssertSqlSafe<String> {
+        AssertSqlSafe(format!("INSERT INTO ledger (execution) VALUES ({n})"))
+    }
+
+    /// Inserts the row of execution `n` through a PostgreSQL enlisted transaction.
     pub async fn insert(conn: &mut sqlx::PgConnection, n: u64) -> Result<(), sqlx::Error> {
-        sqlx::query("INSERT INTO ledger (execution) VALUES ($1)")
-            .bind(i64::try_from(n).unwrap_or(i64::MAX))
-            .execute(conn)
-            .await?;
-        Ok(())
+        conn.execute(row(n)).await.map(drop)
+    }
+
+    /// Inserts the row of execution `n` through a MySQL enlisted transaction.
+    #[cfg(feature = "mysql")]
+    pub async fn insert_mysql(conn: &mut sqlx::MySqlConnection, n: u64) -> Result<(), sqlx::Error> {
+        conn.execute(row(n)).await.map(drop)
+    }
+
+    /// Inserts the row of execution `n` through a SQLite enlisted transaction.
+    #[cfg(feature = "sqlite")]
+    pub async fn insert_sqlite(
+        conn: &mut sqlx::SqliteConnection,
+        n: u64,
+    ) -> Result<(), sqlx::Error> {
+        conn.execute(row(n)).await.map(drop)
+    }
+
+    /// The handler's answer once its row was `inserted`: after `ms` of sleep, 201
+    /// `{"execution": n}`, or 500 at once if the insert failed.
+    pub async fn answer(n: u64, inserted: Result<(), sqlx::Error>, ms: u64) -> (u16, Value) {
+        if let Err(error) = inserted {
+            return (500, json!({"error": error.to_string(), "execution": n}));
+        }
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        (201, json!({"execution": n}))
     }
 
     /// Committed rows: `{"rows": n}`.
-    pub async fn rows(pool: &PgPool) -> Result<serde_json::Value, sqlx::Error> {
-        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")
-            .fetch_one(pool)
-            .await?;
-        Ok(serde_json::json!({ "rows": rows }))
+    pub async fn rows(ledger: &Ledger) -> Result<Value, sqlx::Error> {
+        const COUNT: &str = "SELECT count(*) FROM ledger";
+        let rows: i64 = match ledger {
+            Ledger::Postgres(pool) => sqlx::query_scalar(COUNT).fetch_one(pool).await?,
+            #[cfg(feature = "mysql")]
+            Ledger::MySql(pool) => sqlx::query_scalar(COUNT).fetch_one(pool).await?,
+            #[cfg(feature = "sqlite")]
+            Ledger::Sqlite(pool) => sqlx::query_scalar(COUNT).fetch_one(pool).await?,
+        };
+        Ok(json!({ "rows": rows }))
     }
 }
 

@@ -509,15 +509,17 @@ pub(crate) fn method_bit(name: &str) -> Result<u8, String> {
     }
 }
 
-/// `enlisted` needs the runtime's `postgres` feature (forwarded to this crate, so the error
-/// names the cause instead of a missing path in the expansion).
-pub(crate) fn check_enlisted(args: &Args, postgres: bool) -> syn::Result<()> {
+/// `enlisted` needs one of the runtime's SQL store features, `postgres`, `mysql` or `sqlite`
+/// (forwarded to this crate, so the error names the cause instead of a missing path in the
+/// expansion).
+pub(crate) fn check_enlisted(args: &Args, sql_store: bool) -> syn::Result<()> {
     match args.enlisted {
-        Some(span) if !postgres => Err(Error::new(
+        Some(span) if !sql_store => Err(Error::new(
             span,
-            "`enlisted` runs the handler in a PostgreSQL transaction and needs the `postgres` \
-             feature of idempotent-runtime: enable it (`idempotent-runtime = { version = \"…\", \
-             features = [\"postgres\"] }`), or remove `enlisted` to run in detached mode",
+            "`enlisted` runs the handler in a database transaction and needs a SQL store feature \
+             of idempotent-runtime (`postgres`, `mysql` or `sqlite`): enable it \
+             (`idempotent-runtime = { version = \"…\", features = [\"postgres\"] }`), or remove \
+             `enlisted` to run in detached mode",
         )),
         _ => Ok(()),
     }
@@ -543,7 +545,12 @@ pub(crate) fn parse(
         }
     };
     let args: Args = syn::parse2(attr).map_err(|e| fail(e, &item))?;
-    check_enlisted(&args, cfg!(feature = "postgres")).map_err(|e| fail(e, &item))?;
+    let sql_store = cfg!(any(
+        feature = "postgres",
+        feature = "mysql",
+        feature = "sqlite"
+    ));
+    check_enlisted(&args, sql_store).map_err(|e| fail(e, &item))?;
     Ok((args, function))
 }
 
@@ -643,11 +650,11 @@ mod tests {
     }
 
     #[test]
-    fn enlisted_needs_the_postgres_feature() {
+    fn enlisted_needs_a_sql_store_feature() {
         let args: Args = syn::parse_str("require_key, enlisted").unwrap();
         assert!(args.enlisted.is_some());
         let error = check_enlisted(&args, false).unwrap_err().to_string();
-        assert!(error.contains("`postgres` feature"), "{error}");
+        assert!(error.contains("SQL store feature"), "{error}");
         assert!(check_enlisted(&args, true).is_ok());
         let detached: Args = syn::parse_str("require_key").unwrap();
         assert!(check_enlisted(&detached, false).is_ok());

@@ -9,7 +9,7 @@ use syn::{Error, FnArg, ReturnType, Signature, Type};
 
 use crate::args::{Args, Framework};
 use crate::detect::{self, Route};
-use crate::types::is_named;
+use crate::types::{is_named, last_segment};
 
 /// `framework = …` names the framework of the path the attribute was called by.
 pub(crate) fn framework(args: &Args, framework: Framework) -> syn::Result<()> {
@@ -278,14 +278,16 @@ pub(crate) fn enlisted_tx(ty: &Type, enlisted: bool) -> syn::Result<bool> {
         Type::Reference(r) => (&*r.elem, r.mutability.is_some()),
         other => (other, false),
     };
-    if !is_named(inner, "EnlistedTx") {
+    // `EnlistedTx` (PostgreSQL) or `EnlistedTx<MySql>`: the argument names the database.
+    if last_segment(inner).is_none_or(|s| s.ident != "EnlistedTx") {
         return Ok(false);
     }
     if !enlisted {
         return Err(Error::new_spanned(
             ty,
             "`EnlistedTx` is the transaction of an enlisted handler: write \
-             `#[idempotent(enlisted)]` (PostgreSQL store), or remove this parameter",
+             `#[idempotent(enlisted)]` (a PostgreSQL, MySQL or SQLite store), or remove this \
+             parameter",
         ));
     }
     if !mutable {

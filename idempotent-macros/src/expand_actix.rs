@@ -77,7 +77,10 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
     let (handle, tx_param, answer) = if handler.enlisted {
         (
             quote!(#private::handle_enlisted),
-            quote!(, mut #tx: #private::EnlistedTx),
+            {
+                let tx_type = handler.tx_type;
+                quote!(, mut #tx: #tx_type)
+            },
             quote!((#tx, #respond(#returned, &#req))),
         )
     } else {

@@ -74,12 +74,17 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
 
     let last = format_ident!("__idempotent_last");
     let value = format_ident!("__idempotent_value");
+    // An enlisted wrapper names the database of the handler's transaction, read off the type
+    // the handler wrote (`EnlistedTx` is PostgreSQL's, `EnlistedTx<MySql>` MySQL's).
+    let database = handler
+        .tx_type
+        .map(|tx| quote!(, <#tx as #private::TxDatabase>::Database));
     let mut outer_inputs: Vec<_> = handler
         .extractors()
         .map(|(i, p)| {
             let ty = p.ty;
             if Some(i) == handler.body {
-                quote!(#last: #wrapper<#ty, #source, #endpoint>)
+                quote!(#last: #wrapper<#ty, #source, #endpoint #database>)
             } else {
                 let arg = Names::arg(i);
                 quote!(#arg: #ty)
@@ -87,7 +92,7 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
         })
         .collect();
     if handler.body.is_none() {
-        outer_inputs.push(quote!(#last: #wrapper<(), #source, #endpoint>));
+        outer_inputs.push(quote!(#last: #wrapper<(), #source, #endpoint #database>));
     }
     let call_args = handler.call_args(Some(&value));
     let Names { tx, context } = Names::new();

@@ -58,6 +58,9 @@ pub(crate) struct Handler<'a> {
     pub body: Option<usize>,
     /// `enlisted`: the handler runs in the transaction that holds its reservation.
     pub enlisted: bool,
+    /// The type behind the enlisted transaction's `&mut` (`EnlistedTx`, `EnlistedTx<MySql>`):
+    /// the database of the transaction the handler gets.
+    pub tx_type: Option<&'a Type>,
     /// The attributes that stay on the generated wrapper.
     pub outer_attrs: Vec<&'a syn::Attribute>,
     /// The attributes that stay on the user's function, kept inside the wrapper.
@@ -148,6 +151,13 @@ impl<'a> Handler<'a> {
             params.push(Param { ty, role });
         }
         let transactions = params.iter().filter(|p| matches!(p.role, Role::Tx)).count();
+        let tx_type = params
+            .iter()
+            .find(|p| matches!(p.role, Role::Tx))
+            .map(|p| match p.ty {
+                Type::Reference(r) => &*r.elem,
+                other => other,
+            });
         checks::enlisted_params(args.enlisted, transactions, sig)?;
         let body = params.iter().rposition(Param::is_extractor);
         if framework == Framework::Axum {
@@ -173,6 +183,7 @@ impl<'a> Handler<'a> {
             params,
             body,
             enlisted,
+            tx_type,
             outer_attrs,
             inner_attrs,
         })

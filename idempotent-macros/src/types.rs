@@ -3,7 +3,7 @@
 use syn::{GenericArgument, PathArguments, Type};
 
 /// The last path segment of a type (`axum::Json<T>` → `Json<T>`), if it is a path.
-fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {
+pub(crate) fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {
     match ty {
         Type::Path(p) if p.qself.is_none() => p.path.segments.last(),
         Type::Group(g) => last_segment(&g.elem),

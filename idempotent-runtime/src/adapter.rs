@@ -645,7 +645,7 @@ impl RouterLayer {
     }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub use enlisted::{
     BufferedTx, ClaimedTx, enlisted_behind_layer, enlisted_entry, front_enlisted, prepare_enlisted,
     prepare_enlisted_extracting,
@@ -655,11 +655,13 @@ pub use enlisted::{
 /// inside the transaction the handler then writes through, and committing the record with the
 /// handler's writes before the answer goes out. The transaction is the one the store enlists
 /// in ([`Store::enlisting`](crate::store::Store::enlisting)); the adapter only hands the
-/// [`EnlistedTx`] to the handler and takes it back with the answer, so a store that enlists in
-/// another database changes nothing here.
-#[cfg(feature = "postgres")]
+/// [`EnlistedTx`] to the handler and takes it back with the answer. Each entry point is generic
+/// over the [`Enlistable`] database the handler's transaction is on (its `EnlistedTx<DB>`), so a
+/// store that enlists in another database changes nothing here.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod enlisted {
     use std::future::Future;
+    use std::marker::PhantomData;
 
     use bytes::Bytes;
     use tracing::Instrument as _;
@@ -667,7 +669,7 @@ mod enlisted {
     use super::{Chunks, Ended, Head, Reply};
     use crate::config::EndpointConfig;
     use crate::context::IdempotencyContext;
-    use crate::enlisted::{EnlistedTx, Held};
+    use crate::enlisted::{Enlistable, EnlistedTx, Held};
     use crate::handle::Idempotency;
     use crate::pipeline::{self, Enlisted};
 
@@ -679,13 +681,14 @@ mod enlisted {
 
     /// An enlisted request whose body was read in full, ready to be claimed in its
     /// transaction ([`front_enlisted`]'s answer).
-    pub struct BufferedTx {
+    pub struct BufferedTx<DB: Enlistable> {
         handle: Idempotency,
         inner: pipeline::Buffered,
         span: tracing::Span,
+        _database: PhantomData<fn() -> DB>,
     }
 
-    impl std::fmt::Debug for BufferedTx {
+    impl<DB: Enlistable> std::fmt::Debug for BufferedTx<DB> {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             f.debug_struct("BufferedTx")
                 .field("body", &self.inner.body.len())
@@ -696,12 +699,12 @@ mod enlisted {
     /// An enlisted request that holds its transaction (and, with a key, its reservation in
     /// it): run the handler with the transaction through [`run`](Self::run), or settle an
     /// answer the adapter made itself.
-    pub struct ClaimedTx {
+    pub struct ClaimedTx<DB: Enlistable> {
         handle: Idempotency,
-        inner: pipeline::Admitted<Held>,
+        inner: pipeline::Admitted<Held<DB>>,
     }
 
-    impl std::fmt::Debug for ClaimedTx {
+    impl<DB: Enlistable> std::fmt::Debug for ClaimedTx<DB> {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             f.debug_struct("ClaimedTx")
                 .field("route", &self.inner.route)
@@ -712,14 +715,20 @@ mod enlisted {
     /// [`front`](super::front) in enlisted mode: every body is read before its transaction
     /// begins (a request without a key too, so a slow client never holds a connection), so
     /// there is no pass; `Err` is a refusal.
-    pub async fn front_enlisted<H: Head, B: Chunks + From<Bytes>, R: Reply>(
+    pub async fn front_enlisted<DB, H, B, R>(
         handle: &Idempotency,
         endpoint: &EndpointConfig,
         head: &H,
         body: B,
-    ) -> Result<BufferedTx, R> {
+    ) -> Result<BufferedTx<DB>, R>
+    where
+        DB: Enlistable,
+        H: Head,
+        B: Chunks + From<Bytes>,
+        R: Reply,
+    {
         let span = crate::observe::request_span(head.route().unwrap_or(""));
-        let front = pipeline::front::<Enlisted, _, _>(handle, endpoint, head, body);
+        let front = pipeline::front::<Enlisted<DB>, _, _>(handle, endpoint, head, body);
         match front.instrument(span.clone()).await {
             pipeline::Front::Pass(_) => unreachable!("enlisted mode reads every body"),
             pipeline::Front::Refuse(problem) => Err(pipeline::refuse(handle, &problem)),
@@ -727,11 +736,12 @@ mod enlisted {
                 handle: handle.clone(),
                 inner,
                 span,
+                _database: PhantomData,
             }),
         }
     }
 
-    impl BufferedTx {
+    impl<DB: Enlistable> BufferedTx<DB> {
         /// The request body, read in full.
         pub fn body(&self) -> &Bytes {
             &self.inner.body
@@ -746,13 +756,14 @@ mod enlisted {
 
         /// Scope, fingerprint, and the claim inside a new transaction. `Err` is the answer
         /// instead of running: a replay or a refusal.
-        pub async fn claim<H: Head, R: Reply>(self, head: &H) -> Result<ClaimedTx, R> {
+        pub async fn claim<H: Head, R: Reply>(self, head: &H) -> Result<ClaimedTx<DB>, R> {
             let Self {
                 handle,
                 inner,
                 span,
+                ..
             } = self;
-            let claimed = pipeline::claim::<Enlisted, _, R>(&handle, head, inner);
+            let claimed = pipeline::claim::<Enlisted<DB>, _, R>(&handle, head, inner);
             let inner = claimed.instrument(span).await?;
             Ok(ClaimedTx { handle, inner })
         }
@@ -762,7 +773,7 @@ mod enlisted {
             self,
             head: &H,
             extracted: Result<A, R>,
-        ) -> Result<(ClaimedTx, Result<A, R>), R> {
+        ) -> Result<(ClaimedTx<DB>, Result<A, R>), R> {
             match extracted {
                 Err(rejection) if !self.records(rejection.status()) => Err(rejection),
                 extracted => Ok((self.claim(head).await?, extracted)),
@@ -772,21 +783,22 @@ mod enlisted {
 
     /// [`prepare_extracting`](super::prepare_extracting) in enlisted mode: `Err` is the
     /// answer instead of running.
-    pub async fn prepare_enlisted_extracting<H, B, R, A, X, XF>(
+    pub async fn prepare_enlisted_extracting<DB, H, B, R, A, X, XF>(
         handle: &Idempotency,
         endpoint: &EndpointConfig,
         head: &H,
         body: B,
         extract: X,
-    ) -> Result<(ClaimedTx, Result<A, R>), R>
+    ) -> Result<(ClaimedTx<DB>, Result<A, R>), R>
     where
+        DB: Enlistable,
         H: Head,
         B: Chunks + From<Bytes>,
         R: Reply,
         X: FnOnce(B) -> XF,
         XF: Future<Output = Result<A, R>>,
     {
-        let buffered = front_enlisted(handle, endpoint, head, body).await?;
+        let buffered = front_enlisted::<DB, _, _, _>(handle, endpoint, head, body).await?;
         let extracted = extract(B::from(buffered.body().clone())).await;
         buffered.claim_after(head, extracted).await
     }
@@ -810,19 +822,25 @@ mod enlisted {
 
     /// [`prepare`](super::prepare) in enlisted mode: [`front_enlisted`], then
     /// [`BufferedTx::claim`].
-    pub async fn prepare_enlisted<H: Head, B: Chunks + From<Bytes>, R: Reply>(
+    pub async fn prepare_enlisted<DB, H, B, R>(
         handle: &Idempotency,
         endpoint: &EndpointConfig,
         head: &H,
         body: B,
-    ) -> Result<ClaimedTx, R> {
-        front_enlisted(handle, endpoint, head, body)
+    ) -> Result<ClaimedTx<DB>, R>
+    where
+        DB: Enlistable,
+        H: Head,
+        B: Chunks + From<Bytes>,
+        R: Reply,
+    {
+        front_enlisted::<DB, _, _, _>(handle, endpoint, head, body)
             .await?
             .claim(head)
             .await
     }
 
-    impl ClaimedTx {
+    impl<DB: Enlistable> ClaimedTx<DB> {
         /// The request body, read in full: the handler reads this instead of the original.
         pub fn body(&self) -> &Bytes {
             &self.inner.body
@@ -843,8 +861,8 @@ mod enlisted {
         )
         where
             R: Reply,
-            F: FnOnce(EnlistedTx) -> Fut,
-            Fut: Future<Output = (EnlistedTx, R)>,
+            F: FnOnce(EnlistedTx<DB>) -> Fut,
+            Fut: Future<Output = (EnlistedTx<DB>, R)>,
         {
             let Self { handle, inner } = self;
             let pipeline::Admitted {
@@ -870,8 +888,8 @@ mod enlisted {
             R::Head: Send,
             R::Body: Send,
             <R::Body as Chunks>::Error: Send,
-            F: FnOnce(EnlistedTx) -> Fut + Send + 'static,
-            Fut: Future<Output = (EnlistedTx, R)> + Send + 'static,
+            F: FnOnce(EnlistedTx<DB>) -> Fut + Send + 'static,
+            Fut: Future<Output = (EnlistedTx<DB>, R)> + Send + 'static,
         {
             let (handle, route, work) = self.work(handler);
             pipeline::drive(&handle, &route, work, tokio::spawn)
@@ -884,8 +902,8 @@ mod enlisted {
         pub async fn run_local<R, F, Fut>(self, handler: F) -> R
         where
             R: Reply + 'static,
-            F: FnOnce(EnlistedTx) -> Fut + 'static,
-            Fut: Future<Output = (EnlistedTx, R)> + 'static,
+            F: FnOnce(EnlistedTx<DB>) -> Fut + 'static,
+            Fut: Future<Output = (EnlistedTx<DB>, R)> + 'static,
         {
             let (handle, route, work) = self.work(handler);
             let spawn = tokio::task::spawn_local;

@@ -65,7 +65,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use sqlx::postgres::{PgConnection, Postgres};
+#[cfg(feature = "postgres")]
+use sqlx::Postgres;
 use sqlx::{Database, Transaction};
 use tokio::sync::oneshot;
 
@@ -81,44 +82,56 @@ use crate::store::{
     Claim, ClaimRequest, Enlist, FencingToken, Joinable, RecordedResponse, StoreError,
 };
 
-/// The transaction an enlisted handler writes through: take it as `tx: &mut EnlistedTx`.
-///
-/// It holds the request's reservation, and the runtime commits it (or rolls it back) after
-/// the handler returned, so nothing in its API commits: it gives the handler the connection
-/// ([`conn`](Self::conn), or `&mut **tx` through `DerefMut`), on which sqlx's own
-/// `Connection::begin` opens a savepoint, never a second transaction. (Sending a literal
-/// `COMMIT` statement through it would end the transaction early and break the guarantee;
-/// do not.)
-///
-/// ```no_run
-/// use idempotent_runtime::enlisted::EnlistedTx;
-/// use sqlx::Connection as _;
-///
-/// /// Called from an enlisted handler with its `tx`.
-/// async fn reserve_stock(tx: &mut EnlistedTx, sku: &str) -> Result<u64, sqlx::Error> {
-///     // A savepoint inside the request's transaction: its rollback undoes this part only.
-///     let mut savepoint = tx.conn().begin().await?;
-///     let done = sqlx::query("UPDATE stock SET held = held + 1 WHERE sku = $1 AND held < total")
-///         .bind(sku)
-///         .execute(&mut *savepoint)
-///         .await?;
-///     savepoint.commit().await?; // releases the savepoint; the request commits later
-///     Ok(done.rows_affected())
-/// }
-/// ```
-pub struct EnlistedTx {
-    /// `None` only once the runtime took the transaction back, never while a handler has it.
-    tx: Option<Transaction<'static, Postgres>>,
-    /// Where a handler that panics (dropping this with its future) hands the transaction back,
-    /// so the runtime rolls it back before it answers: the key's try-lock must be gone by the
-    /// time the client can retry.
-    back: Option<oneshot::Sender<Transaction<'static, Postgres>>>,
+macro_rules! enlisted_tx {
+    ($($default:tt)*) => {
+        /// The transaction an enlisted handler writes through: take it as `tx: &mut EnlistedTx` on
+        /// PostgreSQL (the default), `&mut EnlistedTx<MySql>` on MySQL/MariaDB, `&mut EnlistedTx<Sqlite>`
+        /// on SQLite (`sqlx::{MySql, Sqlite}`), the database of the store behind the handle.
+        ///
+        /// It holds the request's reservation, and the runtime commits it (or rolls it back) after
+        /// the handler returned, so nothing in its API commits: it gives the handler the connection
+        /// ([`conn`](Self::conn), or `&mut **tx` through `DerefMut`), on which sqlx's own
+        /// `Connection::begin` opens a savepoint, never a second transaction. (Sending a literal
+        /// `COMMIT` statement through it would end the transaction early and break the guarantee;
+        /// do not.)
+        ///
+        /// ```no_run
+        /// use idempotent_runtime::enlisted::EnlistedTx;
+        /// use sqlx::Connection as _;
+        ///
+        /// /// Called from an enlisted handler with its `tx`.
+        /// async fn reserve_stock(tx: &mut EnlistedTx, sku: &str) -> Result<u64, sqlx::Error> {
+        ///     // A savepoint inside the request's transaction: its rollback undoes this part only.
+        ///     let mut savepoint = tx.conn().begin().await?;
+        ///     let done = sqlx::query("UPDATE stock SET held = held + 1 WHERE sku = $1 AND held < total")
+        ///         .bind(sku)
+        ///         .execute(&mut *savepoint)
+        ///         .await?;
+        ///     savepoint.commit().await?; // releases the savepoint; the request commits later
+        ///     Ok(done.rows_affected())
+        /// }
+        /// ```
+        pub struct EnlistedTx<DB: Database $($default)*> {
+            /// `None` only once the runtime took the transaction back, never while a handler
+            /// has it.
+            tx: Option<Transaction<'static, DB>>,
+            /// Where a handler that panics (dropping this with its future) hands the
+            /// transaction back, so the runtime rolls it back before it answers: the key's
+            /// try-lock must be gone by the time the client can retry.
+            back: Option<oneshot::Sender<Transaction<'static, DB>>>,
+        }
+    };
 }
+
+#[cfg(feature = "postgres")]
+enlisted_tx!(= Postgres);
+#[cfg(not(feature = "postgres"))]
+enlisted_tx!();
 
 const TAKEN: &str = "the enlisted transaction is held until the handler returns";
 
-impl EnlistedTx {
-    pub(crate) fn new(tx: Transaction<'static, Postgres>) -> Self {
+impl<DB: Database> EnlistedTx<DB> {
+    pub(crate) fn new(tx: Transaction<'static, DB>) -> Self {
         Self {
             tx: Some(tx),
             back: None,
@@ -126,30 +139,30 @@ impl EnlistedTx {
     }
 
     /// The connection the transaction runs on, for sqlx's `execute`/`fetch_*`.
-    pub fn conn(&mut self) -> &mut PgConnection {
+    pub fn conn(&mut self) -> &mut DB::Connection {
         self.tx.as_deref_mut().expect(TAKEN)
     }
 
-    fn take(mut self) -> Transaction<'static, Postgres> {
+    fn take(mut self) -> Transaction<'static, DB> {
         self.tx.take().expect(TAKEN)
     }
 }
 
-impl Deref for EnlistedTx {
-    type Target = PgConnection;
+impl<DB: Database> Deref for EnlistedTx<DB> {
+    type Target = DB::Connection;
 
-    fn deref(&self) -> &PgConnection {
+    fn deref(&self) -> &DB::Connection {
         self.tx.as_deref().expect(TAKEN)
     }
 }
 
-impl DerefMut for EnlistedTx {
-    fn deref_mut(&mut self) -> &mut PgConnection {
+impl<DB: Database> DerefMut for EnlistedTx<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
         self.conn()
     }
 }
 
-impl Drop for EnlistedTx {
+impl<DB: Database> Drop for EnlistedTx<DB> {
     fn drop(&mut self) {
         if let (Some(tx), Some(back)) = (self.tx.take(), self.back.take()) {
             // Nobody waiting: the transaction drops here, and sqlx rolls it back.
@@ -158,22 +171,40 @@ impl Drop for EnlistedTx {
     }
 }
 
-impl fmt::Debug for EnlistedTx {
+impl<DB: Database> fmt::Debug for EnlistedTx<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EnlistedTx").finish_non_exhaustive()
     }
 }
 
+/// A database whose transactions an enlisted handler can run in: `sqlx::Postgres` (feature
+/// `postgres`), `sqlx::MySql` (`mysql`), `sqlx::Sqlite` (`sqlite`). It is the parameter of
+/// [`EnlistedTx`] and of the [adapter API](crate::adapter)'s enlisted entry points. Sealed: a
+/// database is joined by its store, through [`Store::enlisting`](crate::store::Store::enlisting).
+pub trait Enlistable: Joinable {}
+
+impl<DB: Joinable> Enlistable for DB {}
+
+/// The database of an enlisted handler's transaction type, for the attribute's expansion.
+#[doc(hidden)]
+pub trait TxDatabase {
+    type Database: Enlistable;
+}
+
+impl<DB: Enlistable> TxDatabase for EnlistedTx<DB> {
+    type Database = DB;
+}
+
 /// An open transaction (holding the key's reservation, when the request has a key) and what
 /// settles it.
-pub(crate) struct Held {
-    pub(crate) tx: EnlistedTx,
-    pub(crate) settle: Settle,
+pub(crate) struct Held<DB: Database> {
+    pub(crate) tx: EnlistedTx<DB>,
+    pub(crate) settle: Settle<DB>,
 }
 
 /// Settles an enlisted request's transaction once the handler answered. Built by the
 /// pipeline's enlisted claim (`pipeline::enlisted`), which decides what it holds.
-pub(crate) struct Settle {
+pub(crate) struct Settle<DB: Database> {
     pub(crate) store: Arc<dyn DynStore>,
     pub(crate) reserved: Option<Reserved>,
     pub(crate) retention: Duration,
@@ -181,7 +212,7 @@ pub(crate) struct Settle {
     pub(crate) recording: Recording,
     pub(crate) store_retry_after: Duration,
     pub(crate) route: Arc<str>,
-    pub(crate) back: Back,
+    pub(crate) back: Back<DB>,
     pub(crate) _running: RunningGuard,
     /// Keeps the key in [`HeldKeys`] until the transaction ended (dropped after it, with this).
     pub(crate) _in_flight: Option<HeldKey>,
@@ -189,7 +220,7 @@ pub(crate) struct Settle {
 
 /// The receiving end of [`EnlistedTx`]'s hand-back, set when the transaction goes to the
 /// handler.
-pub(crate) type Back = Option<oneshot::Receiver<Transaction<'static, Postgres>>>;
+pub(crate) type Back<DB> = Option<oneshot::Receiver<Transaction<'static, DB>>>;
 
 /// The reservation a keyed enlisted request holds in its transaction.
 pub(crate) struct Reserved {
@@ -198,7 +229,7 @@ pub(crate) struct Reserved {
     pub(crate) token: FencingToken,
 }
 
-impl fmt::Debug for Held {
+impl<DB: Database> fmt::Debug for Held<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Held")
             .field("route", &self.settle.route)
@@ -206,11 +237,11 @@ impl fmt::Debug for Held {
     }
 }
 
-/// What the store behind a handle offers enlisted requests on PostgreSQL, if it can join them
-/// ([`Store::enlisting`](crate::store::Store::enlisting): the PostgreSQL store, or any wrapper
-/// that forwards it).
-pub(crate) fn postgres(store: &dyn DynStore) -> Option<&dyn Enlist<Postgres>> {
-    store.enlisting().and_then(|e| Postgres::enlister(&e))
+/// What the store behind a handle offers enlisted requests on database `DB`, if it can join
+/// them ([`Store::enlisting`](crate::store::Store::enlisting): that database's store, or any
+/// wrapper that forwards it).
+pub(crate) fn enlister<DB: Joinable>(store: &dyn DynStore) -> Option<&dyn Enlist<DB>> {
+    store.enlisting().and_then(|e| DB::enlister(&e))
 }
 
 /// The claim loop's writes, sent on an enlisted request's open transaction.
@@ -255,19 +286,26 @@ pub(crate) async fn claim_in<DB: Database>(
         .map(Some)
 }
 
-/// The refusal when the store cannot enlist: a setup mistake, logged with its fix.
-pub(crate) fn not_postgres(route: &str) -> Problem {
+/// The refusal when the store cannot enlist in `DB`'s transactions: a setup mistake, logged
+/// with its fix.
+pub(crate) fn not_enlistable<DB: Joinable>(route: &str) -> Problem {
     tracing::error!(
         route,
-        "#[idempotent(enlisted)] needs a store that can enlist in a PostgreSQL transaction: build \
-         the Idempotency over idempotent_runtime::store::postgres::PostgresStore (a wrapper \
-         around it forwards Store::enlisting), or remove `enlisted` to run this handler in \
-         detached mode"
+        database = DB::LABEL,
+        "#[idempotent(enlisted)] needs a store that can enlist in a {} transaction (the handler's \
+         `EnlistedTx` names that database): build the Idempotency over \
+         idempotent_runtime::{} (a wrapper around it forwards Store::enlisting), or remove \
+         `enlisted` to run this handler in detached mode",
+        DB::LABEL,
+        DB::STORE,
     );
     Problem::new(
         500,
         ProblemCode::StoreNotEnlistable,
-        "this endpoint needs a PostgreSQL idempotency store, and none is configured",
+        format!(
+            "this endpoint needs a {} idempotency store, and none is configured",
+            DB::LABEL
+        ),
     )
 }
 
@@ -310,7 +348,7 @@ impl Drop for HeldKey {
     }
 }
 
-impl Settle {
+impl<DB: Joinable> Settle<DB> {
     /// Whether the request holds a reservation (it had a key).
     pub(crate) fn is_keyed(&self) -> bool {
         self.reserved.is_some()
@@ -336,7 +374,7 @@ impl Settle {
     /// its outcome is unknown; a retry then replays or runs).
     pub(crate) async fn commit(
         self,
-        tx: EnlistedTx,
+        tx: EnlistedTx<DB>,
         response: Option<&RecordedResponse>,
     ) -> Result<(), Problem> {
         let mut tx = tx.take();
@@ -362,25 +400,26 @@ impl Settle {
             "a reservation commits only with its response"
         );
         let key = self.reserved.as_ref().map(|r| r.key.as_str());
-        let pg = postgres(&*self.store).expect("a held transaction comes from an enlisting store");
+        let db =
+            enlister::<DB>(&*self.store).expect("a held transaction comes from an enlisting store");
         // A handler that swallowed a database error leaves the transaction aborted, and its
         // COMMIT would silently roll back: every statement sent now fails with 25P02 instead,
         // so it is caught before the commit (the completion is that statement for a keyed
         // request; a keyless one sends a probe).
-        let aborted = |tx: Transaction<'static, Postgres>| async {
+        let aborted = |tx: Transaction<'static, DB>| async {
             let _ = tx.rollback().await;
             Err(aborted_transaction(&route, key))
         };
         if self.reserved.is_none()
-            && let Err(error) = pg.probe(&mut tx).await
+            && let Err(error) = db.probe(&mut tx).await
         {
-            if pg.is_aborted(&error) {
+            if db.is_aborted(&error) {
                 return aborted(tx).await;
             }
             return Err(failed("the transaction could not be checked", &error, key));
         }
         if let (Some(reserved), Some(response)) = (&self.reserved, response) {
-            let completed = pg
+            let completed = db
                 .complete(
                     &mut tx,
                     &reserved.scope,
@@ -393,7 +432,7 @@ impl Settle {
             match completed {
                 Ok(true) => {}
                 Ok(false) => return Err(failed("the reservation was gone", &"fenced", key)),
-                Err(error) if pg.is_aborted(&error) => return aborted(tx).await,
+                Err(error) if db.is_aborted(&error) => return aborted(tx).await,
                 Err(error) => return Err(failed("recording failed", &error, key)),
             }
         }
@@ -405,7 +444,7 @@ impl Settle {
 
     /// Rolls the transaction back: the handler's writes and the reservation are gone, and the
     /// key is free for the retry.
-    pub(crate) async fn rollback(self, tx: EnlistedTx, why: &str) {
+    pub(crate) async fn rollback(self, tx: EnlistedTx<DB>, why: &str) {
         if self.reserved.is_some() {
             observe::count(Event::NotRecorded, &self.route);
         }
@@ -418,7 +457,7 @@ impl Settle {
 
     /// Hands the transaction to the handler: if the handler drops it (a panic unwinding its
     /// future), it comes back to [`panicked`](Self::panicked).
-    pub(crate) fn hand_out(&mut self, mut tx: EnlistedTx) -> EnlistedTx {
+    pub(crate) fn hand_out(&mut self, mut tx: EnlistedTx<DB>) -> EnlistedTx<DB> {
         let (back, receive) = oneshot::channel();
         tx.back = Some(back);
         self.back = Some(receive);

@@ -54,7 +54,7 @@ struct Inner {
     settled: Settled,
     /// The keys enlisted requests of this process hold now, so a duplicate is answered 409
     /// without the database.
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     enlisted_in_flight: crate::enlisted::HeldKeys,
 }
 
@@ -240,7 +240,7 @@ impl Builder {
                 watch,
                 sweeper,
                 settled: Settled::default(),
-                #[cfg(feature = "postgres")]
+                #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
                 enlisted_in_flight: crate::enlisted::HeldKeys::default(),
             }),
         }
@@ -340,7 +340,7 @@ impl Idempotency {
     }
 
     /// The keys this process's enlisted requests hold now.
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     pub(crate) fn enlisted_in_flight(&self) -> &crate::enlisted::HeldKeys {
         &self.inner.enlisted_in_flight
     }

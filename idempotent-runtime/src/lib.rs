@@ -93,8 +93,11 @@ pub mod config;
 mod context;
 pub mod design;
 mod digest;
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite")))
+)]
 pub mod enlisted;
 pub mod fingerprint;
 pub mod handle;

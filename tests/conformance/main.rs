@@ -14,4 +14,6 @@ mod support;
 mod cross_scope;
 #[cfg(feature = "postgres")]
 mod edge_cases;
+#[cfg(all(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod enlisted_ledger;
 mod suite;

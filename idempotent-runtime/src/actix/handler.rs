@@ -70,8 +70,8 @@ use HANDLE_MISSING_FIX as FIX;
 
 /// The rewritten enlisted handler's body: as [`handle`], with the transaction handed to
 /// `handler` and back, then recorded in and committed.
-#[cfg(feature = "postgres")]
-pub async fn handle_enlisted<A, X, XF, H, HF>(
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub async fn handle_enlisted<DB, A, X, XF, H, HF>(
     req: HttpRequest,
     payload: web::Payload,
     endpoint: &'static EndpointConfig,
@@ -81,9 +81,10 @@ pub async fn handle_enlisted<A, X, XF, H, HF>(
 where
     X: FnOnce(HttpRequest, dev::Payload) -> XF,
     XF: Future<Output = Result<A, HttpResponse>>,
-    H: FnOnce(A, Option<IdempotencyContext>, HttpRequest, crate::enlisted::EnlistedTx) -> HF
+    DB: crate::enlisted::Enlistable,
+    H: FnOnce(A, Option<IdempotencyContext>, HttpRequest, crate::enlisted::EnlistedTx<DB>) -> HF
         + 'static,
-    HF: Future<Output = (crate::enlisted::EnlistedTx, HttpResponse)> + 'static,
+    HF: Future<Output = (crate::enlisted::EnlistedTx<DB>, HttpResponse)> + 'static,
     A: 'static,
 {
     let payload = payload.into_inner();
@@ -96,8 +97,9 @@ where
     req.extensions_mut().insert(OuterStep::of(endpoint));
     let head = ActixHead::matched(&req);
     let extractors = |payload| extract(req.clone(), payload);
-    let enlisted =
-        adapter::prepare_enlisted_extracting(&handle, endpoint, &head, payload, extractors);
+    let enlisted = adapter::prepare_enlisted_extracting::<DB, _, _, _, _, _, _>(
+        &handle, endpoint, &head, payload, extractors,
+    );
     let (claimed, extracted) = match enlisted.await {
         Ok(claimed) => claimed,
         Err(answer) => return answer,

@@ -139,10 +139,10 @@ pub mod __private {
     use actix_web::HttpResponse;
 
     pub use super::handler::handle;
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     pub use super::handler::handle_enlisted;
     pub use crate::context::IdempotencyContext as Context;
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     pub use crate::enlisted::EnlistedTx;
     pub use crate::probe::{BodyProbe, NotStreaming, StreamingBody};
     pub use actix_web::dev::Payload as RawPayload;

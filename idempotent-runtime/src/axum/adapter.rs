@@ -82,12 +82,12 @@ fn rebuilt(parts: &mut Parts, context: Option<&IdempotencyContext>, body: &Bytes
 }
 
 /// [`prepare`] in enlisted mode: the claim inside the transaction the handler writes through.
-#[cfg(feature = "postgres")]
-pub(crate) async fn prepare_enlisted(
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) async fn prepare_enlisted<DB: crate::enlisted::Enlistable>(
     handle: &Idempotency,
     endpoint: &EndpointConfig,
     request: Request,
-) -> Result<(Request, adapter::ClaimedTx), Response> {
+) -> Result<(Request, adapter::ClaimedTx<DB>), Response> {
     let (mut parts, body) = request.into_parts();
     let params = params(&mut parts);
     let head = head(&parts, &params);

@@ -8,15 +8,16 @@ use axum::extract::{FromRequest, Request};
 use axum::response::{IntoResponse, Response};
 
 use super::adapter::{HANDLE_MISSING_FIX, prepare_enlisted, route_of};
-use super::extract::{FromState, HandleSource, Via};
+use super::extract::{HandleSource, Via};
 use crate::adapter::{self, ClaimedTx, OuterStep};
 use crate::config::{Endpoint, EndpointConfig};
 use crate::context::IdempotencyContext;
-use crate::enlisted::EnlistedTx;
+use crate::enlisted::{Enlistable, EnlistedTx};
 
 /// The wrapper `#[idempotent(enlisted)]` puts around a handler's last parameter. Extracting it
 /// opens the transaction and claims the key in it; [`run`](Self::run) hands the transaction to
 /// the handler, then records the response in it and commits before the response is returned.
+/// `DB` is the database of the handler's [`EnlistedTx`] (PostgreSQL for a plain `EnlistedTx`).
 /// The attribute writes it for you; see [`crate::enlisted`] for the handler side:
 ///
 /// ```no_run
@@ -37,13 +38,13 @@ use crate::enlisted::EnlistedTx;
 /// }
 /// ```
 #[must_use]
-pub struct EnlistedIdempotent<T, Src = FromState, E: Endpoint = ()> {
+pub struct EnlistedIdempotent<T, Src, E: Endpoint, DB: Enlistable> {
     value: T,
-    claimed: ClaimedTx,
+    claimed: ClaimedTx<DB>,
     _source: PhantomData<fn() -> (Src, E)>,
 }
 
-impl<T, Src, E: Endpoint> EnlistedIdempotent<T, Src, E> {
+impl<T, Src, E: Endpoint, DB: Enlistable> EnlistedIdempotent<T, Src, E, DB> {
     /// The endpoint settings `E` names.
     pub const ENDPOINT: &'static EndpointConfig = E::CONFIG;
 
@@ -51,8 +52,8 @@ impl<T, Src, E: Endpoint> EnlistedIdempotent<T, Src, E> {
     /// transaction, which it hands back with its response; then commits or rolls back.
     pub async fn run<F, Fut>(self, handler: F) -> Response
     where
-        F: FnOnce(EnlistedTx, T, Option<IdempotencyContext>) -> Fut + Send + 'static,
-        Fut: Future<Output = (EnlistedTx, Response)> + Send + 'static,
+        F: FnOnce(EnlistedTx<DB>, T, Option<IdempotencyContext>) -> Fut + Send + 'static,
+        Fut: Future<Output = (EnlistedTx<DB>, Response)> + Send + 'static,
         T: Send + 'static,
     {
         let (value, context) = (self.value, self.claimed.context().cloned());
@@ -62,7 +63,8 @@ impl<T, Src, E: Endpoint> EnlistedIdempotent<T, Src, E> {
     }
 }
 
-impl<S, M, T, Src, E: Endpoint> FromRequest<S, Via<M>> for EnlistedIdempotent<T, Src, E>
+impl<S, M, T, Src, E: Endpoint, DB: Enlistable> FromRequest<S, Via<M>>
+    for EnlistedIdempotent<T, Src, E, DB>
 where
     T: FromRequest<S, M> + Send,
     S: Send + Sync,
@@ -75,7 +77,7 @@ where
         let outer = extensions.get::<OuterStep>().copied();
         let handle = Src::handle(extensions, state);
         let handle = adapter::enlisted_entry::<Response>(outer, handle, route_of(extensions), fix)?;
-        let (request, claimed) = prepare_enlisted(&handle, Self::ENDPOINT, request).await?;
+        let (request, claimed) = prepare_enlisted::<DB>(&handle, Self::ENDPOINT, request).await?;
         let extracted = T::from_request(request, state).await;
         match extracted.map_err(IntoResponse::into_response) {
             Ok(value) => Ok(Self {

@@ -44,7 +44,7 @@
 
 mod adapter;
 mod caller;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod enlisted;
 mod extract;
 mod layer;
@@ -52,8 +52,11 @@ mod probe;
 
 pub use crate::adapter::REPLAYED_HEADER;
 pub use caller::CallerScope;
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite")))
+)]
 pub use enlisted::EnlistedIdempotent;
 pub use extract::{FromExtension, FromState, HandleSource, Idempotent, Via, context_missing};
 pub use layer::{IdempotencyLayer, IdempotencyService};
@@ -67,12 +70,12 @@ pub use idempotent_macros::idempotent_axum as idempotent;
 /// What `#[idempotent]` expansions for axum name. Not a stable API.
 #[doc(hidden)]
 pub mod __private {
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     pub use super::enlisted::EnlistedIdempotent;
     pub use super::extract::{FromExtension, FromState, Idempotent, context_missing};
     pub use super::probe::ProvidesIdempotency;
-    #[cfg(feature = "postgres")]
-    pub use crate::enlisted::EnlistedTx;
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    pub use crate::enlisted::{EnlistedTx, TxDatabase};
     pub use crate::probe::{BodyProbe, NotStreaming, StreamingBody};
     pub use axum::response::Response;
 

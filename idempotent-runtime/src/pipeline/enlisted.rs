@@ -6,6 +6,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,19 +18,21 @@ use super::claim::{ClaimMode, ClaimPlan, answer};
 use super::{Begin, BeginRequest, Ended, Reply, refuse};
 use crate::budget::BufferPermit;
 use crate::config::{Oversized, Recording};
-use crate::enlisted::{self, EnlistedTx, Held, Reserved, Settle, claim_in, not_postgres, postgres};
+use crate::enlisted::{
+    self, EnlistedTx, Held, Reserved, Settle, claim_in, enlister, not_enlistable,
+};
 use crate::handle::Idempotency;
 use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemCode};
 use crate::record::{self, Verdict};
 use crate::store::erased::DynStore;
-use crate::store::{Glanced, RecordedResponse, StoreError};
+use crate::store::{Glanced, Joinable, RecordedResponse, StoreError};
 
-/// The enlisted claim mode for the framework pipelines.
-pub(crate) enum Enlisted {}
+/// The enlisted claim mode for the framework pipelines, in database `DB`'s transactions.
+pub(crate) struct Enlisted<DB>(Infallible, PhantomData<DB>);
 
-impl ClaimMode for Enlisted {
-    type Held = Held;
+impl<DB: Joinable> ClaimMode for Enlisted<DB> {
+    type Held = Held<DB>;
 
     /// The body of a request without a key is read before its transaction begins too, so a
     /// slow client never holds a database connection.
@@ -38,14 +41,14 @@ impl ClaimMode for Enlisted {
     fn begin<'a>(
         handle: &'a Idempotency,
         req: &'a BeginRequest<'a>,
-    ) -> impl Future<Output = Begin<Held>> + Send + 'a {
+    ) -> impl Future<Output = Begin<Held<DB>>> + Send + 'a {
         begin(handle, req)
     }
 
     fn unkeyed<'a>(
         handle: &'a Idempotency,
         route: &'a str,
-    ) -> impl Future<Output = Result<Held, Problem>> + Send + 'a {
+    ) -> impl Future<Output = Result<Held<DB>, Problem>> + Send + 'a {
         begin_unkeyed(handle, route)
     }
 }
@@ -61,14 +64,14 @@ fn unavailable(handle: &Idempotency, route: &str, error: &StoreError) -> Problem
     .with_retry_after(record::ceil_secs(handle.config().store_retry_after).max(1))
 }
 
-fn settle_for(
+fn settle_for<DB: Joinable>(
     handle: &Idempotency,
     store: Arc<dyn DynStore>,
     reserved: Option<Reserved>,
     retention: Duration,
     max_response: usize,
     route: &str,
-) -> Settle {
+) -> Settle<DB> {
     Settle {
         store,
         reserved,
@@ -85,12 +88,15 @@ fn settle_for(
 
 /// A transaction without a reservation, for a keyless request on an endpoint whose key is
 /// optional.
-pub(crate) async fn begin_unkeyed(handle: &Idempotency, route: &str) -> Result<Held, Problem> {
+pub(crate) async fn begin_unkeyed<DB: Joinable>(
+    handle: &Idempotency,
+    route: &str,
+) -> Result<Held<DB>, Problem> {
     let store = Arc::clone(handle.store());
-    let Some(pg) = postgres(&*store) else {
-        return Err(not_postgres(route));
+    let Some(db) = enlister::<DB>(&*store) else {
+        return Err(not_enlistable::<DB>(route));
     };
-    let tx = pg
+    let tx = db
         .begin()
         .await
         .map_err(|e| unavailable(handle, route, &e))?;
@@ -102,7 +108,11 @@ pub(crate) async fn begin_unkeyed(handle: &Idempotency, route: &str) -> Result<H
 }
 
 /// 409 for a key another enlisted request holds.
-fn in_progress(handle: &Idempotency, req: &BeginRequest<'_>, lease: Duration) -> Begin<Held> {
+fn in_progress<DB: Joinable>(
+    handle: &Idempotency,
+    req: &BeginRequest<'_>,
+    lease: Duration,
+) -> Begin<Held<DB>> {
     let claimed = Verdict::InProgress { lease_left: lease };
     answer(handle, req, claimed, || {
         unreachable!("an in-progress key is not held")
@@ -114,22 +124,22 @@ fn in_progress(handle: &Idempotency, req: &BeginRequest<'_>, lease: Duration) ->
 /// replay, a reused key and a duplicate held by another replica are answered by one read on
 /// the store's reserved connections; only a request that may run waits for a pooled
 /// connection to begin its transaction.
-async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
+async fn begin<DB: Joinable>(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held<DB>> {
     let plan = match ClaimPlan::new(req, handle.contributor()) {
         Ok(plan) => plan,
         Err(problem) => return Begin::Refuse(problem),
     };
     let route = plan.route;
     let store = Arc::clone(handle.store());
-    let Some(pg) = postgres(&*store) else {
-        return Begin::Refuse(not_postgres(route));
+    let Some(db) = enlister::<DB>(&*store) else {
+        return Begin::Refuse(not_enlistable::<DB>(route));
     };
     let (scope, key) = (req.input.scope.hash(), req.key.as_str());
     let in_flight = handle.enlisted_in_flight();
     if in_flight.contains(scope, key) {
         return in_progress(handle, req, plan.claim.lease);
     }
-    match pg.glance(&plan.claim).await {
+    match db.glance(&plan.claim).await {
         Ok(Glanced::Completed {
             fingerprint,
             response,
@@ -151,11 +161,11 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
     let Some(guard) = in_flight.enter(scope, key) else {
         return in_progress(handle, req, plan.claim.lease);
     };
-    let mut tx = match pg.begin().await {
+    let mut tx = match db.begin().await {
         Ok(tx) => tx,
         Err(error) => return Begin::Refuse(unavailable(handle, route, &error)),
     };
-    let claimed = match claim_in(pg, &mut tx, &plan.claim, |f| plan.same_request(f)).await {
+    let claimed = match claim_in(db, &mut tx, &plan.claim, |f| plan.same_request(f)).await {
         Ok(Some(claimed @ Verdict::Acquired { .. })) => claimed,
         // The try-lock failed: this transaction holds nothing, and dropping it rolls it back
         // as its connection returns to the pool, after the 409 is on its way.
@@ -165,7 +175,7 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
         // It holds the key's lock: end it before answering, or the client's next request
         // could still meet the lock and get a 409 for a key that is free.
         Ok(Some(decided)) => {
-            pg.rollback(tx, route).await;
+            db.rollback(tx, route).await;
             return answer(handle, req, decided, || {
                 unreachable!("only an acquired key is held")
             });
@@ -199,17 +209,18 @@ async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin<Held> {
 /// An enlisted handler's whole run: `handler` gets the transaction and hands it back with its
 /// response, which then commits or rolls back. A panic rolls the transaction back before the
 /// 500 is answered, so the key's try-lock never outlives the answer.
-pub(crate) async fn enlisted_work<R, F, Fut>(
+pub(crate) async fn enlisted_work<DB, R, F, Fut>(
     handle: Idempotency,
-    held: Held,
+    held: Held<DB>,
     permit: BufferPermit,
     route: String,
     handler: F,
 ) -> Ended<R, (), Infallible>
 where
+    DB: Joinable,
     R: Reply,
-    F: FnOnce(EnlistedTx) -> Fut,
-    Fut: Future<Output = (EnlistedTx, R)>,
+    F: FnOnce(EnlistedTx<DB>) -> Fut,
+    Fut: Future<Output = (EnlistedTx<DB>, R)>,
 {
     let Held { tx, mut settle } = held;
     let handler = handler(settle.hand_out(tx));
@@ -233,10 +244,10 @@ where
 /// response cannot be recorded rolls back and answers 500 `IDEMPOTENCY_NOT_RECORDED`, except a
 /// body over the cap under [`Oversized::RecordWithoutBody`], which commits the record without
 /// it and answers the whole response.
-pub(crate) async fn settle_enlisted<R: Reply>(
+pub(crate) async fn settle_enlisted<DB: Joinable, R: Reply>(
     handle: &Idempotency,
-    settle: Settle,
-    tx: EnlistedTx,
+    settle: Settle<DB>,
+    tx: EnlistedTx<DB>,
     response: R,
 ) -> R {
     let config = handle.config();

@@ -22,7 +22,7 @@
 
 mod body;
 pub(crate) mod claim;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod enlisted;
 mod refusals;
 #[cfg(test)]
@@ -41,7 +41,7 @@ pub use body::Chunks;
 pub(crate) use body::{BodyError, Collected};
 pub(crate) use claim::{Begin, BeginRequest};
 pub(crate) use claim::{ClaimMode, Detached};
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use enlisted::{Enlisted, enlisted_work, settle_enlisted};
 pub(crate) use refusals::misconfigured;
 
@@ -170,7 +170,7 @@ pub(crate) fn context_missing<R: Reply>() -> R {
 
 /// The answer for an enlisted handler behind the router-level layer or middleware, which
 /// already claimed the key outside any transaction.
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) fn enlisted_behind_layer<R: Reply>(route: &str) -> R {
     tracing::error!(
         route,

@@ -14,11 +14,16 @@ use std::marker::PhantomData;
 /// What a store can join: the database transactions it can claim and record in, for enlisted
 /// endpoints ([the contract](crate::design) §5). A store that can enlist answers one from
 /// [`Store::enlisting`](super::Store::enlisting); a wrapper passes on the one of the store it
-/// wraps. Only the crate's stores make one today (the PostgreSQL store, feature `postgres`).
+/// wraps. Only the crate's SQL stores make one today (PostgreSQL, MySQL/MariaDB and SQLite,
+/// features `postgres`, `mysql`, `sqlite`).
 #[derive(Clone, Copy)]
 pub struct Enlisting<'a> {
     #[cfg(feature = "postgres")]
     postgres: Option<&'a dyn Enlist<sqlx::Postgres>>,
+    #[cfg(feature = "mysql")]
+    mysql: Option<&'a dyn Enlist<sqlx::MySql>>,
+    #[cfg(feature = "sqlite")]
+    sqlite: Option<&'a dyn Enlist<sqlx::Sqlite>>,
     _store: PhantomData<&'a ()>,
 }
 
@@ -29,25 +34,65 @@ impl fmt::Debug for Enlisting<'_> {
         if self.postgres.is_some() {
             joins.entry(&"postgres");
         }
+        #[cfg(feature = "mysql")]
+        if self.mysql.is_some() {
+            joins.entry(&"mysql");
+        }
+        #[cfg(feature = "sqlite")]
+        if self.sqlite.is_some() {
+            joins.entry(&"sqlite");
+        }
         joins.finish()
     }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 impl<'a> Enlisting<'a> {
+    /// Joins no database; the constructors below set the one a store joins.
+    fn none() -> Self {
+        Self {
+            #[cfg(feature = "postgres")]
+            postgres: None,
+            #[cfg(feature = "mysql")]
+            mysql: None,
+            #[cfg(feature = "sqlite")]
+            sqlite: None,
+            _store: PhantomData,
+        }
+    }
+
     /// Joins PostgreSQL transactions.
+    #[cfg(feature = "postgres")]
     pub(crate) fn postgres(enlist: &'a dyn Enlist<sqlx::Postgres>) -> Self {
         Self {
             postgres: Some(enlist),
-            _store: PhantomData,
+            ..Self::none()
+        }
+    }
+
+    /// Joins MySQL / MariaDB transactions.
+    #[cfg(feature = "mysql")]
+    pub(crate) fn mysql(enlist: &'a dyn Enlist<sqlx::MySql>) -> Self {
+        Self {
+            mysql: Some(enlist),
+            ..Self::none()
+        }
+    }
+
+    /// Joins SQLite transactions.
+    #[cfg(feature = "sqlite")]
+    pub(crate) fn sqlite(enlist: &'a dyn Enlist<sqlx::Sqlite>) -> Self {
+        Self {
+            sqlite: Some(enlist),
+            ..Self::none()
         }
     }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use joins::{Enlist, Joinable};
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod joins {
     use std::time::Duration;
 
@@ -60,7 +105,7 @@ mod joins {
 
     /// What the read before an enlisted request's transaction found.
     #[derive(Debug)]
-    pub(crate) enum Glanced {
+    pub enum Glanced {
         /// A completed, unexpired record: replay it (or refuse a different request).
         Completed {
             fingerprint: crate::fingerprint::Fingerprint,
@@ -75,7 +120,7 @@ mod joins {
     /// A store's part in enlisted requests on database `DB`: each step the enlisted pipeline
     /// takes with the store, on the request's own transaction where it has one. Boxed futures:
     /// the pipeline holds it as `&dyn Enlist<DB>`, and a database round trip dwarfs the box.
-    pub(crate) trait Enlist<DB: Database>: Send + Sync {
+    pub trait Enlist<DB: Database>: Send + Sync {
         /// One read before any transaction: a completed record of `req`'s key, or whether
         /// another transaction holds the key. It writes nothing.
         fn glance<'a>(
@@ -140,16 +185,45 @@ mod joins {
     }
 
     /// A database enlisted requests can run on: where its [`Enlist`] sits in an [`Enlisting`].
-    pub(crate) trait Joinable: Database {
+    pub trait Joinable: Database {
+        /// The database's name, for log lines and refusals.
+        const LABEL: &'static str;
+        /// The path of the crate's store that joins it, below `idempotent_runtime::`.
+        const STORE: &'static str;
+
         fn enlister<'a>(enlisting: &Enlisting<'a>) -> Option<&'a dyn Enlist<Self>>;
     }
 
+    #[cfg(feature = "postgres")]
     impl Joinable for sqlx::Postgres {
+        const LABEL: &'static str = "PostgreSQL";
+        const STORE: &'static str = "store::postgres::PostgresStore";
+
         fn enlister<'a>(enlisting: &Enlisting<'a>) -> Option<&'a dyn Enlist<Self>> {
             enlisting.postgres
         }
     }
+
+    #[cfg(feature = "mysql")]
+    impl Joinable for sqlx::MySql {
+        const LABEL: &'static str = "MySQL/MariaDB";
+        const STORE: &'static str = "store::mysql::MySqlStore";
+
+        fn enlister<'a>(enlisting: &Enlisting<'a>) -> Option<&'a dyn Enlist<Self>> {
+            enlisting.mysql
+        }
+    }
+
+    #[cfg(feature = "sqlite")]
+    impl Joinable for sqlx::Sqlite {
+        const LABEL: &'static str = "SQLite";
+        const STORE: &'static str = "store::sqlite::SqliteStore";
+
+        fn enlister<'a>(enlisting: &Enlisting<'a>) -> Option<&'a dyn Enlist<Self>> {
+            enlisting.sqlite
+        }
+    }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use joins::Glanced;

@@ -60,7 +60,10 @@ pub(crate) trait DynStore: Send + Sync {
         key: &'a str,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
     fn kind(&self) -> &'static str;
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+        allow(dead_code)
+    )]
     fn enlisting(&self) -> Option<Enlisting<'_>>;
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     fn gauges(&self) -> Option<StoreGauges>;

@@ -45,7 +45,7 @@ pub mod contract;
 )]
 pub use crate::sql::{ConnectError, InvalidName, Migration, Migrations};
 pub use enlist::Enlisting;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use enlist::{Enlist, Glanced, Joinable};
 
 /// A fencing token: fresh for every claim and reclaim. Completing, releasing and renewing are

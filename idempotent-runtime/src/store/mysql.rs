@@ -65,6 +65,8 @@
 //! # Ok(()) }
 //! ```
 
+mod enlisted;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
@@ -171,13 +173,7 @@ impl MySqlStoreBuilder {
         options: MySqlConnectOptions,
     ) -> Result<MySqlStore, ConnectError> {
         let table = self.table_name()?;
-        let secs =
-            self.lock_wait_timeout.as_secs() + u64::from(self.lock_wait_timeout.subsec_nanos() > 0);
-        let session: Arc<str> = format!(
-            "SET SESSION innodb_lock_wait_timeout = {s}, lock_wait_timeout = {s}",
-            s = secs.max(1)
-        )
-        .into();
+        let session = session_settings(self.lock_wait_timeout);
         let pool = MySqlPoolOptions::new()
             .max_connections(self.max_connections)
             .acquire_timeout(self.acquire_timeout)
@@ -185,15 +181,9 @@ impl MySqlStoreBuilder {
             // connection fails its statement instead, and the token-conditional writes are sent
             // again on another.
             .test_before_acquire(false)
-            .after_connect(move |conn, _| {
-                let session = Arc::clone(&session);
-                Box::pin(async move {
-                    conn.execute(AssertSqlSafe(session)).await?;
-                    Ok(())
-                })
-            })
+            .after_connect(set_session(Arc::clone(&session)))
             .connect_lazy_with(options);
-        Ok(MySqlStore::with_table(pool, table))
+        Ok(MySqlStore::with_table(pool, table, session))
     }
 
     /// Builds the store over an existing pool. The pool's connections should set
@@ -202,11 +192,43 @@ impl MySqlStoreBuilder {
     /// server's default, 50 s. The pool settings of this builder do not apply. Fails only on a
     /// bad table or database name (which converts into `sqlx::Error` with `?`).
     pub fn build(self, pool: MySqlPool) -> Result<MySqlStore, InvalidName> {
-        Ok(MySqlStore::with_table(pool, self.table_name()?))
+        let session = session_settings(self.lock_wait_timeout);
+        Ok(MySqlStore::with_table(pool, self.table_name()?, session))
     }
 
     fn table_name(&self) -> Result<TableName, InvalidName> {
         TableName::quoted_with(STORE_NAMES, self.database.as_deref(), &self.table, '`')
+    }
+}
+
+/// The session settings of the store's connections: lock waits bounded to `timeout` (whole
+/// seconds, at least 1, MySQL's minimum).
+fn session_settings(timeout: Duration) -> Arc<str> {
+    let secs = timeout.as_secs() + u64::from(timeout.subsec_nanos() > 0);
+    format!(
+        "SET SESSION innodb_lock_wait_timeout = {s}, lock_wait_timeout = {s}",
+        s = secs.max(1)
+    )
+    .into()
+}
+
+/// A pool's `after_connect` hook that applies [`session_settings`].
+#[allow(clippy::type_complexity)]
+fn set_session(
+    session: Arc<str>,
+) -> impl for<'c> Fn(
+    &'c mut sqlx::MySqlConnection,
+    sqlx::pool::PoolConnectionMetadata,
+) -> futures_util::future::BoxFuture<'c, Result<(), sqlx::Error>>
++ Send
++ Sync
++ 'static {
+    move |conn, _| {
+        let session = Arc::clone(&session);
+        Box::pin(async move {
+            conn.execute(AssertSqlSafe(session)).await?;
+            Ok(())
+        })
     }
 }
 
@@ -319,11 +341,15 @@ impl Statements {
 pub struct MySqlStore {
     core: Arc<Core>,
     table: TableName,
+    /// Enlisted mode's statements and the pool its transactions run on.
+    enlisted: enlisted::Transactions,
 }
 
 /// What every statement needs, shared with the tasks that send claims.
 struct Core {
     pool: MySqlPool,
+    /// The session settings every connection of the store's own pools starts with.
+    session: Arc<str>,
     sql: Statements,
     /// `` `db`.`table` `` or `` `table` ``, for the sweep's delete.
     table: String,
@@ -371,6 +397,75 @@ fn connection_dropped(e: &sqlx::Error) -> bool {
                 || db.code().as_deref() == Some("08S01")
         }
         _ => false,
+    }
+}
+
+/// A statement with its parameters bound.
+type MyQuery<'q> = sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>;
+
+/// What a claim's `INSERT` that failed with `e` means, when it is an answer and not a failure.
+fn inserted(e: &sqlx::Error) -> Option<Inserted> {
+    match number(e) {
+        Some(DUPLICATE_KEY) => Some(Inserted::Duplicate),
+        Some(LOCK_WAIT_TIMEOUT) => Some(Inserted::Busy),
+        Some(DEADLOCK) => Some(Inserted::Again),
+        _ => None,
+    }
+}
+
+/// A completion's values, encoded once (a completion sent again binds them again).
+struct Completion<'a> {
+    scope: &'a ScopeHash,
+    key: &'a str,
+    token: i64,
+    status: i64,
+    headers: Vec<u8>,
+    body: &'a [u8],
+    /// `None` (NULL) for an answer without trailers, as the other SQL stores keep it.
+    trailers: Option<Vec<u8>>,
+    retention: i64,
+}
+
+impl<'a> Completion<'a> {
+    fn new(
+        scope: &'a ScopeHash,
+        key: &'a str,
+        token: FencingToken,
+        response: &'a RecordedResponse,
+        retention: Duration,
+    ) -> Self {
+        Self {
+            scope,
+            key,
+            token: token.as_i64(),
+            status: i64::from(response.status),
+            headers: response.encode_headers(),
+            body: &response.body,
+            trailers: (!response.trailers.is_empty()).then(|| response.encode_trailers()),
+            retention: millis_i64(retention),
+        }
+    }
+
+    /// The completion's `UPDATE`, bound.
+    fn query(&'a self, core: &Core) -> MyQuery<'a> {
+        let off = core.offset();
+        sqlx::query(AssertSqlSafe(Arc::clone(&core.sql.complete)))
+            .bind(self.status)
+            .bind(&self.headers[..])
+            .bind(self.body)
+            .bind(self.trailers.as_deref())
+            .bind(off)
+            .bind(off)
+            .bind(self.retention)
+            .bind(off)
+            .bind(self.retention)
+            .bind(&self.scope[..])
+            .bind(self.key.as_bytes())
+            .bind(self.token)
+            .bind(self.status)
+            .bind(&self.headers[..])
+            .bind(self.body)
+            .bind(self.trailers.as_deref())
     }
 }
 
@@ -459,44 +554,74 @@ impl Core {
         let mut attempts_left = self.pool.options().get_max_connections();
         loop {
             self.count();
-            let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.insert)))
-                .bind(&row.scope[..])
-                .bind(row.key.as_bytes())
-                .bind(row.token)
-                .bind(&row.fingerprint.digest[..])
-                .bind(i64::from(row.fingerprint.version))
-                .bind(row.lease)
-                .bind(row.lease)
-                .bind(row.retention)
-                .bind(row.retention)
-                .bind(row.route.as_str())
-                .bind(self.offset())
-                .execute(&self.pool)
-                .await;
+            let done = self.insert_query(row).execute(&self.pool).await;
             return match done {
                 Ok(_) => Ok(Inserted::Acquired),
-                Err(e) => match number(&e) {
-                    Some(DUPLICATE_KEY) => Ok(Inserted::Duplicate),
-                    Some(LOCK_WAIT_TIMEOUT) => Ok(Inserted::Busy),
-                    Some(DEADLOCK) => Ok(Inserted::Again),
-                    _ if attempts_left > 0 && connection_dropped(&e) => {
+                Err(e) => match inserted(&e) {
+                    Some(inserted) => Ok(inserted),
+                    None if attempts_left > 0 && connection_dropped(&e) => {
                         attempts_left -= 1;
                         continue;
                     }
-                    _ => Err(unavailable(e)),
+                    None => Err(unavailable(e)),
                 },
             };
         }
+    }
+
+    /// The claim's `INSERT` of `row`, bound.
+    fn insert_query<'q>(&self, row: &'q ClaimRow) -> MyQuery<'q> {
+        sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.insert)))
+            .bind(&row.scope[..])
+            .bind(row.key.as_bytes())
+            .bind(row.token)
+            .bind(&row.fingerprint.digest[..])
+            .bind(i64::from(row.fingerprint.version))
+            .bind(row.lease)
+            .bind(row.lease)
+            .bind(row.retention)
+            .bind(row.retention)
+            .bind(row.route.as_str())
+            .bind(self.offset())
+    }
+
+    /// The read of the standing row under `(scope, key)`, bound.
+    fn read_query<'q>(&self, scope: &'q ScopeHash, key: &'q str) -> MyQuery<'q> {
+        sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
+            .bind(self.offset())
+            .bind(&scope[..])
+            .bind(key.as_bytes())
+    }
+
+    /// The reclaim's `UPDATE` of `row` over the record `stale` held, bound.
+    fn takeover_query<'q>(&self, row: &'q ClaimRow, stale: FencingToken) -> MyQuery<'q> {
+        let off = self.offset();
+        sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.reclaim)))
+            .bind(row.token)
+            .bind(&row.fingerprint.digest[..])
+            .bind(i64::from(row.fingerprint.version))
+            .bind(off)
+            .bind(row.lease)
+            .bind(off)
+            .bind(row.lease)
+            .bind(row.retention)
+            .bind(off)
+            .bind(row.retention)
+            .bind(row.route.as_str())
+            .bind(off)
+            .bind(&row.scope[..])
+            .bind(row.key.as_bytes())
+            .bind(off)
+            .bind(stale.as_i64())
+            .bind(off)
     }
 
     /// The standing row under `(scope, key)`, judged by the database's clock; `None` when there
     /// is none. A consistent read: no lock, and it sees every row committed before it began.
     async fn read(&self, scope: &ScopeHash, key: &str) -> Result<Option<Standing>, StoreError> {
         self.count();
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
-            .bind(self.offset())
-            .bind(&scope[..])
-            .bind(key.as_bytes())
+        let row = self
+            .read_query(scope, key)
             .fetch_optional(&self.pool)
             .await
             .map_err(unavailable)?;
@@ -510,30 +635,10 @@ impl Core {
         row: &ClaimRow,
         stale: FencingToken,
     ) -> Result<Option<bool>, StoreError> {
-        let off = self.offset();
         let mut attempts_left = self.pool.options().get_max_connections();
         loop {
             self.count();
-            let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.reclaim)))
-                .bind(row.token)
-                .bind(&row.fingerprint.digest[..])
-                .bind(i64::from(row.fingerprint.version))
-                .bind(off)
-                .bind(row.lease)
-                .bind(off)
-                .bind(row.lease)
-                .bind(row.retention)
-                .bind(off)
-                .bind(row.retention)
-                .bind(row.route.as_str())
-                .bind(off)
-                .bind(&row.scope[..])
-                .bind(row.key.as_bytes())
-                .bind(off)
-                .bind(stale.as_i64())
-                .bind(off)
-                .execute(&self.pool)
-                .await;
+            let done = self.takeover_query(row, stale).execute(&self.pool).await;
             return match done {
                 Ok(done) => Ok(Some(done.rows_affected() == 1)),
                 Err(e) => match number(&e) {
@@ -695,14 +800,17 @@ impl MySqlStore {
     pub fn new(pool: MySqlPool) -> Self {
         let table = TableName::quoted_with(STORE_NAMES, None, DEFAULT_TABLE, '`')
             .expect("the default table name is valid");
-        Self::with_table(pool, table)
+        let session = session_settings(Self::builder().lock_wait_timeout);
+        Self::with_table(pool, table, session)
     }
 
-    fn with_table(pool: MySqlPool, table: TableName) -> Self {
+    fn with_table(pool: MySqlPool, table: TableName, session: Arc<str>) -> Self {
         Self {
+            enlisted: enlisted::Transactions::new(&table.qualified),
             core: Arc::new(Core {
                 sql: Statements::new(&table.qualified),
                 table: table.qualified.clone(),
+                session,
                 pool,
                 clock_offset_ms: AtomicI64::new(0),
                 statements: AtomicU64::new(0),
@@ -819,32 +927,10 @@ impl Store for MySqlStore {
         response: &RecordedResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let headers = response.encode_headers();
-        // NULL for an answer without trailers, as the other SQL stores keep it.
-        let trailers = (!response.trailers.is_empty()).then(|| response.encode_trailers());
-        let (retention, off) = (millis_i64(retention), self.core.offset());
-        let status = i64::from(response.status);
+        let completion = Completion::new(scope, key, token, response, retention);
         let rows = self
             .core
-            .conditional_write(|| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.complete)))
-                    .bind(status)
-                    .bind(&headers[..])
-                    .bind(&response.body[..])
-                    .bind(trailers.as_deref())
-                    .bind(off)
-                    .bind(off)
-                    .bind(retention)
-                    .bind(off)
-                    .bind(retention)
-                    .bind(&scope[..])
-                    .bind(key.as_bytes())
-                    .bind(token.as_i64())
-                    .bind(status)
-                    .bind(&headers[..])
-                    .bind(&response.body[..])
-                    .bind(trailers.as_deref())
-            })
+            .conditional_write(|| completion.query(&self.core))
             .await?;
         Ok(rows == 1)
     }
@@ -948,6 +1034,11 @@ impl Store for MySqlStore {
 
     fn kind(&self) -> &'static str {
         "mysql"
+    }
+
+    /// Joins MySQL / MariaDB transactions ([enlisted mode](crate::enlisted)).
+    fn enlisting(&self) -> Option<super::Enlisting<'_>> {
+        Some(super::Enlisting::mysql(self))
     }
 }
 

@@ -22,15 +22,17 @@
 //! ```
 
 use std::path::Path;
+mod enlisted;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    Sqlite, SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
 };
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::{AssertSqlSafe, Executor, Row};
 
 use super::{
     Claim, ClaimRequest, FencingToken, InspectedRow, RecordInfo, RecordedResponse, Standing,
@@ -409,9 +411,11 @@ impl SqliteStore {
         i64::try_from(self.clock.now_millis()).unwrap_or(i64::MAX)
     }
 
-    async fn read(
+    /// The standing row under `(scope, key)`, read on `on` (a pool, or an enlisted
+    /// transaction's connection).
+    async fn read<'e>(
         &self,
-        pool: &SqlitePool,
+        on: impl Executor<'e, Database = Sqlite>,
         scope: &ScopeHash,
         key: &str,
     ) -> Result<Option<Standing>, StoreError> {
@@ -419,14 +423,19 @@ impl SqliteStore {
         let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
             .bind(&scope[..])
             .bind(key)
-            .fetch_optional(pool)
+            .fetch_optional(on)
             .await
             .map_err(unavailable)?;
         let now = self.now();
         row.map(|row| standing(&row, now)).transpose()
     }
 
-    async fn insert(&self, req: &ClaimRequest<'_>) -> Result<bool, StoreError> {
+    /// The claim's conditional insert on `on`: `true` when it inserted (acquired).
+    async fn insert<'e>(
+        &self,
+        on: impl Executor<'e, Database = Sqlite>,
+        req: &ClaimRequest<'_>,
+    ) -> Result<bool, StoreError> {
         let now = self.now();
         let lease_until = now.saturating_add(ms(req.lease));
         self.count();
@@ -440,7 +449,62 @@ impl SqliteStore {
             .bind(lease_until.saturating_add(ms(req.retention)))
             .bind(req.route)
             .bind(now)
-            .execute(&self.writer)
+            .execute(on)
+            .await
+            .map_err(unavailable)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// The reclaim's conditional update on `on`: `true` when it took the key over.
+    async fn takeover<'e>(
+        &self,
+        on: impl Executor<'e, Database = Sqlite>,
+        req: &ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> Result<bool, StoreError> {
+        let now = self.now();
+        let lease_until = now.saturating_add(ms(req.lease));
+        self.count();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.reclaim)))
+            .bind(&req.scope[..])
+            .bind(req.key)
+            .bind(req.token.as_i64())
+            .bind(&req.fingerprint.digest[..])
+            .bind(i64::from(req.fingerprint.version))
+            .bind(lease_until)
+            .bind(lease_until.saturating_add(ms(req.retention)))
+            .bind(now)
+            .bind(stale.as_i64())
+            .bind(req.route)
+            .execute(on)
+            .await
+            .map_err(unavailable)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// The completion's conditional update on `on`: `true` when `token` held the record.
+    async fn complete_on<'e>(
+        &self,
+        on: impl Executor<'e, Database = Sqlite>,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+        response: &RecordedResponse,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let now = self.now();
+        self.count();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.complete)))
+            .bind(&scope[..])
+            .bind(key)
+            .bind(token.as_i64())
+            .bind(i64::from(response.status))
+            .bind(response.encode_headers())
+            .bind(&response.body[..])
+            .bind(now)
+            .bind(now.saturating_add(ms(retention)))
+            .bind((!response.trailers.is_empty()).then(|| response.encode_trailers()))
+            .execute(on)
             .await
             .map_err(unavailable)?;
         Ok(done.rows_affected() == 1)
@@ -465,7 +529,7 @@ impl Store for SqliteStore {
             return Ok(Claim::Standing(standing));
         }
         for _ in 0..MAX_RERUNS {
-            if self.insert(req).await? {
+            if self.insert(&self.writer, req).await? {
                 return Ok(Claim::Acquired);
             }
             // Lost the race to another claim: read back what won, through the writer, which
@@ -482,24 +546,7 @@ impl Store for SqliteStore {
         req: &ClaimRequest<'_>,
         stale: FencingToken,
     ) -> Result<Claim, StoreError> {
-        let now = self.now();
-        let lease_until = now.saturating_add(ms(req.lease));
-        self.count();
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.reclaim)))
-            .bind(&req.scope[..])
-            .bind(req.key)
-            .bind(req.token.as_i64())
-            .bind(&req.fingerprint.digest[..])
-            .bind(i64::from(req.fingerprint.version))
-            .bind(lease_until)
-            .bind(lease_until.saturating_add(ms(req.retention)))
-            .bind(now)
-            .bind(stale.as_i64())
-            .bind(req.route)
-            .execute(&self.writer)
-            .await
-            .map_err(unavailable)?;
-        if done.rows_affected() == 1 {
+        if self.takeover(&self.writer, req, stale).await? {
             return Ok(Claim::Acquired);
         }
         match self.read(&self.writer, req.scope, req.key).await? {
@@ -517,22 +564,8 @@ impl Store for SqliteStore {
         response: &RecordedResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let now = self.now();
-        self.count();
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.complete)))
-            .bind(&scope[..])
-            .bind(key)
-            .bind(token.as_i64())
-            .bind(i64::from(response.status))
-            .bind(response.encode_headers())
-            .bind(&response.body[..])
-            .bind(now)
-            .bind(now.saturating_add(ms(retention)))
-            .bind((!response.trailers.is_empty()).then(|| response.encode_trailers()))
-            .execute(&self.writer)
+        self.complete_on(&self.writer, scope, key, token, response, retention)
             .await
-            .map_err(unavailable)?;
-        Ok(done.rows_affected() == 1)
     }
 
     async fn release(
@@ -613,6 +646,11 @@ impl Store for SqliteStore {
             .await
             .map_err(unavailable)?;
         Ok(done.rows_affected() == 1)
+    }
+
+    /// Joins SQLite transactions ([enlisted mode](crate::enlisted)).
+    fn enlisting(&self) -> Option<super::Enlisting<'_>> {
+        Some(super::Enlisting::sqlite(self))
     }
 
     fn kind(&self) -> &'static str {
