@@ -3,7 +3,7 @@
 //! In the default, detached mode the reservation commits before the handler runs, so a crash
 //! between the handler's writes and the record leaves the writes without the record (and the
 //! retry runs the handler again). With `#[idempotent(enlisted)]` the runtime claims the key
-//! *inside* a PostgreSQL transaction and hands the handler that transaction as an
+//! *inside* a database transaction and hands the handler that transaction as an
 //! [`EnlistedTx`]; the handler writes through it and never commits. The runtime then records
 //! the response in the same transaction and commits, and sends the response only once the
 //! commit succeeded (503 `IDEMPOTENCY_STORE_UNAVAILABLE` otherwise):
@@ -14,25 +14,31 @@
 //!   transaction rolls back: neither the business rows nor the record remain, and the retry
 //!   runs. A response that cannot be recorded is answered 500 (its changes are gone, so its
 //!   2xx would be a lie);
-//! - a crash (process or connection killed) → PostgreSQL rolls the transaction back: neither
+//! - a crash (process or connection killed) → the database rolls the transaction back: neither
 //!   remains.
 //!
 //! A duplicate that arrives while the first request's transaction is open cannot see its
-//! uncommitted reservation. It meets a transaction-scoped advisory try-lock on the key instead,
-//! and is answered 409 `IDEMPOTENCY_IN_PROGRESS` at once, whatever its body; it never waits on
-//! the first request's row lock. Once the first request committed, its record replays as usual
-//! (and a different body is 422).
+//! uncommitted reservation. It meets a try-lock on the key instead, and is answered 409
+//! `IDEMPOTENCY_IN_PROGRESS` at once, whatever its body; it never waits on the first request's
+//! row lock. Once the first request committed, its record replays as usual (and a different
+//! body is 422).
 //!
-//! Enlisted handlers need a store that can enlist in the transaction
-//! ([`Store::enlisting`](crate::store::Store::enlisting)) behind the [`Idempotency`](crate::Idempotency): the
-//! PostgreSQL store ([`PostgresStore`](crate::store::postgres::PostgresStore)), or a wrapper
-//! around it that forwards `enlisting`. With another store they answer 500 and log how to fix it. The
-//! handler's statements run on one of the store's connections, under its `lock_timeout` and
-//! `statement_timeout` (use `SET LOCAL` through the transaction to change them). A request
-//! without a key (where the key is optional) runs in a transaction too, committed or rolled
-//! back by the same rule, with nothing recorded. Enlisted mode always fails closed: without the
-//! store there is no transaction to run in. There is no lease to renew: the reservation is
-//! invisible until it is complete, and the try-lock lasts exactly as long as the transaction.
+//! The database is the transaction type's parameter, [`Enlistable`]: `&mut EnlistedTx` is a
+//! PostgreSQL transaction, `&mut EnlistedTx<sqlx::MySql>` a MySQL/MariaDB one,
+//! `&mut EnlistedTx<sqlx::Sqlite>` a SQLite one. The store behind the
+//! [`Idempotency`](crate::Idempotency) must enlist in that database
+//! ([`Store::enlisting`](crate::store::Store::enlisting)): the
+//! [`PostgresStore`](crate::store::postgres::PostgresStore) (a transaction-scoped advisory
+//! try-lock), the [`MySqlStore`](crate::store::mysql::MySqlStore) (`GET_LOCK(…, 0)`, released as
+//! the transaction's connection returns to its pool) or the
+//! [`SqliteStore`](crate::store::sqlite::SqliteStore) (its single writer; enlisted requests run
+//! one at a time), or a wrapper around one that forwards `enlisting`. With another store they
+//! answer 500 and log how to fix it. The handler's statements run on one of the store's
+//! connections, under its lock timeouts. A request without a key (where the key is optional)
+//! runs in a transaction too, committed or rolled back by the same rule, with nothing recorded.
+//! Enlisted mode always fails closed: without the store there is no transaction to run in.
+//! There is no lease to renew: the reservation is invisible until it is complete, and the
+//! try-lock lasts exactly as long as the transaction.
 //!
 //! ```no_run
 //! # #[cfg(feature = "axum")] mod app {

@@ -67,7 +67,7 @@
 //! - [`Idempotency`] ([`handle`]): the handle your application shares; [`config`]: settings;
 //! - [`store`]: the memory store (default), PostgreSQL, SQLite and Redis (features `postgres`,
 //!   `sqlite`, `redis`), and a cache of completed records in front of shared ones;
-//! - [`enlisted`]: the record committed in the handler's own PostgreSQL transaction;
+//! - [`enlisted`]: the record committed in the handler's own PostgreSQL, MySQL or SQLite transaction;
 //! - [`inbox`]: de-duplicating message consumers;
 //! - [`scope`], [`fingerprint`], [`key`], [`problem`]: who the caller is, what "the same request"
 //!   means, the key's syntax, the refusals;

@@ -136,7 +136,7 @@ pub(crate) const STORE_NAMES: NameRules = NameRules {
 
 /// The inbox's table: `<table>_migrations`, `<table>_pkey` (by whose exact name duplicates are
 /// recognised; PostgreSQL truncates longer names silently) and `<table>_sweep_idx` fit 63 bytes.
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) const INBOX_NAMES: NameRules = NameRules {
     subject: "inbox",
     max_table: 50,

@@ -31,11 +31,28 @@ use std::time::Duration;
 use crate::clock::{Clock, Millis, SystemClock};
 use crate::observe::KeyDisplay;
 
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use mysql::{MySqlInbox, MySqlInboxBuilder};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use postgres::{DEFAULT_LOCK_TIMEOUT, DEFAULT_TABLE, PgInbox, PgInboxBuilder};
+pub use postgres::{PgInbox, PgInboxBuilder};
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub use sqlite::{SqliteInbox, SqliteInboxBuilder};
+
+/// The inbox table's default name, on every database.
+pub const DEFAULT_TABLE: &str = "processed_messages";
+
+/// How long the marker's insert waits for a concurrent copy's uncommitted marker by default
+/// before the message is [`Busy`](Processed::Busy): 5 s.
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A boxed, `Send` future borrowing for `'a`: what a [`PgInbox`](crate::inbox) handler returns
 /// (write `Box::pin(async move { … })`). Re-exported so callers need no `futures` dependency.
@@ -126,7 +143,10 @@ pub(crate) enum Outcome {
     Duplicate,
     Busy,
     Failed,
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+        allow(dead_code)
+    )]
     StoreError,
 }
 
@@ -171,6 +191,87 @@ pub(crate) fn observe(outcome: Outcome, consumer: &str, message_id: &str) {
 }
 
 /// Counts swept markers (`idempotent_inbox_swept_total`, feature `metrics`).
+/// A database step failed: logged with its error and counted; nothing was committed.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) fn store_failed<T, E>(
+    consumer: &str,
+    message_id: &str,
+    e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> Result<Processed<T>, InboxError<E>> {
+    let e = e.into();
+    tracing::warn!(
+        consumer,
+        message = %KeyDisplay(message_id),
+        error = %e,
+        "inbox: database failed, nothing was committed; nack the message so it is redelivered"
+    );
+    observe(Outcome::StoreError, consumer, message_id);
+    Err(InboxError::Store(e))
+}
+
+/// What became of the message, counted.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) fn answered<T, E>(
+    consumer: &str,
+    message_id: &str,
+    p: Processed<T>,
+) -> Result<Processed<T>, InboxError<E>> {
+    let o = match p {
+        Processed::Done(_) => Outcome::Done,
+        Processed::Duplicate => Outcome::Duplicate,
+        Processed::Busy => Outcome::Busy,
+    };
+    observe(o, consumer, message_id);
+    Ok(p)
+}
+
+/// Ends a transaction whose message was not processed; a failed rollback leaves the connection
+/// to its pool, which discards a broken one.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) async fn roll_back<DB: sqlx::Database>(
+    consumer: &str,
+    tx: sqlx::Transaction<'static, DB>,
+) {
+    if let Err(e) = tx.rollback().await {
+        tracing::debug!(consumer, error = %e, "inbox: rollback failed");
+    }
+}
+
+/// A SQL inbox's sweeper: every [`sweep_cadence`] of `retention`, `sweep` batches of
+/// [`DEFAULT_SWEEP_BATCH`] until one comes back short.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) fn spawn_sweep_loop<S, Fut>(
+    consumer: String,
+    retention: Duration,
+    sweep: S,
+) -> tokio::task::JoinHandle<()>
+where
+    S: Fn() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<usize, sqlx::Error>> + Send,
+{
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(sweep_cadence(retention));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            loop {
+                match sweep().await {
+                    Ok(n) if n >= DEFAULT_SWEEP_BATCH => continue,
+                    Ok(_) => break,
+                    Err(e) => {
+                        tracing::warn!(
+                            consumer,
+                            error = %e,
+                            "inbox: sweep failed; will retry at the next tick"
+                        );
+                        break;
+                    }
+                }
+            }
+        }
+    })
+}
+
 pub(crate) fn observe_swept(consumer: &str, deleted: usize) {
     #[cfg(feature = "metrics")]
     metrics::counter!("idempotent_inbox_swept_total", "consumer" => consumer.to_owned())

@@ -7,19 +7,13 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnection, PgDatabaseError, PgPool};
 use sqlx::{AssertSqlSafe, Postgres, Transaction};
 
-use crate::observe::KeyDisplay;
 use crate::sql::{self, INBOX_NAMES, Migrations, Pg, Step, TableName};
 
 use super::{
-    BoxFuture, DEFAULT_RETENTION, DEFAULT_SWEEP_BATCH, InboxError, Outcome, Processed, observe,
-    observe_swept, sweep_cadence,
+    BoxFuture, DEFAULT_LOCK_TIMEOUT, DEFAULT_RETENTION, DEFAULT_SWEEP_BATCH, DEFAULT_TABLE,
+    InboxError, Outcome, Processed, answered, observe, observe_swept, roll_back, spawn_sweep_loop,
+    store_failed,
 };
-
-/// The default table name, `processed_messages`.
-pub const DEFAULT_TABLE: &str = "processed_messages";
-
-/// The default `lock_timeout` a copy waits on a concurrent copy's uncommitted marker: 5 s.
-pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The versioned DDL of the inbox's table, in order (`{table}`: the quoted, qualified name,
 /// `{name}`: the bare one; the names' length limits are in [`INBOX_NAMES`]). Never edit a
@@ -328,10 +322,7 @@ impl PgInbox {
     }
 
     async fn roll_back(&self, tx: Transaction<'static, Postgres>) {
-        if let Err(e) = tx.rollback().await {
-            // The connection goes back to the pool, which discards it if it is broken.
-            tracing::debug!(consumer = %self.s.consumer, error = %e, "inbox: rollback failed");
-        }
+        roll_back(&self.s.consumer, tx).await;
     }
 
     fn store_error<T, E>(
@@ -339,15 +330,7 @@ impl PgInbox {
         message_id: &str,
         e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
     ) -> Result<Processed<T>, InboxError<E>> {
-        let e = e.into();
-        tracing::warn!(
-            consumer = %self.s.consumer,
-            message = %KeyDisplay(message_id),
-            error = %e,
-            "inbox: database failed, nothing was committed; nack the message so it is redelivered"
-        );
-        observe(Outcome::StoreError, &self.s.consumer, message_id);
-        Err(InboxError::Store(e))
+        store_failed(&self.s.consumer, message_id, e)
     }
 
     fn outcome<T, E>(
@@ -355,13 +338,7 @@ impl PgInbox {
         message_id: &str,
         p: Processed<T>,
     ) -> Result<Processed<T>, InboxError<E>> {
-        let o = match p {
-            Processed::Done(_) => Outcome::Done,
-            Processed::Duplicate => Outcome::Duplicate,
-            Processed::Busy => Outcome::Busy,
-        };
-        observe(o, &self.s.consumer, message_id);
-        Ok(p)
+        answered(&self.s.consumer, message_id, p)
     }
 
     /// Runs `handler` in a transaction that also records `message_id` as processed, unless it was
@@ -460,26 +437,10 @@ impl PgInbox {
     /// ```
     pub fn spawn_sweeper(&self) -> tokio::task::JoinHandle<()> {
         let inbox = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(sweep_cadence(inbox.s.retention));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                loop {
-                    match inbox.sweep(DEFAULT_SWEEP_BATCH).await {
-                        Ok(n) if n >= DEFAULT_SWEEP_BATCH => continue,
-                        Ok(_) => break,
-                        Err(e) => {
-                            tracing::warn!(
-                                consumer = %inbox.s.consumer,
-                                error = %e,
-                                "inbox: sweep failed; will retry at the next tick"
-                            );
-                            break;
-                        }
-                    }
-                }
-            }
+        let (consumer, retention) = (self.s.consumer.clone(), self.s.retention);
+        spawn_sweep_loop(consumer, retention, move || {
+            let inbox = inbox.clone();
+            async move { inbox.sweep(DEFAULT_SWEEP_BATCH).await }
         })
     }
 }
