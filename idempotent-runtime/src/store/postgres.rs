@@ -57,6 +57,13 @@
 //! - Times come from the database's clock, so replicas never disagree about a lease.
 //! - `lock_timeout` on the store's connections: a claim that meets another transaction's
 //!   uncommitted row answers 409 instead of waiting.
+//! - **Behind a connection pooler in transaction mode** (PgBouncer `pool_mode = transaction`),
+//!   build it with [`PostgresStoreBuilder::transaction_pooler`]: each operation is then a
+//!   transaction of its own that sets the timeouts with `SET LOCAL`, with unnamed statements
+//!   only, since the pooler may give each transaction another server connection. Without it,
+//!   [`migrate`](PostgresStore::migrate) refuses to run behind a pooler that dropped or refused
+//!   the store's `lock_timeout`, naming the setting. Its locks are transaction-scoped and it
+//!   never `LISTEN`s.
 //! - Each replica runs the sweeper: 500 rows a statement with `FOR UPDATE SKIP LOCKED`, every
 //!   `min(retention, 1 h)`, again at once when a batch was full, the expiry re-checked in the delete.
 //!   (`Idempotency::builder(store).sweeper(false)` turns it off where another process sweeps.)
@@ -339,7 +346,9 @@ impl PostgresStoreBuilder {
 
     /// Builds the store over an existing pool. The pool's connections should set
     /// `lock_timeout` (see [`lock_timeout`](Self::lock_timeout)): without it, a claim that meets
-    /// another transaction's uncommitted row waits for that transaction. The pool settings of
+    /// another transaction's uncommitted row waits for that transaction. With
+    /// [`transaction_pooler`](Self::transaction_pooler) the store sets this builder's
+    /// `lock_timeout` and `statement_timeout` in each of its transactions instead. The pool settings of
     /// this builder do not apply. Fails only on a bad table or schema name (which converts
     /// into `sqlx::Error` with `?`).
     pub fn build(self, pool: PgPool) -> Result<PostgresStore, InvalidName> {
