@@ -56,6 +56,9 @@ pub struct Options {
     pub credential_headers: Vec<String>,
     /// `--local-cache`: completed records kept in this process in front of a shared store.
     pub local_cache: bool,
+    /// `--transaction-pooler`: the PostgreSQL store reaches the database through a pooler in
+    /// transaction mode (PgBouncer), `PostgresStoreBuilder::transaction_pooler(true)`.
+    pub transaction_pooler: bool,
     /// What an answer over `--max-response` leaves behind (`--oversized run_again|record_without_body`).
     pub oversized: Oversized,
     /// `--strict` / `--no-strict`: refuse a detected setup mistake with 500
@@ -84,6 +87,7 @@ impl Default for Options {
             key_header: "Idempotency-Key".into(),
             credential_headers: Vec::new(),
             local_cache: false,
+            transaction_pooler: false,
             oversized: Oversized::RunAgain,
             strict: cfg!(debug_assertions),
             wait_in_progress: Duration::ZERO,
@@ -95,7 +99,7 @@ const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite|re
 --lease SECS --retention SECS --max-body BYTES --max-response BYTES --body-timeout SECS \
 --reuse-status 422|409 \
 --missing-status 400|428 --trusted-proxy CIDR (repeatable) --key-header NAME \
---credential-header NAME (repeatable) --local-cache --oversized run_again|record_without_body --strict --no-strict \
+--credential-header NAME (repeatable) --local-cache --transaction-pooler --oversized run_again|record_without_body --strict --no-strict \
 --wait-in-progress SECS";
 
 impl Options {
@@ -114,6 +118,10 @@ impl Options {
             }
             if flag == "--local-cache" {
                 o.local_cache = true;
+                continue;
+            }
+            if flag == "--transaction-pooler" {
+                o.transaction_pooler = true;
                 continue;
             }
             if flag == "--strict" || flag == "--no-strict" {
@@ -256,7 +264,10 @@ impl Options {
                     .database_url
                     .as_deref()
                     .ok_or("--store postgres needs --database-url or DATABASE_URL")?;
-                let store = idempotent_runtime::store::postgres::PostgresStore::connect(url).await?;
+                let store = idempotent_runtime::store::postgres::PostgresStore::builder()
+                    .transaction_pooler(self.transaction_pooler)
+                    .connect(url)
+                    .await?;
                 store.migrate().await?;
                 let builder = if self.local_cache {
                     Idempotency::builder(idempotent_runtime::store::cache::CachedStore::new(store))
@@ -382,11 +393,11 @@ pub mod ledger {
         let pool = PgPoolOptions::new().max_connections(2).connect(url).await?;
         // Replicas start together: serialise the creation, as `migrate()` does.
         let mut tx = pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idempotent-conformance-ledger'))")
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
-            "CREATE TABLE IF NOT EXISTS ledger (id bigserial PRIMARY KEY, execution bigint NOT NULL)",
+        // Simple queries and unnamed statements only: the server may run behind a transaction
+        // pooler (`--transaction-pooler`), where a named one would outlive its transaction.
+        sqlx::raw_sql(
+            "SELECT pg_advisory_xact_lock(hashtext('idempotent-conformance-ledger')); \
+             CREATE TABLE IF NOT EXISTS ledger (id bigserial PRIMARY KEY, execution bigint NOT NULL)",
         )
         .execute(&mut *tx)
         .await?;
@@ -398,6 +409,7 @@ pub mod ledger {
     pub async fn insert(conn: &mut sqlx::PgConnection, n: u64) -> Result<(), sqlx::Error> {
         sqlx::query("INSERT INTO ledger (execution) VALUES ($1)")
             .bind(i64::try_from(n).unwrap_or(i64::MAX))
+            .persistent(false)
             .execute(conn)
             .await?;
         Ok(())
@@ -405,9 +417,11 @@ pub mod ledger {
 
     /// Committed rows: `{"rows": n}`.
     pub async fn rows(pool: &PgPool) -> Result<serde_json::Value, sqlx::Error> {
-        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")
+        use sqlx::Row as _;
+        let rows: i64 = sqlx::raw_sql("SELECT count(*) FROM ledger")
             .fetch_one(pool)
-            .await?;
+            .await?
+            .try_get(0)?;
         Ok(serde_json::json!({ "rows": rows }))
     }
 }
@@ -642,6 +656,12 @@ mod tests {
         assert!(o.local_cache);
         assert_eq!(o.wait_in_progress, Duration::from_millis(2500));
         assert!(!Options::parse([]).unwrap().local_cache);
+        assert!(
+            Options::parse(["--transaction-pooler".into()])
+                .unwrap()
+                .transaction_pooler
+        );
+        assert!(!Options::parse([]).unwrap().transaction_pooler);
         assert_eq!(Options::parse([]).unwrap().wait_in_progress, Duration::ZERO);
         assert_eq!(Options::parse([]).unwrap().oversized, Oversized::RunAgain);
         let bodiless = Options::parse(["--oversized".into(), "record_without_body".into()]);
