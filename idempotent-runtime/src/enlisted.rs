@@ -28,7 +28,12 @@
 //! PostgreSQL store ([`PostgresStore`](crate::store::postgres::PostgresStore)), or a wrapper
 //! around it that forwards `enlisting`. With another store they answer 500 and log how to fix it. The
 //! handler's statements run on one of the store's connections, under its `lock_timeout` and
-//! `statement_timeout` (use `SET LOCAL` through the transaction to change them). A request
+//! `statement_timeout` (use `SET LOCAL` through the transaction to change them). Behind a
+//! connection pooler in transaction mode (a store built with
+//! [`transaction_pooler(true)`](crate::store::postgres::PostgresStoreBuilder::transaction_pooler)),
+//! the handler's statements must be unnamed, `.persistent(false)` on each sqlx query: a named
+//! one stays on the server connection after the transaction, and the next client lent that
+//! connection fails with `prepared statement "sqlx_s_1" already exists`. A request
 //! without a key (where the key is optional) runs in a transaction too, committed or rolled
 //! back by the same rule, with nothing recorded. Enlisted mode always fails closed: without the
 //! store there is no transaction to run in. There is no lease to renew: the reservation is
