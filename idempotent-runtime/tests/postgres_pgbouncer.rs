@@ -457,3 +457,85 @@ async fn the_inbox_behind_pgbouncer_runs_each_message_once() {
     );
     assert_eq!(inbox.sweep(500).await.expect("sweep through PgBouncer"), 0);
 }
+
+/// What `transaction_pooler(true)` costs a replay (one claim reading a completed record back):
+/// 2,000 replays one after another, on the default store directly, on the pooler setting
+/// directly, and on the pooler setting through PgBouncer; each must replay. Prints the mean of
+/// each. Run explicitly to measure:
+/// `cargo test --release -p idempotent-runtime --features postgres,testing --test
+/// postgres_pgbouncer -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run explicitly"]
+async fn what_the_setting_costs_a_replay() {
+    let Some(db) = Behind::new().await else {
+        return;
+    };
+    db.store().await;
+    let scope = contract::fresh_scope();
+    let stores = [
+        (
+            "default, direct",
+            PostgresStore::builder()
+                .schema(&db.schema)
+                .table("records")
+                .connect(&db.direct)
+                .await
+                .unwrap(),
+        ),
+        (
+            "transaction_pooler, direct",
+            db.builder().connect(&db.direct).await.unwrap(),
+        ),
+        (
+            "transaction_pooler, through PgBouncer",
+            db.builder().connect(&db.pooled).await.unwrap(),
+        ),
+    ];
+    let token = FencingToken::mint();
+    let (first, _) = &stores[0];
+    assert_eq!(
+        stores[0]
+            .1
+            .claim(&req(&scope, "replayed", token))
+            .await
+            .unwrap(),
+        Claim::Acquired,
+        "{first}"
+    );
+    assert!(
+        stores[0]
+            .1
+            .complete(
+                &scope,
+                "replayed",
+                token,
+                &RecordedResponse::new(201, vec![], "done".into()),
+                Duration::from_secs(3600),
+            )
+            .await
+            .unwrap()
+    );
+    for (name, store) in &stores {
+        let mut started = Instant::now();
+        for n in 0..2_100 {
+            if n == 100 {
+                // The first hundred open the pool's connections and prepare the statements.
+                started = Instant::now();
+            }
+            let claim = store
+                .claim(&req(&scope, "replayed", FencingToken::mint()))
+                .await
+                .unwrap();
+            match claim {
+                Claim::Standing(standing) => {
+                    assert!(matches!(standing.state, StandingState::Completed(_)))
+                }
+                Claim::Acquired => panic!("{name}: acquired a completed key"),
+            }
+        }
+        eprintln!(
+            "{name}: {:?} a replay (mean of 2,000, one at a time)",
+            started.elapsed() / 2_000
+        );
+    }
+}
