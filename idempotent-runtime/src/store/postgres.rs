@@ -1286,7 +1286,9 @@ impl PostgresStore {
                          pooler in transaction mode (PgBouncer with ignore_startup_parameters = \
                          options, say) stands between the store and PostgreSQL and drops session \
                          settings; build the store with \
-                         PostgresStoreBuilder::transaction_pooler(true)"
+                         PostgresStoreBuilder::transaction_pooler(true) (transaction or session \
+                         pooling mode; statement pooling mode cannot work: the store needs \
+                         transactions)"
                     )
                     .into(),
                 ));
