@@ -56,6 +56,9 @@ pub struct Options {
     pub credential_headers: Vec<String>,
     /// `--local-cache`: completed records kept in this process in front of a shared store.
     pub local_cache: bool,
+    /// `--transaction-pooler`: the PostgreSQL store reaches the database through a pooler in
+    /// transaction mode (PgBouncer), `PostgresStoreBuilder::transaction_pooler(true)`.
+    pub transaction_pooler: bool,
     /// What an answer over `--max-response` leaves behind (`--oversized run_again|record_without_body`).
     pub oversized: Oversized,
     /// `--strict` / `--no-strict`: refuse a detected setup mistake with 500
@@ -84,6 +87,7 @@ impl Default for Options {
             key_header: "Idempotency-Key".into(),
             credential_headers: Vec::new(),
             local_cache: false,
+            transaction_pooler: false,
             oversized: Oversized::RunAgain,
             strict: cfg!(debug_assertions),
             wait_in_progress: Duration::ZERO,
@@ -95,7 +99,7 @@ const USAGE: &str = "options: --addr HOST:PORT --store memory|postgres|sqlite|re
 --lease SECS --retention SECS --max-body BYTES --max-response BYTES --body-timeout SECS \
 --reuse-status 422|409 \
 --missing-status 400|428 --trusted-proxy CIDR (repeatable) --key-header NAME \
---credential-header NAME (repeatable) --local-cache --oversized run_again|record_without_body --strict --no-strict \
+--credential-header NAME (repeatable) --local-cache --transaction-pooler --oversized run_again|record_without_body --strict --no-strict \
 --wait-in-progress SECS";
 
 impl Options {
@@ -114,6 +118,10 @@ impl Options {
             }
             if flag == "--local-cache" {
                 o.local_cache = true;
+                continue;
+            }
+            if flag == "--transaction-pooler" {
+                o.transaction_pooler = true;
                 continue;
             }
             if flag == "--strict" || flag == "--no-strict" {
@@ -256,7 +264,10 @@ impl Options {
                     .database_url
                     .as_deref()
                     .ok_or("--store postgres needs --database-url or DATABASE_URL")?;
-                let store = idempotent_runtime::store::postgres::PostgresStore::connect(url).await?;
+                let store = idempotent_runtime::store::postgres::PostgresStore::builder()
+                    .transaction_pooler(self.transaction_pooler)
+                    .connect(url)
+                    .await?;
                 store.migrate().await?;
                 let builder = if self.local_cache {
                     Idempotency::builder(idempotent_runtime::store::cache::CachedStore::new(store))
@@ -400,14 +411,17 @@ pub mod ledger {
                     .max_connections(2)
                     .connect(url)
                     .await?;
-                // Replicas start together: serialise the creation, as `migrate()` does.
+                // Replicas start together: serialise the creation, as `migrate()` does. Simple
+                // queries only: the server may run behind a transaction pooler
+                // (`--transaction-pooler`), where a named statement would outlive its
+                // transaction.
                 let mut tx = pool.begin().await?;
-                sqlx::query(
-                    "SELECT pg_advisory_xact_lock(hashtext('idempotent-conformance-ledger'))",
+                sqlx::raw_sql(
+                    "SELECT pg_advisory_xact_lock(hashtext('idempotent-conformance-ledger')); \
+                     CREATE TABLE IF NOT EXISTS ledger (execution bigint NOT NULL)",
                 )
                 .execute(&mut *tx)
                 .await?;
-                tx.execute(CREATE).await?;
                 tx.commit().await?;
                 Ok(Some(Ledger::Postgres(pool)))
             }
@@ -438,7 +452,9 @@ pub mod ledger {
         }
     }
 
-    /// The row of execution `n`, for the enlisted transaction's connection.
+    /// The row of execution `n`, for the enlisted transaction's connection: a statement without
+    /// parameters, sent as a simple query (never a named statement, so it works behind a
+    /// transaction pooler too).
     fn row(n: u64) -> AssertSqlSafe<String> {
         AssertSqlSafe(format!("INSERT INTO ledger (execution) VALUES ({n})"))
     }
@@ -477,7 +493,13 @@ pub mod ledger {
     pub async fn rows(ledger: &Ledger) -> Result<Value, sqlx::Error> {
         const COUNT: &str = "SELECT count(*) FROM ledger";
         let rows: i64 = match ledger {
-            Ledger::Postgres(pool) => sqlx::query_scalar(COUNT).fetch_one(pool).await?,
+            // Unnamed: behind a transaction pooler a named statement would outlive its use.
+            Ledger::Postgres(pool) => {
+                sqlx::query_scalar(COUNT)
+                    .persistent(false)
+                    .fetch_one(pool)
+                    .await?
+            }
             #[cfg(feature = "mysql")]
             Ledger::MySql(pool) => sqlx::query_scalar(COUNT).fetch_one(pool).await?,
             #[cfg(feature = "sqlite")]
@@ -717,6 +739,12 @@ mod tests {
         assert!(o.local_cache);
         assert_eq!(o.wait_in_progress, Duration::from_millis(2500));
         assert!(!Options::parse([]).unwrap().local_cache);
+        assert!(
+            Options::parse(["--transaction-pooler".into()])
+                .unwrap()
+                .transaction_pooler
+        );
+        assert!(!Options::parse([]).unwrap().transaction_pooler);
         assert_eq!(Options::parse([]).unwrap().wait_in_progress, Duration::ZERO);
         assert_eq!(Options::parse([]).unwrap().oversized, Oversized::RunAgain);
         let bodiless = Options::parse(["--oversized".into(), "record_without_body".into()]);

@@ -40,6 +40,12 @@
 //! There is no lease to renew: the reservation is invisible until it is complete, and the
 //! try-lock lasts exactly as long as the transaction.
 //!
+//! Behind a connection pooler in transaction mode (a PostgreSQL store built with
+//! [`transaction_pooler(true)`](crate::store::postgres::PostgresStoreBuilder::transaction_pooler)),
+//! the handler's statements must be unnamed, `.persistent(false)` on each sqlx query: a named
+//! one stays on the server connection after the transaction, and the next client lent that
+//! connection fails with `prepared statement "sqlx_s_1" already exists`.
+//!
 //! ```no_run
 //! # #[cfg(feature = "axum")] mod app {
 //! use axum::{Json, http::StatusCode};

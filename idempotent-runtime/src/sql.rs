@@ -7,6 +7,11 @@
 //! from the table's name; SQLite: `BEGIN IMMEDIATE`, the database's write lock; MySQL/MariaDB: a
 //! named `GET_LOCK` held by the migrating session), and the few column types, parameters and
 //! identifier quotes that differ. Adding a database is one more `impl Dialect`.
+//!
+//! The runner keeps nothing on a connection beyond its transaction on PostgreSQL: every
+//! statement is unnamed (`persistent(false)`, never a prepared statement left behind), its
+//! settings are `SET LOCAL` and its lock is transaction-scoped, so it runs unchanged behind a
+//! connection pooler in transaction mode (PgBouncer `pool_mode = transaction`).
 
 use std::fmt;
 
@@ -583,6 +588,7 @@ pub(crate) async fn migrate<D: Dialect>(
     steps: &[Step],
 ) -> Result<(), sqlx::Error>
 where
+    D::Db: sqlx::database::HasStatementCache,
     for<'c> &'c mut <D::Db as Database>::Connection: Executor<'c, Database = D::Db>,
     <D::Db as Database>::Arguments: IntoArguments<D::Db>,
     i64: Type<D::Db> + for<'q> Encode<'q, D::Db> + for<'r> Decode<'r, D::Db>,
@@ -610,6 +616,7 @@ async fn migrate_on<D: Dialect>(
     steps: &[Step],
 ) -> Result<(), sqlx::Error>
 where
+    D::Db: sqlx::database::HasStatementCache,
     for<'c> &'c mut <D::Db as Database>::Connection: Executor<'c, Database = D::Db>,
     <D::Db as Database>::Arguments: IntoArguments<D::Db>,
     i64: Type<D::Db> + for<'q> Encode<'q, D::Db> + for<'r> Decode<'r, D::Db>,
@@ -625,6 +632,7 @@ where
     }
     if let Some(lock) = D::lock(table) {
         let got: i64 = sqlx::query_scalar(AssertSqlSafe(lock))
+            .persistent(false)
             .fetch_one(&mut *tx)
             .await?;
         if got != 1 {
@@ -641,6 +649,7 @@ where
         .execute(&mut *tx)
         .await?;
     let has_checksum: i64 = sqlx::query_scalar(AssertSqlSafe(D::has_checksum(table)))
+        .persistent(false)
         .fetch_one(&mut *tx)
         .await?;
     if has_checksum == 0 {
@@ -656,6 +665,7 @@ where
         "SELECT version, checksum FROM {}",
         table.versions
     )))
+    .persistent(false)
     .fetch_all(&mut *tx)
     .await?;
     let (p1, p2, p3) = (D::param(1), D::param(2), D::param(3));
@@ -693,6 +703,7 @@ where
                 )))
                 .bind(sum)
                 .bind(step.version)
+                .persistent(false)
                 .execute(&mut *tx)
                 .await?;
             }
@@ -707,6 +718,7 @@ where
                 .bind(step.version)
                 .bind(step.description.to_owned())
                 .bind(sum)
+                .persistent(false)
                 .execute(&mut *tx)
                 .await?;
             }

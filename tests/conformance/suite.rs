@@ -39,6 +39,29 @@ macro_rules! conformance {
             )*
         }
 
+        /// The same cases with every server on `--store postgres --transaction-pooler` behind
+        /// PgBouncer in transaction mode (`PGBOUNCER_URL`, each server in a database of its
+        /// own; skipped when it is unset, unless `IDEMPOTENT_REQUIRE_PGBOUNCER=1`). A case that
+        /// picks its own store keeps it.
+        #[cfg(feature = "postgres")]
+        mod on_pgbouncer {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    if crate::support::pgbouncer_url().is_none()
+                        || crate::support::database_url().is_none()
+                    {
+                        return;
+                    }
+                    for server in harness::SERVERS {
+                        eprintln!("{} against {server} behind PgBouncer", stringify!($case));
+                        harness::on_pgbouncer(cases::$case(server)).await;
+                    }
+                }
+            )*
+        }
+
         /// The same cases with every server on `--store mysql` (`MYSQL_URL`, each server in a
         /// database of its own; skipped when it is unset, unless `IDEMPOTENT_REQUIRE_MYSQL=1`).
         /// A case that picks its own store keeps it.

@@ -4,12 +4,13 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
-//!     cargo test --all-features --test enlisted [transactions::|hostile_callers::]
+//!     cargo test --all-features --test enlisted [transactions::|hostile_callers::|pgbouncer::]
 //! ```
 
 #[path = "../support/mod.rs"]
 mod support;
 
 mod hostile_callers;
+mod pgbouncer;
 #[cfg(feature = "actix")]
 mod transactions;

@@ -4,12 +4,15 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test REDIS_URL=redis://127.0.0.1:6379/0 \
-//!     cargo test --all-features --test replicas [postgres::|redis::]
+//! PGBOUNCER_URL=$(scripts/pgbouncer start) \
+//!     cargo test --all-features --test replicas [postgres::|redis::|pgbouncer::]
 //! ```
 
 #[path = "../support/mod.rs"]
 mod support;
 
+#[cfg(feature = "postgres")]
+mod pgbouncer;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "redis")]

@@ -30,6 +30,20 @@ pub async fn on_mysql<F: std::future::Future>(url: String, case: F) -> F::Output
     MYSQL.scope(url, case).await
 }
 
+tokio::task_local! {
+    /// Set while every server a case starts is given a PostgreSQL database of its own behind
+    /// PgBouncer in transaction mode, unless the case picks a store itself (see
+    /// [`on_pgbouncer`]).
+    static PGBOUNCER: ();
+}
+
+/// Runs `case` with every server it starts on the PostgreSQL store behind PgBouncer
+/// (`PGBOUNCER_URL`) with `--transaction-pooler`, each in a database of its own, dropped with
+/// the server.
+pub async fn on_pgbouncer<F: std::future::Future>(case: F) -> F::Output {
+    PGBOUNCER.scope((), case).await
+}
+
 /// Runs `case` with every server it starts on the Redis at `url`, each under a key prefix of its
 /// own (so the two frameworks' runs of one case never meet each other's records).
 pub async fn on_redis<F: std::future::Future>(url: String, case: F) -> F::Output {
@@ -37,10 +51,24 @@ pub async fn on_redis<F: std::future::Future>(url: String, case: F) -> F::Output
 }
 
 /// The store options for a server started now: none (memory), Redis under a fresh prefix, or
-/// MySQL in a fresh database (kept alive by the returned guard).
+/// MySQL or PostgreSQL behind PgBouncer in a fresh database (kept alive by the returned guard).
 fn store_options(options: &[&str]) -> (Vec<String>, Option<Box<dyn std::any::Any + Send + Sync>>) {
     if options.contains(&"--store") {
         return (Vec::new(), None);
+    }
+    if PGBOUNCER.try_with(|()| ()).is_ok() {
+        let db = super::PooledDatabase::new("conformance")
+            .expect("a case on PgBouncer runs only with PGBOUNCER_URL and DATABASE_URL");
+        let options = [
+            "--store",
+            "postgres",
+            "--database-url",
+            &db.url(),
+            "--transaction-pooler",
+        ]
+        .map(String::from)
+        .to_vec();
+        return (options, Some(Box::new(db)));
     }
     #[cfg(feature = "mysql")]
     if let Ok(db) = MYSQL.try_with(|url| super::MysqlDatabase::new(url, "conformance")) {

@@ -3,7 +3,8 @@
 //!
 //! - the services a test may use ([`database_url`], [`redis_url`], CI's [`required`] switches
 //!   under which a missing service fails the test instead of skipping it), a PostgreSQL
-//!   [`Schema`] of the test's own, and the example binaries the tests start ([`example_binary`]);
+//!   [`Schema`] of the test's own, a database of its own behind PgBouncer ([`PooledDatabase`],
+//!   [`pgbouncer_url`]), and the example binaries the tests start ([`example_binary`]);
 //! - the conformance servers ([`SERVERS`]) started as processes ([`start_server`]), driven with an
 //!   HTTP client ([`harness`]) or over raw HTTP/1.1 where a client library would sanitize what a
 //!   test sends ([`raw`]);
@@ -28,7 +29,9 @@ use std::time::Duration;
 
 #[cfg(feature = "mysql")]
 pub use services::{MysqlDatabase, mysql_url};
-pub use services::{Schema, database_url, example_binary, redis_url, required};
+pub use services::{
+    PooledDatabase, Schema, database_url, example_binary, pgbouncer_url, redis_url, required,
+};
 
 /// The conformance servers the suites run against; each is an example of the root package.
 #[cfg(not(feature = "actix"))]

@@ -105,6 +105,116 @@ impl Drop for Schema {
     }
 }
 
+/// `PGBOUNCER_URL` (PgBouncer in transaction pooling mode in front of `DATABASE_URL`'s server,
+/// passing every database name through, as `scripts/pgbouncer start` runs it), or `None` after
+/// saying the test skips. With `IDEMPOTENT_REQUIRE_PGBOUNCER=1` (CI) a missing URL fails the
+/// test instead.
+pub fn pgbouncer_url() -> Option<String> {
+    match std::env::var("PGBOUNCER_URL") {
+        Ok(url) => Some(url),
+        Err(_) if required("IDEMPOTENT_REQUIRE_PGBOUNCER") => {
+            panic!(
+                "IDEMPOTENT_REQUIRE_PGBOUNCER=1 but PGBOUNCER_URL is unset (scripts/pgbouncer start)"
+            )
+        }
+        Err(_) => {
+            eprintln!("PGBOUNCER_URL is unset: skipping this test behind PgBouncer");
+            None
+        }
+    }
+}
+
+/// A PostgreSQL database of the test's own (`idem_<prefix>_<random>`), created and dropped on a
+/// direct connection (`DATABASE_URL`) and reached through PgBouncer (`PGBOUNCER_URL`). A
+/// [`Schema`] cannot isolate a test there: a transaction pooler drops the `search_path` a URL
+/// sets as a startup option.
+pub struct PooledDatabase {
+    direct: String,
+    pooled: String,
+    name: String,
+}
+
+impl PooledDatabase {
+    /// Creates the database; `None` when the test skips (see [`pgbouncer_url`]). From a thread
+    /// and runtime of its own, so it works inside and outside a runtime (a server started for a
+    /// conformance case makes one).
+    pub fn new(prefix: &str) -> Option<Self> {
+        let pooled = pgbouncer_url()?;
+        let direct = database_url()?;
+        let name = format!(
+            "idem_{prefix}_{:016x}",
+            idempotent_runtime::store::FencingToken::mint().0
+        );
+        let (url, sql) = (direct.clone(), format!("CREATE DATABASE \"{name}\""));
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let mut conn = sqlx::PgConnection::connect(&url)
+                    .await
+                    .expect("connect to DATABASE_URL");
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                    .execute(&mut conn)
+                    .await
+                    .expect("create database");
+                let _ = conn.close().await;
+            });
+        })
+        .join()
+        .expect("the thread creating the database panicked");
+        Some(Self {
+            direct,
+            pooled,
+            name,
+        })
+    }
+
+    /// The database's URL through PgBouncer.
+    pub fn url(&self) -> String {
+        let (base, query) = self
+            .pooled
+            .split_once('?')
+            .map_or((self.pooled.as_str(), None), |(b, q)| (b, Some(q)));
+        let server = base.rsplit_once('/').map_or(base, |(server, _)| server);
+        match query {
+            Some(q) => format!("{server}/{}?{q}", self.name),
+            None => format!("{server}/{}", self.name),
+        }
+    }
+
+    /// The database's URL on a direct connection, for checks beside the pooler.
+    pub fn direct_url(&self) -> String {
+        let server = self.direct.split('?').next().unwrap_or(&self.direct);
+        let server = server.rsplit_once('/').map_or(server, |(server, _)| server);
+        format!("{server}/{}", self.name)
+    }
+}
+
+impl Drop for PooledDatabase {
+    fn drop(&mut self) {
+        let url = self.direct.clone();
+        // FORCE: PgBouncer keeps server connections to it open.
+        let sql = format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name);
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                if let Ok(mut conn) = sqlx::PgConnection::connect(&url).await {
+                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                        .execute(&mut conn)
+                        .await;
+                    let _ = conn.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
 static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 /// The path of example `name`, built once per test binary with the features the rest of the

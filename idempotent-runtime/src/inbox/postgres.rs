@@ -90,6 +90,8 @@ struct Settings {
     begin_sql: Arc<str>,
     insert_sql: Arc<str>,
     sweep_sql: Arc<str>,
+    /// Statements prepared once per connection and kept (no transaction pooler in between).
+    named: bool,
 }
 
 impl fmt::Debug for PgInbox {
@@ -113,6 +115,7 @@ pub struct PgInboxBuilder {
     table: String,
     lock_timeout: Duration,
     retention: Duration,
+    transaction_pooler: bool,
 }
 
 use crate::sql::InvalidName;
@@ -143,6 +146,26 @@ impl PgInboxBuilder {
     /// copy redelivered after that runs again: keep it longer than the broker may redeliver.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
+        self
+    }
+
+    /// Whether the pool reaches PostgreSQL through a connection pooler in transaction pooling
+    /// mode (PgBouncer `pool_mode = transaction`) (default `false`). The inbox's statements are
+    /// then unnamed (`persistent(false)`), never a named prepared statement another client could
+    /// meet on the same server connection, and the sweep runs in a transaction of its own. Its
+    /// `lock_timeout` is `SET LOCAL` in each transaction either way. The handler's own statements
+    /// must be unnamed too behind such a pooler (`.persistent(false)` on each sqlx query).
+    ///
+    /// ```no_run
+    /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// use idempotent_runtime::inbox::PgInbox;
+    ///
+    /// let inbox = PgInbox::builder(pool, "billing").transaction_pooler(true).build()?;
+    /// inbox.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn transaction_pooler(mut self, behind: bool) -> Self {
+        self.transaction_pooler = behind;
         self
     }
 
@@ -180,6 +203,7 @@ impl PgInboxBuilder {
                 begin_sql: begin_sql.into(),
                 insert_sql: insert_sql.into(),
                 sweep_sql: sweep_sql.into(),
+                named: !self.transaction_pooler,
             }),
         })
     }
@@ -229,6 +253,7 @@ impl PgInbox {
             table: DEFAULT_TABLE.to_owned(),
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             retention: DEFAULT_RETENTION,
+            transaction_pooler: false,
         }
     }
 
@@ -263,14 +288,18 @@ impl PgInbox {
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
         let s = &*self.s;
         sql::migrate::<Pg>(&self.pool, &s.table, MIGRATIONS).await?;
+        // In a transaction, unnamed: it runs behind a transaction pooler too.
+        let mut tx = self.pool.begin().await?;
         let has_pkey: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_constraint \
              WHERE conrelid = $1::regclass AND conname = $2 AND contype = 'p')",
         )
         .bind(&s.table.qualified)
         .bind(&s.constraint)
-        .fetch_one(&self.pool)
+        .persistent(false)
+        .fetch_one(&mut *tx)
         .await?;
+        tx.commit().await?;
         if !has_pkey {
             return Err(sqlx::Error::Configuration(
                 format!(
@@ -368,6 +397,7 @@ impl PgInbox {
         let marker = sqlx::query(AssertSqlSafe(s.insert_sql.clone()))
             .bind(&s.consumer)
             .bind(message_id)
+            .persistent(s.named)
             .execute(&mut *tx)
             .await;
         if let Err(e) = marker {
@@ -392,7 +422,11 @@ impl PgInbox {
 
         // PostgreSQL turns COMMIT of an aborted transaction into a silent ROLLBACK: a handler
         // that swallowed a failed statement's error would be acked with nothing committed.
-        if let Err(e) = sqlx::query("SELECT 1").execute(&mut *tx).await {
+        if let Err(e) = sqlx::query("SELECT 1")
+            .persistent(s.named)
+            .execute(&mut *tx)
+            .await
+        {
             self.roll_back(tx).await;
             return if sqlstate(&e).as_deref() == Some("25P02") {
                 self.store_error(message_id, AbortedTransaction(e))
@@ -413,12 +447,23 @@ impl PgInbox {
     /// the age in the delete itself; returns how many. A full batch means more may remain.
     pub async fn sweep(&self, batch: usize) -> Result<usize, sqlx::Error> {
         let retention_ms = self.s.retention.as_millis().min(i64::MAX as u128) as i64;
-        let done = sqlx::query(AssertSqlSafe(self.s.sweep_sql.clone()))
+        let query = sqlx::query(AssertSqlSafe(self.s.sweep_sql.clone()))
             .bind(&self.s.consumer)
             .bind(retention_ms)
-            .bind(batch.min(i64::MAX as usize) as i64)
-            .execute(&self.pool)
-            .await?;
+            .bind(batch.min(i64::MAX as usize) as i64);
+        let done = if self.s.named {
+            query.execute(&self.pool).await?
+        } else {
+            // Outside a transaction a transaction pooler may send the parse and the execution
+            // of an unnamed statement to two server connections.
+            let mut tx = self
+                .pool
+                .begin_with(AssertSqlSafe(self.s.begin_sql.clone()))
+                .await?;
+            let done = query.persistent(false).execute(&mut *tx).await?;
+            tx.commit().await?;
+            done
+        };
         let deleted = done.rows_affected() as usize;
         observe_swept(&self.s.consumer, deleted);
         Ok(deleted)

@@ -57,6 +57,13 @@
 //! - Times come from the database's clock, so replicas never disagree about a lease.
 //! - `lock_timeout` on the store's connections: a claim that meets another transaction's
 //!   uncommitted row answers 409 instead of waiting.
+//! - **Behind a connection pooler in transaction mode** (PgBouncer `pool_mode = transaction`),
+//!   build it with [`PostgresStoreBuilder::transaction_pooler`]: each operation is then a
+//!   transaction of its own that sets the timeouts with `SET LOCAL`, with unnamed statements
+//!   only, since the pooler may give each transaction another server connection. Without it,
+//!   [`migrate`](PostgresStore::migrate) refuses to run behind a pooler that dropped or refused
+//!   the store's `lock_timeout`, naming the setting. Its locks are transaction-scoped and it
+//!   never `LISTEN`s.
 //! - Each replica runs the sweeper: 500 rows a statement with `FOR UPDATE SKIP LOCKED`, every
 //!   `min(retention, 1 h)`, again at once when a batch was full, the expiry re-checked in the delete.
 //!   (`Idempotency::builder(store).sweeper(false)` turns it off where another process sweeps.)
@@ -81,6 +88,31 @@ use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 use crate::sql::{self, ConnectError, InvalidName, Migrations, Pg, STORE_NAMES, Step, TableName};
 
+/// `$query.$fetch(…)` on `$pool` as the store's [`Session`] asks: straight on the pool, or, behind
+/// a transaction pooler, unnamed and in a transaction of its own that sets the store's timeouts
+/// (outside a transaction such a pooler may send the parse and the execution of one unnamed
+/// statement to two server connections). A failed statement's transaction is rolled back before
+/// its connection goes back to the pool, so the pooler's server connection is never left
+/// pinned in an aborted transaction.
+macro_rules! on_pool {
+    ($core:expr, $pool:expr, $query:expr, $fetch:ident) => {
+        async {
+            match &$core.session {
+                Session::Direct { .. } => $query.$fetch($pool).await,
+                Session::Pooled { begin } => {
+                    let mut tx = $pool.begin_with(AssertSqlSafe(Arc::clone(begin))).await?;
+                    match $query.persistent(false).$fetch(&mut *tx).await {
+                        Ok(out) => tx.commit().await.map(|()| out),
+                        Err(e) => {
+                            let _ = tx.rollback().await;
+                            Err(e)
+                        }
+                    }
+                }
+            }
+        }
+    };
+}
 mod batch;
 mod enlisted;
 
@@ -143,6 +175,7 @@ pub struct PostgresStoreBuilder {
     application_name: Option<String>,
     reserved_connections: u32,
     batch: batch::Limits,
+    transaction_pooler: bool,
 }
 
 impl PostgresStoreBuilder {
@@ -218,6 +251,42 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// Whether the store reaches PostgreSQL through a connection pooler in transaction pooling
+    /// mode (PgBouncer `pool_mode = transaction`, RDS Proxy, Supavisor) (default `false`).
+    /// Such a pooler lends each transaction a different server connection, so the store then
+    /// keeps nothing on a connection beyond one transaction: every operation runs in a
+    /// transaction of its own that begins with `SET LOCAL lock_timeout` and
+    /// `SET LOCAL statement_timeout` (instead of session settings sent when connecting, which
+    /// a pooler drops or refuses), and every statement is unnamed (`persistent(false)`), never a
+    /// named prepared statement another client could meet on the same server connection. The
+    /// migration runner uses only transaction-scoped advisory locks, as enlisted mode does, and
+    /// nothing here uses `LISTEN`.
+    ///
+    /// The cost: an operation takes four round trips instead of one (begin, parse, execute,
+    /// commit), so leave it off without such a pooler. With it off, [`PostgresStore::migrate`]
+    /// refuses to run when the connection lost the store's `lock_timeout` (a pooler that ignores
+    /// the `options` startup parameter), naming this setting. Statements a handler runs in an
+    /// [enlisted](crate::enlisted) transaction, or an inbox handler in its own, are the
+    /// application's: behind such a pooler they must be unnamed too (`.persistent(false)` on
+    /// each sqlx query).
+    ///
+    /// ```no_run
+    /// # async fn example() -> Result<(), sqlx::Error> {
+    /// use idempotent_runtime::store::postgres::PostgresStore;
+    ///
+    /// // PgBouncer in transaction pooling mode on port 6432.
+    /// let store = PostgresStore::builder()
+    ///     .transaction_pooler(true)
+    ///     .connect("postgres://app@pgbouncer:6432/app")
+    ///     .await?;
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn transaction_pooler(mut self, behind: bool) -> Self {
+        self.transaction_pooler = behind;
+        self
+    }
+
     /// `application_name` of the store's connections (default `idempotent`), as shown in
     /// `pg_stat_activity`.
     pub fn application_name(mut self, name: impl Into<String>) -> Self {
@@ -243,16 +312,16 @@ impl PostgresStoreBuilder {
         // statement, naming sqlx's features instead of this crate's.
         super::postgres_tls::require_tls_support(&options, super::postgres_tls::TLS_COMPILED)?;
         let table = TableName::new(STORE_NAMES, self.schema.as_deref(), &self.table)?;
-        let mut options = options.options([
-            (
-                "lock_timeout",
-                format!("{}ms", self.lock_timeout.as_millis().max(1)),
-            ),
-            (
-                "statement_timeout",
-                format!("{}ms", self.statement_timeout.as_millis().max(1)),
-            ),
-        ]);
+        // Behind a transaction pooler these session settings would not reach the server (or be
+        // refused): each transaction sets them with SET LOCAL instead (`Core::begin`).
+        let mut options = if self.transaction_pooler {
+            options
+        } else {
+            options.options([
+                ("lock_timeout", self.lock_timeout_setting()),
+                ("statement_timeout", self.statement_timeout_setting()),
+            ])
+        };
         match (&self.application_name, options.get_application_name()) {
             (Some(name), _) => options = options.application_name(name),
             (None, None) => options = options.application_name("idempotent"),
@@ -265,28 +334,77 @@ impl PostgresStoreBuilder {
             // connection fails its statement instead (503) and is not reused.
             .test_before_acquire(false)
             .connect_lazy_with(options);
+        let session = self.session(true);
         Ok(PostgresStore::with_table(
             pool,
             table,
             self.reserved_connections,
             self.batch,
+            session,
         ))
     }
 
     /// Builds the store over an existing pool. The pool's connections should set
     /// `lock_timeout` (see [`lock_timeout`](Self::lock_timeout)): without it, a claim that meets
-    /// another transaction's uncommitted row waits for that transaction. The pool settings of
+    /// another transaction's uncommitted row waits for that transaction. With
+    /// [`transaction_pooler`](Self::transaction_pooler) the store sets this builder's
+    /// `lock_timeout` and `statement_timeout` in each of its transactions instead. The pool settings of
     /// this builder do not apply. Fails only on a bad table or schema name (which converts
     /// into `sqlx::Error` with `?`).
     pub fn build(self, pool: PgPool) -> Result<PostgresStore, InvalidName> {
         let table = TableName::new(STORE_NAMES, self.schema.as_deref(), &self.table)?;
+        let session = self.session(false);
         Ok(PostgresStore::with_table(
             pool,
             table,
             self.reserved_connections,
             self.batch,
+            session,
         ))
     }
+
+    fn lock_timeout_setting(&self) -> String {
+        format!("{}ms", self.lock_timeout.as_millis().max(1))
+    }
+
+    fn statement_timeout_setting(&self) -> String {
+        format!("{}ms", self.statement_timeout.as_millis().max(1))
+    }
+
+    /// How the store's connections carry their settings; `opened` when the store opened the
+    /// pool itself (so it knows what its connections were sent).
+    fn session(&self, opened: bool) -> Session {
+        if self.transaction_pooler {
+            Session::Pooled {
+                begin: format!(
+                    "BEGIN; SET LOCAL lock_timeout = '{}'; SET LOCAL statement_timeout = '{}'",
+                    self.lock_timeout_setting(),
+                    self.statement_timeout_setting()
+                )
+                .into(),
+            }
+        } else {
+            Session::Direct {
+                lock_timeout_ms: opened.then(|| self.lock_timeout.as_millis().max(1)),
+            }
+        }
+    }
+}
+
+/// How the store's connections carry its settings and statements.
+#[derive(Debug, Clone)]
+enum Session {
+    /// Each connection is the store's for its life: `lock_timeout` and `statement_timeout` are
+    /// session settings sent when connecting, and statements are prepared once per connection.
+    Direct {
+        /// The `lock_timeout` (ms) the store sent when connecting (`None`: a pool the
+        /// application built), checked by `migrate()`.
+        lock_timeout_ms: Option<u128>,
+    },
+    /// Behind a transaction pooler ([`PostgresStoreBuilder::transaction_pooler`]): every
+    /// operation is a transaction of its own opened by `begin` (`BEGIN` and the settings as
+    /// `SET LOCAL`), and every statement is unnamed.
+    Pooled { begin: Arc<str> },
 }
 
 /// The statements, rendered once for the configured table.
@@ -595,6 +713,7 @@ pub struct PostgresStore {
 /// What every statement needs, shared with the tasks that send batches.
 struct Core {
     pool: PgPool,
+    session: Session,
     sql: Statements,
     clock_offset_ms: AtomicI64,
     statements: AtomicU64,
@@ -626,6 +745,32 @@ fn connection_dropped(e: &sqlx::Error) -> bool {
             .is_some_and(|code| code.starts_with("57P") || code.starts_with("08")),
         _ => false,
     }
+}
+
+/// `e` with the fix named when it is what a transaction pooler does to a store built without
+/// [`PostgresStoreBuilder::transaction_pooler`]: PgBouncer refusing the `options` startup
+/// parameter, or a named prepared statement meeting another client's on a shared server
+/// connection (SQLSTATE 42P05, `prepared statement "sqlx_s_1" already exists`; 26000 when it
+/// is missing).
+fn behind_a_pooler(e: sqlx::Error) -> sqlx::Error {
+    let pooled = match &e {
+        sqlx::Error::Database(db) => {
+            matches!(db.code().as_deref(), Some("42P05" | "26000"))
+                || db.message().contains("unsupported startup parameter")
+        }
+        _ => false,
+    };
+    if !pooled {
+        return e;
+    }
+    sqlx::Error::Configuration(
+        format!(
+            "{e}: a connection pooler in transaction mode (PgBouncer, say) stands between the \
+             PostgreSQL store and PostgreSQL; build the store with \
+             PostgresStoreBuilder::transaction_pooler(true)"
+        )
+        .into(),
+    )
 }
 
 fn is_lock_timeout(e: &sqlx::Error) -> bool {
@@ -906,7 +1051,7 @@ impl batch::Job for Rounds {
         if !completions.is_empty() {
             query = bind_completions(query, &completions, size);
         }
-        let answered = query.bind(core.offset()).fetch_all(&core.pool).await?;
+        let answered = on_pool!(core, &core.pool, query.bind(core.offset()), fetch_all).await?;
 
         let mut outcomes: Vec<Option<Result<Decoded, StoreError>>> = Vec::new();
         outcomes.resize_with(claims.len(), || None);
@@ -1036,6 +1181,7 @@ impl PostgresStore {
             application_name: None,
             reserved_connections: enlisted::RESERVED_CONNECTIONS,
             batch: DEFAULT_BATCH,
+            transaction_pooler: false,
         }
     }
 
@@ -1058,13 +1204,28 @@ impl PostgresStore {
     pub fn new(pool: PgPool) -> Self {
         let table = TableName::new(STORE_NAMES, None, DEFAULT_TABLE)
             .expect("the default table name is valid");
-        Self::with_table(pool, table, enlisted::RESERVED_CONNECTIONS, DEFAULT_BATCH)
+        Self::with_table(
+            pool,
+            table,
+            enlisted::RESERVED_CONNECTIONS,
+            DEFAULT_BATCH,
+            Session::Direct {
+                lock_timeout_ms: None,
+            },
+        )
     }
 
-    fn with_table(pool: PgPool, table: TableName, reserved: u32, batch: batch::Limits) -> Self {
+    fn with_table(
+        pool: PgPool,
+        table: TableName,
+        reserved: u32,
+        batch: batch::Limits,
+        session: Session,
+    ) -> Self {
         let core = Arc::new(Core {
             sql: Statements::new(&table.qualified, batch.rows),
             pool,
+            session,
             clock_offset_ms: AtomicI64::new(0),
             statements: AtomicU64::new(0),
         });
@@ -1096,8 +1257,46 @@ impl PostgresStore {
     /// [`MigrateError::VersionMismatch`](sqlx::migrate::MigrateError::VersionMismatch) before
     /// anything runs. To apply the schema with a migration tool of your own instead, see
     /// [`migrations`](Self::migrations).
+    ///
+    /// Without [`transaction_pooler`](PostgresStoreBuilder::transaction_pooler), it first checks
+    /// that the store's connections carry the `lock_timeout` it sent when connecting, and refuses
+    /// with [`sqlx::Error::Configuration`] naming that setting when they do not (a connection
+    /// pooler that drops the `options` startup parameter), as it does when the pooler refuses
+    /// the parameter or meets another client's prepared statement.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
-        sql::migrate::<Pg>(&self.core.pool, &self.table, MIGRATIONS).await
+        let Session::Direct { lock_timeout_ms } = &self.core.session else {
+            return sql::migrate::<Pg>(&self.core.pool, &self.table, MIGRATIONS).await;
+        };
+        if let Some(expected) = lock_timeout_ms {
+            // A simple query: no prepared statement, so it answers behind any pooler.
+            let row = sqlx::raw_sql(AssertSqlSafe(format!(
+                "SELECT current_setting('lock_timeout'), \
+                        current_setting('lock_timeout')::interval \
+                            = '{expected} milliseconds'::interval"
+            )))
+            .fetch_one(&self.core.pool)
+            .await
+            .map_err(behind_a_pooler)?;
+            let (got, carried): (String, bool) = (row.try_get(0)?, row.try_get(1)?);
+            if !carried {
+                return Err(sqlx::Error::Configuration(
+                    format!(
+                        "the PostgreSQL store's connections do not carry the lock_timeout it \
+                         sent when connecting ({expected}ms; they have {got}): a connection \
+                         pooler in transaction mode (PgBouncer with ignore_startup_parameters = \
+                         options, say) stands between the store and PostgreSQL and drops session \
+                         settings; build the store with \
+                         PostgresStoreBuilder::transaction_pooler(true) (transaction or session \
+                         pooling mode; statement pooling mode cannot work: the store needs \
+                         transactions)"
+                    )
+                    .into(),
+                ));
+            }
+        }
+        sql::migrate::<Pg>(&self.core.pool, &self.table, MIGRATIONS)
+            .await
+            .map_err(behind_a_pooler)
     }
 
     /// The DDL [`migrate`](Self::migrate) applies, rendered for `table` in `schema` (`None`: the
@@ -1224,6 +1423,12 @@ impl PostgresStore {
 }
 
 impl Core {
+    /// Whether statements are prepared once per connection and kept (named), as they are
+    /// without a transaction pooler.
+    fn named(&self) -> bool {
+        matches!(self.session, Session::Direct { .. })
+    }
+
     fn offset(&self) -> i64 {
         self.clock_offset_ms.load(Ordering::SeqCst)
     }
@@ -1248,7 +1453,7 @@ impl Core {
         let mut attempts_left = self.pool.options().get_max_connections();
         loop {
             self.count();
-            match query().execute(&self.pool).await {
+            match on_pool!(self, &self.pool, query(), execute).await {
                 Ok(done) => return Ok(done.rows_affected()),
                 Err(e) if attempts_left > 0 && connection_dropped(&e) => attempts_left -= 1,
                 Err(e) => return Err(unavailable(e)),
@@ -1314,8 +1519,13 @@ impl Core {
         loop {
             self.count();
             let rows = match on {
-                On::Pool => query().fetch_all(&self.pool).await,
-                On::Transaction(conn) => query().fetch_all(&mut **conn).await,
+                On::Pool => on_pool!(self, &self.pool, query(), fetch_all).await,
+                On::Transaction(conn) => {
+                    query()
+                        .persistent(self.named())
+                        .fetch_all(&mut **conn)
+                        .await
+                }
             };
             match rows {
                 Ok(rows) => return decode(rows),
@@ -1424,10 +1634,10 @@ impl Store for PostgresStore {
 
     async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
         self.count();
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.sweep)))
+        let query = sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.sweep)))
             .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-            .bind(self.offset())
-            .execute(&self.core.pool)
+            .bind(self.offset());
+        let done = on_pool!(self.core, &self.core.pool, query, execute)
             .await
             .map_err(unavailable)?;
         Ok(done.rows_affected() as usize)
@@ -1440,12 +1650,12 @@ impl Store for PostgresStore {
         with_response: bool,
     ) -> Result<Option<RecordInfo>, StoreError> {
         self.count();
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.inspect)))
+        let query = sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.inspect)))
             .bind(&scope[..])
             .bind(key)
             .bind(with_response)
-            .bind(self.offset())
-            .fetch_optional(&self.core.pool)
+            .bind(self.offset());
+        let row = on_pool!(self.core, &self.core.pool, query, fetch_optional)
             .await
             .map_err(unavailable)?;
         row.map(|row| record_info(&row)).transpose()

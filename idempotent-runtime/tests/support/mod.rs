@@ -1,8 +1,8 @@
 //! What the runtime's integration tests share: the services they may use.
 //!
 //! Without the service's URL a test says so and skips, unless CI's switch for it is set
-//! (`IDEMPOTENT_REQUIRE_DB=1`, `IDEMPOTENT_REQUIRE_REDIS=1`, `IDEMPOTENT_REQUIRE_MYSQL=1`), when it
-//! fails, so service tests cannot silently skip there.
+//! (`IDEMPOTENT_REQUIRE_DB=1`, `IDEMPOTENT_REQUIRE_REDIS=1`, `IDEMPOTENT_REQUIRE_MYSQL=1`,
+//! `IDEMPOTENT_REQUIRE_PGBOUNCER=1`), when it fails, so service tests cannot silently skip there.
 
 // Each test file is its own crate and uses part of this.
 #![allow(dead_code)]
@@ -42,4 +42,15 @@ fn service_url(var: &str, switch: &str, service: &str) -> Option<String> {
 /// `IDEMPOTENT_REQUIRE_MYSQL=1`).
 pub fn mysql_url() -> Option<String> {
     service_url("MYSQL_URL", "IDEMPOTENT_REQUIRE_MYSQL", "MySQL/MariaDB")
+}
+
+/// `PGBOUNCER_URL` (PgBouncer in transaction pooling mode in front of `DATABASE_URL`'s server,
+/// as `scripts/pgbouncer start` runs it), or `None` after saying the test skips (a panic under
+/// `IDEMPOTENT_REQUIRE_PGBOUNCER=1`).
+pub fn pgbouncer_url() -> Option<String> {
+    service_url(
+        "PGBOUNCER_URL",
+        "IDEMPOTENT_REQUIRE_PGBOUNCER",
+        "PgBouncer (scripts/pgbouncer start)",
+    )
 }

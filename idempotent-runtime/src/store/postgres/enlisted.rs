@@ -16,7 +16,7 @@ use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, Postgres};
 use sqlx::{AssertSqlSafe, Row as _, Transaction};
 
-use super::{On, PostgresStore, corrupt, millis_i64, now, unavailable};
+use super::{On, PostgresStore, Session, corrupt, millis_i64, now, unavailable};
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 use crate::store::{
@@ -87,12 +87,12 @@ impl PostgresStore {
         req: &ClaimRequest<'_>,
     ) -> Result<Glanced, StoreError> {
         self.count();
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.glance.sql)))
+        let query = sqlx::query(AssertSqlSafe(Arc::clone(&self.glance.sql)))
             .bind(&req.scope[..])
             .bind(req.key)
             .bind(self.enlisted_lock_key(req.scope, req.key))
-            .bind(self.offset())
-            .fetch_one(self.glance_pool())
+            .bind(self.offset());
+        let row = on_pool!(self.core, self.glance_pool(), query, fetch_one)
             .await
             .map_err(unavailable)?;
         let free: bool = row.try_get(0).map_err(unavailable)?;
@@ -126,12 +126,23 @@ impl PostgresStore {
     }
 
     /// Opens the transaction an enlisted request runs in, on one of the store's connections
-    /// (so its `lock_timeout` and `statement_timeout` apply to the handler's statements too).
+    /// (so its `lock_timeout` and `statement_timeout` apply to the handler's statements too:
+    /// behind a transaction pooler, as `SET LOCAL` at its start).
     pub(crate) async fn enlisted_begin(
         &self,
     ) -> Result<Transaction<'static, Postgres>, StoreError> {
         self.count();
-        self.core.pool.begin().await.map_err(unavailable)
+        match &self.core.session {
+            Session::Direct { .. } => self.core.pool.begin().await,
+            // Behind a transaction pooler the store's timeouts are the transaction's own.
+            Session::Pooled { begin } => {
+                self.core
+                    .pool
+                    .begin_with(AssertSqlSafe(Arc::clone(begin)))
+                    .await
+            }
+        }
+        .map_err(unavailable)
     }
 
     /// The advisory lock key of `(scope, key)` in this table.
@@ -164,6 +175,7 @@ impl PostgresStore {
         );
         sqlx::query_scalar(AssertSqlSafe(sql))
             .bind(self.enlisted_lock_key(req.scope, req.key))
+            .persistent(self.core.named())
             .fetch_one(&mut *conn)
             .await
             .map_err(unavailable)
@@ -185,6 +197,7 @@ impl PostgresStore {
     pub(crate) async fn enlisted_probe(&self, conn: &mut PgConnection) -> Result<(), StoreError> {
         self.count();
         sqlx::query("SELECT 1")
+            .persistent(self.core.named())
             .execute(&mut *conn)
             .await
             .map_err(unavailable)?;
@@ -227,6 +240,7 @@ impl PostgresStore {
             .bind(millis_i64(retention))
             .bind(self.offset())
             .bind(super::encoded_trailers(response))
+            .persistent(self.core.named())
             .execute(&mut *conn)
             .await
             .map_err(unavailable)?;
