@@ -118,7 +118,7 @@ impl Methods {
 /// passes it unclaimed and says so once).
 ///
 /// A call it applies to reads its key from the `idempotency-key` metadata entry (the
-/// [key header](crate::ConfigBuilder::key_header) setting applies), its scope from the
+/// [key header](crate::config::ConfigBuilder::key_header) setting applies), its scope from the
 /// [`Identity`](crate::Identity) a tower layer outside this one put in the request extensions,
 /// else the peer address; its fingerprint covers the method path (as the route), the
 /// `content-type`, and the request message with its gRPC frame undone (decompressed when the
