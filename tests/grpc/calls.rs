@@ -11,8 +11,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::Body as _;
 use idempotent_examples::grpc::{
-    Client, Empty, ExecutionReply, NoteRequest, OrderReply, OrderRequest, SlowRequest,
-    StatusRequest, WatchRequest, keyed,
+    BigReply, BigRequest, Client, Empty, ExecutionReply, NoteRequest, OrderReply, OrderRequest,
+    SlowRequest, StatusRequest, WatchRequest, keyed,
 };
 use idempotent_runtime::EndpointConfig;
 use idempotent_runtime::tonic::{IdempotencyLayer, RpcStatus};
@@ -465,4 +465,81 @@ async fn two_callers_with_one_key_are_two_scopes() {
         .await
         .expect_err("refused");
     assert_eq!(refused.code(), Code::Unauthenticated);
+}
+
+#[tokio::test]
+async fn an_answer_over_max_response_is_sent_whole_and_runs_again() {
+    let config = idempotent_runtime::Config::builder()
+        .strict(false)
+        .max_response(1000)
+        .build();
+    let store = idempotent_runtime::store::memory::MemoryStore::builder().build();
+    let handle = idempotent_runtime::Idempotency::builder(store)
+        .config(config)
+        .build();
+    let (_, mut client) = conformance(handle).await;
+    for _ in 0..2 {
+        let reply = client
+            .call::<_, BigReply>("Big", keyed(BigRequest { bytes: 5000 }, "big"))
+            .await
+            .expect("the whole answer");
+        assert_eq!(reply.get_ref().data, vec![b'a'; 5000]);
+        assert!(!replayed(reply.metadata()));
+    }
+    assert_eq!(
+        runs(&mut client, "Big").await,
+        2,
+        "too large to keep: the key was released"
+    );
+    for _ in 0..2 {
+        let reply = client
+            .call::<_, BigReply>("Big", keyed(BigRequest { bytes: 500 }, "small"))
+            .await
+            .expect("OK");
+        assert_eq!(reply.get_ref().data.len(), 500);
+    }
+    assert_eq!(
+        runs(&mut client, "Big").await,
+        3,
+        "within max_response: recorded"
+    );
+}
+
+#[tokio::test]
+async fn a_listed_method_that_streams_is_passed_on_unrecorded() {
+    // A setup mistake: `Watch` streams, and this layer lists it.
+    let layer = IdempotencyLayer::new(memory()).method(
+        &idempotent_examples::grpc::path("Watch"),
+        EndpointConfig::REQUIRED,
+    );
+    let service = idempotent_examples::grpc::Conformance::new(
+        idempotent_examples::conformance::RunLog::from_env(),
+    );
+    let addr = serve(layer, service).await;
+    let mut client = Client::connect(format!("http://{addr}"))
+        .await
+        .expect("connect");
+    for n in 1..=2 {
+        let request = keyed(
+            WatchRequest {
+                count: 3,
+                interval_ms: 20,
+            },
+            "watch",
+        );
+        let response = client.watch(request).await.expect("a stream");
+        let mut stream = response.into_inner();
+        let mut events = Vec::new();
+        while let Some(event) = stream.message().await.expect("an event") {
+            events.push(event);
+        }
+        let sequences: Vec<u64> = events.iter().map(|e| e.sequence).collect();
+        assert_eq!(sequences, [0, 1, 2], "every event, in order");
+        assert!(events.iter().all(|e| e.execution == n));
+    }
+    assert_eq!(
+        runs(&mut client, "Watch").await,
+        2,
+        "released, never replayed"
+    );
 }

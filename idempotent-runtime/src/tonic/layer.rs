@@ -85,6 +85,17 @@ struct Methods {
     said: Mutex<HashSet<String>>,
 }
 
+impl Clone for Methods {
+    fn clone(&self) -> Self {
+        Self {
+            methods: self.methods.clone(),
+            services: self.services.clone(),
+            except: self.except.clone(),
+            said: Mutex::default(),
+        }
+    }
+}
+
 impl Methods {
     fn lookup(&self, path: &str) -> Option<&Arc<MethodConfig>> {
         if let Some(method) = self.methods.get(path) {
@@ -164,9 +175,8 @@ impl IdempotencyLayer {
     }
 
     fn edit(mut self, edit: impl FnOnce(&mut Methods)) -> Self {
-        let methods = Arc::get_mut(&mut self.methods)
-            .expect("the layer's methods are set before it is cloned into a server");
-        edit(methods);
+        // A clone made before this edit keeps the methods it had.
+        edit(Arc::make_mut(&mut self.methods));
         self
     }
 
