@@ -4,8 +4,8 @@
 //! - `calls`: replay (status, metadata, message and trailers byte for byte), 16 concurrent
 //!   duplicates, reuse, the refusals and their details, released statuses, a cancelled call,
 //!   a streaming method, compressed messages — on the memory store;
-//! - `stores`: the same guarantees on PostgreSQL and Redis (skipped without them, as the other
-//!   groups do);
+//! - `stores`: the same guarantees on PostgreSQL, Redis and SQLite, and two replicas sharing
+//!   PostgreSQL or Redis (skipped without them, as the other groups do);
 //! - `server`: the `conformance_grpc` example as a process.
 
 #[path = "../support/mod.rs"]
@@ -13,7 +13,7 @@ mod support;
 
 mod calls;
 mod server;
-#[cfg(any(feature = "postgres", feature = "redis"))]
+#[cfg(any(feature = "postgres", feature = "redis", feature = "sqlite"))]
 mod stores;
 
 use std::future::poll_fn;

@@ -1,11 +1,7 @@
 //! The guarantees over gRPC on the shared stores: concurrent duplicates, replays and released
 //! statuses, then two replicas sharing the store, 1,000 keys × 8 duplicates → 1,000 runs.
 
-use std::time::Duration;
-
-use idempotent_examples::grpc::{
-    Client, ExecutionReply, OrderReply, OrderRequest, SlowRequest, StatusRequest, keyed,
-};
+use idempotent_examples::grpc::{ExecutionReply, SlowRequest, StatusRequest, keyed};
 use idempotent_runtime::{Config, Idempotency};
 use tonic::Code;
 
@@ -56,9 +52,12 @@ async fn guarantees(handle: Idempotency) {
     assert_eq!(runs(&mut client, "Status").await, 2);
 }
 
+#[cfg(any(feature = "postgres", feature = "redis"))]
 /// Two replicas over `handles`, 1,000 keys each sent 8 times at once (4 to each replica):
 /// every key runs exactly once across both.
 async fn replicas(handles: [Idempotency; 2]) {
+    use futures_util::StreamExt as _;
+    use idempotent_examples::grpc::{Client, OrderReply, OrderRequest};
     let [a, b] = handles;
     let (_, a) = conformance(a).await;
     let (_, b) = conformance(b).await;
@@ -95,8 +94,6 @@ async fn replicas(handles: [Idempotency; 2]) {
     );
 }
 
-use futures_util::StreamExt as _;
-
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_runs_each_key_once_across_duplicates_and_replicas() {
@@ -123,7 +120,7 @@ async fn postgres_runs_each_key_once_across_duplicates_and_replicas() {
         Idempotency::builder(store).config(config()).build()
     };
     let handles = [replica().await, replica().await];
-    tokio::time::timeout(Duration::from_secs(300), replicas(handles))
+    tokio::time::timeout(std::time::Duration::from_secs(300), replicas(handles))
         .await
         .expect("1,000 keys within five minutes");
 }
@@ -155,7 +152,25 @@ async fn redis_runs_each_key_once_across_duplicates_and_replicas() {
     guarantees(connect(prefix("one")).await).await;
     let shared = prefix("replicas");
     let handles = [connect(shared.clone()).await, connect(shared).await];
-    tokio::time::timeout(Duration::from_secs(300), replicas(handles))
+    tokio::time::timeout(std::time::Duration::from_secs(300), replicas(handles))
         .await
         .expect("1,000 keys within five minutes");
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_runs_each_key_once_across_duplicates() {
+    use idempotent_runtime::store::sqlite::SqliteStore;
+    let path = std::env::temp_dir().join(format!(
+        "idempotent-grpc-{:016x}.db",
+        idempotent_runtime::store::FencingToken::mint().0
+    ));
+    let store = SqliteStore::open(&path).await.expect("open");
+    store.migrate().await.expect("migrate");
+    guarantees(Idempotency::builder(store).config(config()).build()).await;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.clone().into_os_string();
+        file.push(suffix);
+        let _ = std::fs::remove_file(file);
+    }
 }
