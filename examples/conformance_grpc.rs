@@ -35,12 +35,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     writeln!(stdout, "listening on http://{addr}")?;
     stdout.flush()?;
     drop(stdout);
+    // Without TCP_NODELAY a small answer waits for the client's delayed ACK (~40 ms).
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     Server::builder()
         // Outside the idempotency layer, so the identity it publishes is there for the scope.
         .layer(AuthLayer)
         .layer(Conformance::idempotency_layer(idempotency.clone()))
         .add_service(service)
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener), shutdown_signal())
+        .serve_with_incoming_shutdown(incoming, shutdown_signal())
         .await?;
     idempotency.shutdown().await;
     Ok(())

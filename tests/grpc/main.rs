@@ -61,7 +61,7 @@ where
         .layer(AuthLayer)
         .layer(layer)
         .add_service(service)
-        .serve_with_incoming(TcpIncoming::from(listener));
+        .serve_with_incoming(TcpIncoming::from(listener).with_nodelay(Some(true)));
     tokio::spawn(async move { server.await.expect("the test server serves") });
     addr
 }

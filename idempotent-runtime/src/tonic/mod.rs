@@ -19,8 +19,9 @@
 //!   `max_response`: its metadata through the allowlist (`recorded_headers`), the message
 //!   (inflated if the server compressed it), and its trailers (`grpc-status`, `grpc-message`
 //!   and `grpc-status-details-bin` always, others through the same allowlist). Every other
-//!   status, and an answer past `max_response`, releases the key. A replay carries
-//!   `idempotency-replayed: true` in its metadata.
+//!   status, and an answer past `max_response` (counted with its 5-byte frame header),
+//!   releases the key, whatever `oversized` says: a gRPC answer without its message is no
+//!   answer. A replay carries `idempotency-replayed: true` in its metadata.
 //! - **Refusals** are trailers-only gRPC statuses whose `grpc-message` is
 //!   `<CODE>: <detail>` and whose details are a `google.rpc.Status` ([`RpcStatus`]) holding a
 //!   `google.rpc.ErrorInfo` (`reason` = the code, `domain` = [`ERROR_DOMAIN`]):

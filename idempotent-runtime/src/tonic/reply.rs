@@ -91,7 +91,7 @@ pub(crate) enum Partial {
     Broken,
 }
 
-/// Reads a unary answer, up to `cap` bytes of message: read in full it becomes an answer the
+/// Reads a unary answer, up to `cap` bytes with its frame: read in full it becomes an answer the
 /// sequence records when `records(code)`; otherwise what was read goes on with the rest of
 /// the stream, released.
 pub(crate) async fn read_answer<B>(
@@ -144,7 +144,9 @@ where
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(chunk) => {
                     data.extend_from_slice(&chunk);
-                    if data.len() > FRAME_HEADER + cap {
+                    // `max_response` counts the framed answer; past it the key is released
+                    // whatever `oversized` says: a gRPC answer without its message is no answer.
+                    if data.len() > cap {
                         return partial(parts, data, None, body, Partial::TooLarge);
                     }
                     if frames_past_one(&data) {
@@ -169,7 +171,8 @@ where
         // Recorded as the message itself, so a replay needs no encoding the retrying client
         // may not accept; the first answer goes out uncompressed too.
         let gzip = parts.headers.get(GRPC_ENCODING).map(HeaderValue::as_bytes) == Some(b"gzip");
-        match inflate(&data[FRAME_HEADER..], cap).filter(|_| gzip) {
+        let room = cap.saturating_sub(FRAME_HEADER);
+        match inflate(&data[FRAME_HEADER..], room).filter(|_| gzip) {
             Some(message) => {
                 data = frame(&message);
                 parts.headers.remove(GRPC_ENCODING);
@@ -489,5 +492,100 @@ impl http_body::Body for Trailing {
 
     fn is_end_stream(&self) -> bool {
         self.data.is_none() && self.trailers.is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(problem: &Problem) -> (::tonic::Status, http::HeaderMap) {
+        let reply = GrpcReply::problem(problem, RenderedRefusal::problem_json(problem));
+        let response = reply.into_http();
+        assert!(
+            http_body::Body::is_end_stream(response.body()),
+            "a refusal is trailers-only"
+        );
+        let headers = response.headers().clone();
+        let status = ::tonic::Status::from_header_map(&headers).expect("a status in the headers");
+        (status, headers)
+    }
+
+    #[test]
+    fn each_refusal_is_its_grpc_status_with_the_code_and_error_info() {
+        use ::tonic::Code;
+        let cases = [
+            (409, ProblemCode::InProgress, Code::Aborted, true),
+            (422, ProblemCode::KeyReused, Code::FailedPrecondition, false),
+            (400, ProblemCode::KeyRequired, Code::InvalidArgument, false),
+            (400, ProblemCode::KeyInvalid, Code::InvalidArgument, false),
+            (
+                413,
+                ProblemCode::PayloadTooLarge,
+                Code::ResourceExhausted,
+                false,
+            ),
+            (408, ProblemCode::BodyTimeout, Code::DeadlineExceeded, false),
+            (503, ProblemCode::StoreUnavailable, Code::Unavailable, true),
+            (503, ProblemCode::StoreFull, Code::Unavailable, true),
+            (500, ProblemCode::ScopeUnresolved, Code::Internal, false),
+            (
+                401,
+                ProblemCode::ScopeUnresolved,
+                Code::Unauthenticated,
+                false,
+            ),
+            (500, ProblemCode::HandlerPanicked, Code::Internal, false),
+            (500, ProblemCode::Misconfigured, Code::Internal, false),
+        ];
+        for (http_status, problem_code, code, retry) in cases {
+            let mut problem = Problem::new(http_status, problem_code, "why");
+            if retry {
+                problem = problem.with_retry_after(2);
+            }
+            let (status, headers) = refused(&problem);
+            assert_eq!(status.code(), code, "{problem_code:?}");
+            assert_eq!(status.message(), format!("{}: why", problem_code.as_str()));
+            assert_eq!(headers["content-type"], "application/grpc");
+            let details = super::super::RpcStatus::from_status(&status).expect("details");
+            assert_eq!(details.code, code as i32);
+            let info = details.error_info().expect("ErrorInfo");
+            assert_eq!(info.reason, problem_code.as_str());
+            assert_eq!(info.domain, super::super::ERROR_DOMAIN);
+            let delay = details.retry_info().and_then(|r| r.retry_delay);
+            assert_eq!(
+                delay.map(|d| d.seconds),
+                retry.then_some(2),
+                "{problem_code:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_trailers_only_answer_is_recorded_as_trailers_and_sent_back_in_the_headers() {
+        let status = ::tonic::Status::not_found("no such order");
+        let response = status.into_http::<::tonic::body::Body>();
+        let (reply, partial) = read_answer(response, 1024, |c| c == ::tonic::Code::NotFound).await;
+        assert_eq!(partial, None);
+        assert_eq!(reply.status(), RECORDED);
+        let names: Vec<_> = reply.headers().map(|(n, _)| n.to_owned()).collect();
+        assert_eq!(names, ["content-type"], "the status went to the trailers");
+        let (head, mut body) = reply.into_parts();
+        let mut kept = Vec::new();
+        let end = std::future::poll_fn(|cx| body.poll_chunk_keeping(cx, &mut kept)).await;
+        assert!(end.is_none());
+        assert!(
+            kept.iter()
+                .any(|(n, v)| n == "grpc-status" && &v[..] == b"5")
+        );
+        let again = GrpcReply::recorded(head, Bytes::new(), body).with_trailers(&kept);
+        let http = again.into_http();
+        assert_eq!(http.headers()["grpc-status"], "5");
+        assert_eq!(
+            http.headers()["grpc-message"],
+            "no%20such%20order",
+            "as tonic percent-encodes it"
+        );
+        assert!(http_body::Body::is_end_stream(http.body()));
     }
 }
