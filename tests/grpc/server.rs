@@ -1,5 +1,6 @@
-//! The `conformance_grpc` example as a process: its `listening on` line, a replay through it,
-//! and a clean stop on SIGTERM.
+//! The gRPC examples as processes: `conformance_grpc` (its `listening on` line, a replay
+//! through it, a clean stop on SIGTERM) and `orders_grpc` (through the client generated from
+//! its proto by build.rs).
 
 use idempotent_examples::grpc::{
     Client, ExecutionReply, NoteRequest, OrderReply, OrderRequest, keyed,
@@ -59,4 +60,71 @@ async fn the_conformance_server_replays_and_stops_on_sigterm() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     panic!("the server did not stop on SIGTERM");
+}
+
+/// The code build.rs generated from examples/proto/orders.proto.
+#[cfg(feature = "postgres")]
+mod shop {
+    include!(concat!(env!("OUT_DIR"), "/shop.v1.rs"));
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn the_orders_example_creates_an_order_once_per_key() {
+    use shop::orders_client::OrdersClient;
+    use shop::{CreateOrderRequest, WatchOrdersRequest};
+
+    // On PostgreSQL in a schema of its own when there is one, else on the memory store.
+    let schema = match std::env::var("DATABASE_URL") {
+        Ok(_) => support::Schema::new("orders_grpc").await,
+        Err(_) => None,
+    };
+    let url = schema.as_ref().map(support::Schema::url);
+    let env: Vec<(&str, &str)> = url.iter().map(|u| ("DATABASE_URL", u.as_str())).collect();
+    let (_process, addr) =
+        support::start_server("orders_grpc", "127.0.0.1:0", [""; 0], &env, false);
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("url")
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = OrdersClient::new(channel);
+    let create = || {
+        let mut request = Request::new(CreateOrderRequest {
+            sku: "book".into(),
+            quantity: 2,
+        });
+        request
+            .metadata_mut()
+            .insert("idempotency-key", "order-1".parse().expect("key"));
+        request
+    };
+    let first = client.create_order(create()).await.expect("created");
+    let replay = client.create_order(create()).await.expect("replayed");
+    assert_eq!(replay.get_ref(), first.get_ref());
+    assert_eq!(first.get_ref().id, 1);
+    assert!(!replayed(first.metadata()));
+    assert!(replayed(replay.metadata()));
+    assert_eq!(
+        replay.metadata().get("location"),
+        first.metadata().get("location")
+    );
+    let missing = client
+        .create_order(Request::new(CreateOrderRequest {
+            sku: "pen".into(),
+            quantity: 1,
+        }))
+        .await
+        .expect_err("the key is required");
+    assert_eq!(missing.code(), tonic::Code::InvalidArgument);
+    let mut watch = client
+        .watch_orders(Request::new(WatchOrdersRequest {}))
+        .await
+        .expect("a stream")
+        .into_inner();
+    let mut ids = Vec::new();
+    while let Some(order) = watch.message().await.expect("an order") {
+        ids.push(order.id);
+    }
+    assert_eq!(ids, [1], "one order, created once");
 }
