@@ -543,3 +543,26 @@ async fn a_listed_method_that_streams_is_passed_on_unrecorded() {
         "released, never replayed"
     );
 }
+
+#[tokio::test]
+async fn a_call_past_its_deadline_still_runs_to_its_end_and_its_retry_is_a_replay() {
+    let (_, mut client) = conformance(memory()).await;
+    let mut request = keyed(SlowRequest { ms: 600 }, "deadline-1");
+    request.set_timeout(Duration::from_millis(150));
+    let late = client
+        .call::<_, ExecutionReply>("Slow", request)
+        .await
+        .expect_err("past its deadline");
+    assert!(
+        matches!(late.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{late:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(runs(&mut client, "Slow").await, 1, "the handler finished");
+    let retry = client
+        .call::<_, ExecutionReply>("Slow", keyed(SlowRequest { ms: 600 }, "deadline-1"))
+        .await
+        .expect("the replay");
+    assert_eq!(retry.get_ref().execution, 1);
+    assert!(replayed(retry.metadata()));
+}

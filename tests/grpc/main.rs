@@ -2,11 +2,12 @@
 //! conformance service (src/grpc.rs) behind `idempotent_runtime::tonic::IdempotencyLayer`.
 //!
 //! - `calls`: replay (status, metadata, message and trailers byte for byte), 16 concurrent
-//!   duplicates, reuse, the refusals and their details, released statuses, a cancelled call,
-//!   a streaming method, compressed messages — on the memory store;
-//! - `stores`: the same guarantees on PostgreSQL, Redis and SQLite, and two replicas sharing
-//!   PostgreSQL or Redis (skipped without them, as the other groups do);
-//! - `server`: the `conformance_grpc` example as a process.
+//!   duplicates, reuse, the refusals and their details, released statuses, a cancelled call and
+//!   one past its deadline, streaming methods, compressed messages — on the memory store;
+//! - `stores`: the same guarantees on PostgreSQL (also behind the cache), Redis and SQLite, and
+//!   two replicas sharing PostgreSQL or Redis, 1,000 keys × 8 duplicates (skipped without them,
+//!   as the other groups do);
+//! - `server`: the `conformance_grpc` and `orders_grpc` examples as processes.
 
 #[path = "../support/mod.rs"]
 mod support;

@@ -96,7 +96,7 @@ async fn replicas(handles: [Idempotency; 2]) {
 
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_runs_each_key_once_across_duplicates_and_replicas() {
+async fn postgres_and_its_cache_run_each_key_once_across_duplicates_and_replicas() {
     use idempotent_runtime::store::postgres::PostgresStore;
     let Some(schema) = crate::support::Schema::new("grpc").await else {
         return;
@@ -109,6 +109,16 @@ async fn postgres_runs_each_key_once_across_duplicates_and_replicas() {
         Idempotency::builder(store).config(config()).build()
     };
     guarantees(store().await).await;
+    // Behind the cache of completed records (a second schema: the first one's keys are taken).
+    let cached_schema = crate::support::Schema::new("grpc_cached")
+        .await
+        .expect("a schema");
+    let store = PostgresStore::connect(&cached_schema.url())
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate");
+    let cached = idempotent_runtime::store::cache::CachedStore::new(store);
+    guarantees(Idempotency::builder(cached).config(config()).build()).await;
     let schema2 = crate::support::Schema::new("grpc_replicas")
         .await
         .expect("a second schema");
