@@ -175,8 +175,14 @@ async fn load(addr: SocketAddr, keys: Keys, options: &Options) -> f64 {
                 .await
         }
     };
+    // Keys of this run only: a database kept from an earlier run must not turn first requests
+    // into replays.
+    let run = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let replayed = format!("replayed-{run:x}");
     if keys == Keys::One {
-        call(channels[0].clone(), Some("replayed".into()))
+        call(channels[0].clone(), Some(replayed.clone()))
             .await
             .expect("the first answer, recorded");
     }
@@ -188,14 +194,15 @@ async fn load(addr: SocketAddr, keys: Keys, options: &Options) -> f64 {
         .map(|task| {
             let channel = channels[task % channels.len()].clone();
             let (done, failed, call) = (Arc::clone(&done), Arc::clone(&failed), call.clone());
+            let replayed = replayed.clone();
             tokio::spawn(async move {
                 let mut n = 0u64;
                 while Instant::now() < deadline {
                     n += 1;
                     let key = match keys {
                         Keys::None => None,
-                        Keys::Fresh => Some(format!("k-{task}-{n}")),
-                        Keys::One => Some("replayed".to_owned()),
+                        Keys::Fresh => Some(format!("k-{run:x}-{task}-{n}")),
+                        Keys::One => Some(replayed.clone()),
                     };
                     match call(channel.clone(), key).await {
                         Ok(_) => done.fetch_add(1, Ordering::Relaxed),
