@@ -19,7 +19,7 @@ use idempotent_runtime::tonic::{IdempotencyLayer, RpcStatus};
 use prost::Message as _;
 use tonic::{Code, Request};
 
-use crate::{assert_refusal, conformance, memory, raw_call, replayed, runs, serve};
+use crate::{assert_refusal, conformance, memory, raw_call, raw_frames, replayed, runs, serve};
 
 fn order(sku: &str, quantity: i64) -> OrderRequest {
     OrderRequest {
@@ -565,4 +565,30 @@ async fn a_call_past_its_deadline_still_runs_to_its_end_and_its_retry_is_a_repla
         .expect("the replay");
     assert_eq!(retry.get_ref().execution, 1);
     assert!(replayed(retry.metadata()));
+}
+
+#[tokio::test]
+async fn a_listed_method_whose_client_streams_is_refused_and_never_runs() {
+    let receipts = Receipts::default();
+    let layer =
+        IdempotencyLayer::new(memory()).method("/test.v1.Receipts/Issue", EndpointConfig::REQUIRED);
+    let addr = serve(layer, receipts.clone()).await;
+    let key = [("idempotency-key", "two-messages")];
+    let answer = raw_frames(addr, "/test.v1.Receipts/Issue", &[b"one", b"two"], &key).await;
+    assert_eq!(
+        answer.headers["grpc-status"],
+        (Code::InvalidArgument as i32).to_string()
+    );
+    let message = answer.headers["grpc-message"].to_str().expect("ASCII");
+    assert!(message.starts_with("IDEMPOTENCY_BODY_INVALID"), "{message}");
+    assert!(answer.body.is_empty(), "trailers-only");
+    assert_eq!(
+        receipts.runs.load(Ordering::SeqCst),
+        0,
+        "nothing ran, nothing was claimed"
+    );
+    // The same key with one message is a first call: the refusal claimed nothing.
+    let one = raw_call(addr, "/test.v1.Receipts/Issue", b"one", &key).await;
+    assert_eq!(one.trailers.expect("trailers")["grpc-status"], "0");
+    assert_eq!(receipts.runs.load(Ordering::SeqCst), 1);
 }

@@ -128,14 +128,27 @@ pub async fn raw_call(
     message: &[u8],
     headers: &[(&str, &str)],
 ) -> Raw {
+    raw_frames(addr, path, &[message], headers).await
+}
+
+/// A call over HTTP/2 as bytes whose body is `messages`, each in a frame of its own.
+pub async fn raw_frames(
+    addr: SocketAddr,
+    path: &str,
+    messages: &[&[u8]],
+    headers: &[(&str, &str)],
+) -> Raw {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .expect("url")
         .connect()
         .await
         .expect("connect");
-    let mut framed = vec![0];
-    framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
-    framed.extend_from_slice(message);
+    let mut framed = Vec::new();
+    for message in messages {
+        framed.push(0);
+        framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        framed.extend_from_slice(message);
+    }
     let mut request = http::Request::builder()
         .method("POST")
         .uri(format!("http://{addr}{path}"))
