@@ -592,3 +592,43 @@ async fn a_listed_method_whose_client_streams_is_refused_and_never_runs() {
     assert_eq!(one.trailers.expect("trailers")["grpc-status"], "0");
     assert_eq!(receipts.runs.load(Ordering::SeqCst), 1);
 }
+
+#[tokio::test]
+async fn the_key_header_setting_names_the_metadata_entry() {
+    let config = idempotent_runtime::Config::builder()
+        .strict(false)
+        .key_header("X-Request-Key")
+        .build();
+    let store = idempotent_runtime::store::memory::MemoryStore::builder().build();
+    let handle = idempotent_runtime::Idempotency::builder(store)
+        .config(config)
+        .build();
+    let (_, mut client) = conformance(handle).await;
+    let with_key = || {
+        let mut request = Request::new(order("book", 1));
+        request
+            .metadata_mut()
+            .insert("x-request-key", "k-1".parse().expect("key"));
+        request
+    };
+    let first = client
+        .call::<_, OrderReply>("Order", with_key())
+        .await
+        .expect("OK");
+    let replay = client
+        .call::<_, OrderReply>("Order", with_key())
+        .await
+        .expect("OK");
+    assert_eq!(replay.get_ref(), first.get_ref());
+    assert!(replayed(replay.metadata()));
+    let other_entry = client
+        .call::<_, OrderReply>("Order", keyed(order("book", 1), "k-1"))
+        .await
+        .expect_err("idempotency-key is not this server's key entry");
+    assert_refusal(
+        &other_entry,
+        Code::InvalidArgument,
+        "IDEMPOTENCY_KEY_REQUIRED",
+    );
+    assert_eq!(runs(&mut client, "Order").await, 1);
+}
