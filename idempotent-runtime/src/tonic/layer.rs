@@ -115,7 +115,8 @@ impl Methods {
             tracing::error!(
                 method = path,
                 "a method the idempotency layer applies to streams (more than one request or \
-                 answer message): its calls are not claimed; leave it out with \
+                 answer message): a call sending two messages is refused INVALID_ARGUMENT, an \
+                 answer of two is passed on unrecorded; leave it out with \
                  `IdempotencyLayer::except(\"{path}\")`, or list only unary methods"
             );
         }
@@ -125,8 +126,9 @@ impl Methods {
 /// The idempotency sequence for a tonic server's unary methods, as a tower layer:
 /// `Server::builder().layer(…)`. It applies to the methods it lists, or to every method of the
 /// services it lists except the ones left out (a streaming method must be left out: the layer
-/// cannot tell from the wire that a method streams until it sees a second message, and then
-/// passes it unclaimed and says so once).
+/// cannot tell from the wire that a method streams until it sees a second message; it then
+/// refuses a call that sends two (`INVALID_ARGUMENT`), passes an answer of two on unrecorded
+/// and releases its key, and says so once in the log).
 ///
 /// A call it applies to reads its key from the `idempotency-key` metadata entry (the
 /// [key header](crate::config::ConfigBuilder::key_header) setting applies), its scope from the
