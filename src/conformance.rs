@@ -617,6 +617,14 @@ impl Executions {
         *n
     }
 
+    /// `{name: n}` for each of `names` (0 for those that never ran): the gRPC service's
+    /// methods.
+    pub fn snapshot_of(&self, names: &[&str]) -> std::collections::HashMap<String, u64> {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let count = |name: &str| map.get(name).copied().unwrap_or(0);
+        names.iter().map(|n| ((*n).to_owned(), count(n))).collect()
+    }
+
     /// `{"<route>": n, …}` for every POST route (0 for those that never ran).
     pub fn snapshot(&self) -> serde_json::Value {
         let map = self.0.lock().unwrap_or_else(|p| p.into_inner());

@@ -3,3 +3,5 @@
 
 pub mod admin;
 pub mod conformance;
+#[cfg(feature = "tonic")]
+pub mod grpc;

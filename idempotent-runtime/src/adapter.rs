@@ -30,7 +30,7 @@ use std::future::Future;
 use bytes::Bytes;
 use tracing::Instrument as _;
 
-#[cfg(feature = "axum")]
+#[cfg(any(feature = "axum", feature = "tonic"))]
 pub mod http;
 
 use crate::config::EndpointConfig;
@@ -922,8 +922,8 @@ mod enlisted {
 
 #[cfg(test)]
 mod tests {
-    /// `axum/` and `actix/` are adapters over this module only: a framework adapter written
-    /// outside the crate could do all they do. Their tests may reach further.
+    /// `axum/`, `actix/` and `tonic/` are adapters over this module only: a framework adapter
+    /// written outside the crate could do all they do. Their tests may reach further.
     #[test]
     fn the_framework_adapters_use_only_the_public_adapter_api() {
         const INTERNAL: [&str; 5] = [
@@ -935,7 +935,7 @@ mod tests {
         ];
         let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         let mut read = 0;
-        for framework in ["axum", "actix"] {
+        for framework in ["axum", "actix", "tonic"] {
             for entry in std::fs::read_dir(src.join(framework)).expect("the adapter's sources") {
                 let path = entry.expect("a source file").path();
                 if path.file_name().is_some_and(|n| n == "tests.rs") {
@@ -952,6 +952,6 @@ mod tests {
                 }
             }
         }
-        assert!(read >= 10, "found only {read} adapter sources");
+        assert!(read >= 14, "found only {read} adapter sources");
     }
 }

@@ -119,6 +119,9 @@ pub mod scope;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod sql;
 pub mod store;
+#[cfg(feature = "tonic")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
+pub mod tonic;
 mod watch;
 #[cfg(feature = "webhooks")]
 #[cfg_attr(docsrs, doc(cfg(feature = "webhooks")))]

@@ -260,10 +260,12 @@ pub(crate) fn recorded_headers_for<'a>(
 
 /// Trailers a record keeps whatever the allowlist says: gRPC's status ([the
 /// contract](crate::design) §3, "What a record holds"), without which a replayed gRPC answer
-/// would have no outcome.
-const ALWAYS_RECORDED_TRAILERS: [&str; 2] = ["grpc-status", "grpc-message"];
+/// would have no outcome, and its rich details (`google.rpc.Status`), part of that status.
+const ALWAYS_RECORDED_TRAILERS: [&str; 3] =
+    ["grpc-status", "grpc-message", "grpc-status-details-bin"];
 
-/// The trailers a record keeps, in order: `grpc-status` and `grpc-message` always, any other
+/// The trailers a record keeps, in order: `grpc-status`, `grpc-message` and
+/// `grpc-status-details-bin` always, any other
 /// through the same allowlist as the headers ([`recorded_headers_for`]: the endpoint's list,
 /// else the configured one; the never-recorded names never), [`REPLAY_HEADER`] never.
 pub(crate) fn recorded_trailers_for(
@@ -496,10 +498,16 @@ mod tests {
             t("x-checksum", b"c"),
             t("grpc-message", b""),
             t("idempotency-replay", b"x"),
+            t("grpc-status-details-bin", b"CAU"),
         ];
         assert_eq!(
             recorded_trailers_for(&config, &Recording::default(), &sent),
-            [sent[1].clone(), sent[2].clone(), sent[3].clone()]
+            [
+                sent[1].clone(),
+                sent[2].clone(),
+                sent[3].clone(),
+                sent[5].clone()
+            ]
         );
         let route = crate::EndpointConfig::OPTIONAL
             .recorded_headers(&["x-secret"])
@@ -507,7 +515,12 @@ mod tests {
             .recording;
         assert_eq!(
             recorded_trailers_for(&config, &route, &sent),
-            [sent[0].clone(), sent[1].clone(), sent[3].clone()],
+            [
+                sent[0].clone(),
+                sent[1].clone(),
+                sent[3].clone(),
+                sent[5].clone()
+            ],
             "the endpoint's own list"
         );
     }

@@ -16,7 +16,7 @@
 
 // Driven by the framework integrations (and unit-tested here without one).
 #![cfg_attr(
-    not(any(feature = "axum", feature = "actix")),
+    not(any(feature = "axum", feature = "actix", feature = "tonic")),
     allow(dead_code, unused_imports)
 )]
 
