@@ -11,6 +11,8 @@
 mod support;
 
 mod hostile_callers;
+#[cfg(all(feature = "mysql", feature = "sqlite"))]
+mod other_databases;
 mod pgbouncer;
 #[cfg(feature = "actix")]
 mod transactions;
