@@ -227,7 +227,7 @@ mod mysql {
 
     /// A database of its own with the handler's tables, dropped at the end (best effort).
     pub(super) struct Db {
-        admin: MySqlPool,
+        base: MySqlConnectOptions,
         pool: MySqlPool,
         name: String,
     }
@@ -237,7 +237,7 @@ mod mysql {
             let url = support::mysql_url()?;
             let base: MySqlConnectOptions = url.parse().expect("MYSQL_URL");
             let admin = MySqlPoolOptions::new()
-                .max_connections(2)
+                .max_connections(1)
                 .connect_with(base.clone())
                 .await
                 .expect("connect to MYSQL_URL");
@@ -248,10 +248,11 @@ mod mysql {
                 .expect("create database");
             let pool = MySqlPoolOptions::new()
                 .max_connections(20)
-                .connect_with(base.database(&name))
+                .connect_with(base.clone().database(&name))
                 .await
                 .expect("connect");
-            let db = Self { admin, pool, name };
+            admin.close().await;
+            let db = Self { base, pool, name };
             db.exec("CREATE TABLE stock (sku VARCHAR(16) PRIMARY KEY, reserved INT NOT NULL DEFAULT 0) ENGINE = InnoDB").await;
             db.exec("CREATE TABLE reservations (order_id VARCHAR(16) NOT NULL, UNIQUE KEY reservations_order_key (order_id)) ENGINE = InnoDB").await;
             db.exec("INSERT INTO stock (sku) VALUES ('apple')").await;
@@ -293,18 +294,25 @@ mod mysql {
     }
 
     impl Drop for Db {
+        /// Drops the database from a thread and runtime of their own, on a connection of their
+        /// own: the test's runtime may be the current-thread one this drop blocks, which must
+        /// not be asked to drive any I/O meanwhile.
         fn drop(&mut self) {
-            let (admin, name) = (self.admin.clone(), self.name.clone());
+            let (base, name) = (self.base.clone(), self.name.clone());
             let _ = std::thread::spawn(move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
                     .unwrap();
                 rt.block_on(async move {
-                    let drop = format!("DROP DATABASE IF EXISTS `{name}`");
-                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
-                        .execute(&admin)
-                        .await;
+                    use sqlx::Connection as _;
+                    if let Ok(mut conn) = sqlx::MySqlConnection::connect_with(&base).await {
+                        let drop = format!("DROP DATABASE IF EXISTS `{name}`");
+                        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+                            .execute(&mut conn)
+                            .await;
+                        let _ = conn.close().await;
+                    }
                 });
             })
             .join();
