@@ -207,7 +207,6 @@ async fn search(state: web::Data<AppState>, req: HttpRequest) -> HttpResponse {
 #[cfg(feature = "postgres")]
 mod ledger {
     use super::*;
-    use idempotent_examples::conformance::StoreKind;
     use idempotent_examples::conformance::ledger::{self, Ledger};
     use idempotent_runtime::enlisted::EnlistedTx;
 
@@ -267,15 +266,15 @@ mod ledger {
     }
 
     pub(super) fn routes(
-        store: StoreKind,
+        store: idempotent_examples::conformance::StoreKind,
         pool: web::Data<LedgerPool>,
     ) -> impl FnOnce(&mut web::ServiceConfig) {
         move |config| {
             let write = match store {
                 #[cfg(feature = "mysql")]
-                StoreKind::Mysql => web::post().to(write_mysql),
+                idempotent_examples::conformance::StoreKind::Mysql => web::post().to(write_mysql),
                 #[cfg(feature = "sqlite")]
-                StoreKind::Sqlite => web::post().to(write_sqlite),
+                idempotent_examples::conformance::StoreKind::Sqlite => web::post().to(write_sqlite),
                 _ => web::post().to(write),
             };
             config.service(

@@ -196,8 +196,8 @@ async fn search(State(state): State<AppState>, RawQuery(query): RawQuery) -> Jso
 #[cfg(feature = "postgres")]
 mod ledger {
     use super::*;
+    use idempotent_examples::conformance::Options;
     use idempotent_examples::conformance::ledger::{self, Ledger};
-    use idempotent_examples::conformance::{Options, StoreKind};
     use idempotent_runtime::enlisted::EnlistedTx;
 
     #[derive(Clone)]
@@ -268,9 +268,9 @@ mod ledger {
     pub(super) fn routes<S>(options: &Options, state: LedgerState) -> Router<S> {
         let write = match options.store {
             #[cfg(feature = "mysql")]
-            StoreKind::Mysql => post(write_mysql),
+            idempotent_examples::conformance::StoreKind::Mysql => post(write_mysql),
             #[cfg(feature = "sqlite")]
-            StoreKind::Sqlite => post(write_sqlite),
+            idempotent_examples::conformance::StoreKind::Sqlite => post(write_sqlite),
             _ => post(write),
         };
         Router::new()

@@ -398,8 +398,6 @@ pub mod ledger {
         Sqlite(sqlx::SqlitePool),
     }
 
-    const CREATE: &str = "CREATE TABLE IF NOT EXISTS ledger (execution bigint NOT NULL)";
-
     /// Opens the pool and creates the table; `None` for a store without SQL transactions.
     pub async fn open(options: &Options) -> Result<Option<Ledger>, Box<dyn std::error::Error>> {
         let Some(url) = options.database_url.as_deref() else {
@@ -445,7 +443,8 @@ pub mod ledger {
                     .max_connections(2)
                     .connect_with(super::sqlite_options(url)?.busy_timeout(Duration::from_secs(5)))
                     .await?;
-                pool.execute(CREATE).await?;
+                pool.execute("CREATE TABLE IF NOT EXISTS ledger (execution bigint NOT NULL)")
+                    .await?;
                 Ok(Some(Ledger::Sqlite(pool)))
             }
             _ => Ok(None),

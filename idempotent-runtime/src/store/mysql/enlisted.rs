@@ -96,10 +96,12 @@ impl MySqlStore {
         enc.bytes(scope);
         enc.bytes(key.as_bytes());
         let digest: [u8; 32] = h.finalize().into();
+        const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut name = String::with_capacity(59);
         name.push_str("idempotent:");
         for byte in &digest[..24] {
-            name.push_str(&format!("{byte:02x}"));
+            name.push(char::from(HEX[usize::from(byte >> 4)]));
+            name.push(char::from(HEX[usize::from(byte & 0xf)]));
         }
         name
     }
