@@ -110,6 +110,9 @@ pub mod once;
 #[cfg(feature = "utoipa")]
 #[cfg_attr(docsrs, doc(cfg(feature = "utoipa")))]
 pub mod openapi;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod outbox;
 mod pipeline;
 mod probe;
 pub mod problem;

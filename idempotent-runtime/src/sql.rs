@@ -149,6 +149,16 @@ pub(crate) const INBOX_NAMES: NameRules = NameRules {
     lowercase: true,
 };
 
+/// The outbox's table: `<table>_migrations`, `<table>_pkey`, `<table>_pending_idx` and its
+/// other index and constraint names fit 63 bytes.
+#[cfg(feature = "postgres")]
+pub(crate) const OUTBOX_NAMES: NameRules = NameRules {
+    subject: "outbox",
+    max_table: 48,
+    max_schema: 63,
+    lowercase: true,
+};
+
 /// A validated table name and the names derived from it, quoted for SQL.
 #[derive(Debug, Clone)]
 pub(crate) struct TableName {
