@@ -288,7 +288,6 @@ impl StdError for OutboxError {
 
 /// Whether [`PgOutbox::enqueue`] wrote the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[must_use]
 pub enum Enqueued {
     /// Written in the caller's transaction: sent once it commits.
     New,

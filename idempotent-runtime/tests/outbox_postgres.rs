@@ -1,0 +1,765 @@
+//! The PostgreSQL outbox and its relay against a real database (DESIGN.md §6): what commits is
+//! delivered, what rolls back never is; one message is never in flight twice at once; per
+//! ordering key one at a time, in commit order; retries, dead letters and the operators' calls.
+//!
+//! Reads `DATABASE_URL`; without it each test says so and skips, unless
+//! `IDEMPOTENT_REQUIRE_DB=1`, when it fails. Each test works in its own schema. The publisher
+//! is an in-test recorder that checks, at every publish, that no other publish of the same
+//! message or ordering key is running.
+
+mod support;
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotent_runtime::inbox::{PgInbox, Processed};
+use idempotent_runtime::outbox::{
+    Delivery, Enqueued, Message, OutboxError, PgOutbox, PublishError, Publisher, Relay, State,
+};
+use idempotent_runtime::store::FencingToken;
+use sqlx::AssertSqlSafe;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+/// A pool and a fresh schema, dropped by [`Db::drop_schema`].
+struct Db {
+    pool: PgPool,
+    schema: String,
+}
+
+impl Db {
+    async fn connect() -> Option<Self> {
+        let url = support::database_url()?;
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .connect(&url)
+            .await
+            .expect("connect to DATABASE_URL");
+        let schema = format!("outbox_test_{:016x}", FencingToken::mint().0);
+        let db = Self { pool, schema };
+        db.exec(&format!("CREATE SCHEMA {}", db.schema)).await;
+        db.exec(&format!(
+            "CREATE TABLE {}.orders (id bigint PRIMARY KEY)",
+            db.schema
+        ))
+        .await;
+        Some(db)
+    }
+
+    async fn exec(&self, sql: &str) {
+        sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
+            .execute(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    async fn outbox(&self) -> PgOutbox {
+        let outbox = PgOutbox::builder(self.pool.clone())
+            .schema(&self.schema)
+            .build()
+            .unwrap();
+        outbox.migrate().await.expect("migrate");
+        outbox
+    }
+
+    /// Commits an order and its message in one transaction.
+    async fn commit_order(&self, outbox: &PgOutbox, id: i64, message: Message) -> Enqueued {
+        let mut tx = self.pool.begin().await.unwrap();
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {}.orders (id) VALUES ($1) ON CONFLICT DO NOTHING",
+            self.schema
+        )))
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        let enqueued = outbox.enqueue(&mut tx, message).await.unwrap();
+        tx.commit().await.unwrap();
+        enqueued
+    }
+
+    async fn drop_schema(self) {
+        self.exec(&format!("DROP SCHEMA {} CASCADE", self.schema))
+            .await;
+    }
+}
+
+type Verdict = Box<dyn Fn(&Delivery) -> Option<PublishError> + Send + Sync>;
+
+/// Records every publish and checks the relay's promises as they happen.
+struct Recorder {
+    /// Publishes running now, by message id and by ordering key.
+    running: Mutex<(HashMap<String, usize>, HashMap<String, usize>)>,
+    /// Times a publish started while another of the same message or key was running.
+    overlaps: AtomicUsize,
+    /// Every publish started: (id, attempt).
+    started: Mutex<Vec<(String, u32)>>,
+    /// Successful publishes in the order they finished: (id, ordering key).
+    delivered: Mutex<Vec<(String, Option<String>)>>,
+    /// The longest a publish sleeps, in milliseconds.
+    max_delay_ms: u64,
+    /// Whether (and how) a publish fails.
+    verdict: Verdict,
+}
+
+impl Recorder {
+    fn new(max_delay_ms: u64, verdict: Verdict) -> Arc<Self> {
+        Arc::new(Self {
+            running: Mutex::default(),
+            overlaps: AtomicUsize::new(0),
+            started: Mutex::default(),
+            delivered: Mutex::default(),
+            max_delay_ms,
+            verdict,
+        })
+    }
+
+    fn ok() -> Arc<Self> {
+        Self::new(0, Box::new(|_| None))
+    }
+
+    fn delivered_ids(&self) -> Vec<String> {
+        let mut ids: Vec<_> = self
+            .delivered
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, _)| id.clone())
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    fn starts(&self) -> usize {
+        self.started.lock().unwrap().len()
+    }
+}
+
+fn random_below(n: u64) -> u64 {
+    if n == 0 {
+        return 0;
+    }
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
+        % n
+}
+
+impl Publisher for Recorder {
+    async fn publish(&self, d: &Delivery) -> Result<(), PublishError> {
+        let key = d.ordering_key().map(str::to_owned);
+        {
+            let mut running = self.running.lock().unwrap();
+            let by_id = running.0.entry(d.id().to_owned()).or_default();
+            *by_id += 1;
+            let mut overlap = *by_id > 1;
+            if let Some(key) = &key {
+                let by_key = running.1.entry(key.clone()).or_default();
+                *by_key += 1;
+                overlap |= *by_key > 1;
+            }
+            if overlap {
+                self.overlaps.fetch_add(1, Ordering::SeqCst);
+            }
+            self.started
+                .lock()
+                .unwrap()
+                .push((d.id().to_owned(), d.attempt()));
+        }
+        /// Leaves the running sets when the publish ends, also when the relay drops it.
+        struct Leave<'a>(&'a Recorder, String, Option<String>);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                let mut running = self.0.running.lock().unwrap();
+                *running.0.get_mut(&self.1).unwrap() -= 1;
+                if let Some(key) = &self.2 {
+                    *running.1.get_mut(key).unwrap() -= 1;
+                }
+            }
+        }
+        let _leave = Leave(self, d.id().to_owned(), key.clone());
+        let delay = random_below(self.max_delay_ms + 1);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        if let Some(e) = (self.verdict)(d) {
+            return Err(e);
+        }
+        self.delivered
+            .lock()
+            .unwrap()
+            .push((d.id().to_owned(), key));
+        Ok(())
+    }
+}
+
+/// Runs `relay.deliver_batch()` until a batch claims nothing and `done` holds, at most 2,000
+/// batches (a bound on work, not on time).
+async fn drain<P: Publisher>(relay: &Relay<P>, done: impl Fn() -> bool) {
+    for _ in 0..2_000 {
+        let r = relay.deliver_batch().await.expect("deliver_batch");
+        if r.claimed == 0 {
+            if done() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    panic!("the relay did not finish");
+}
+
+/// Waits for `done`, checking every 20 ms, up to 2,000 checks (a bound on polling).
+async fn eventually(what: &str, done: impl Fn() -> bool) {
+    for _ in 0..2_000 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("never: {what}");
+}
+
+fn relay(outbox: &PgOutbox, publisher: Arc<Recorder>) -> Relay<Arc<Recorder>> {
+    Relay::builder(outbox.clone(), publisher)
+        .backoff(Duration::from_millis(10), Duration::from_millis(40))
+        .poll_interval(Duration::from_millis(20))
+        .build()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn what_commits_is_delivered_and_what_rolls_back_never_is() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    assert_eq!(
+        db.commit_order(&outbox, 1, Message::new("order-1", "orders", "one"))
+            .await,
+        Enqueued::New
+    );
+    // Rolled back: the order and its message both vanish.
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut tx, Message::new("order-2", "orders", "two"))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    // Dropped without a commit (a handler that failed or panicked): rolled back too.
+    {
+        let mut tx = db.pool.begin().await.unwrap();
+        outbox
+            .enqueue(&mut tx, Message::new("order-3", "orders", "three"))
+            .await
+            .unwrap();
+    }
+    // The same id again is not a second message.
+    assert_eq!(
+        db.commit_order(&outbox, 1, Message::new("order-1", "orders", "again"))
+            .await,
+        Enqueued::AlreadyEnqueued
+    );
+
+    let recorder = Recorder::ok();
+    let relay = relay(&outbox, recorder.clone());
+    drain(&relay, || recorder.delivered_ids().len() == 1).await;
+    assert_eq!(recorder.delivered_ids(), ["order-1"]);
+    assert_eq!(recorder.starts(), 1);
+    let record = outbox.inspect("order-1").await.unwrap().unwrap();
+    assert_eq!(record.state, State::Delivered);
+    assert_eq!((record.attempts, record.payload_len), (1, 3));
+    assert!(outbox.inspect("order-2").await.unwrap().is_none());
+    assert!(outbox.inspect("order-3").await.unwrap().is_none());
+    // Delivered within the retention: enqueuing it again is still a no-op.
+    assert_eq!(
+        db.commit_order(&outbox, 1, Message::new("order-1", "orders", "later"))
+            .await,
+        Enqueued::AlreadyEnqueued
+    );
+    assert_eq!(relay.deliver_batch().await.unwrap().claimed, 0);
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn headers_ordering_key_and_payload_arrive_as_enqueued() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    let payload = vec![0u8, 1, 2, 255, 254];
+    db.commit_order(
+        &outbox,
+        1,
+        Message::new("m-1", "orders.placed", payload.clone())
+            .ordered_by("order-1")
+            .header("content-type", "application/octet-stream")
+            .header("x-trace", "abc 123"),
+    )
+    .await;
+    struct Keep(Mutex<Vec<Delivery>>);
+    impl Publisher for Keep {
+        async fn publish(&self, d: &Delivery) -> Result<(), PublishError> {
+            self.0.lock().unwrap().push(d.clone());
+            Ok(())
+        }
+    }
+    let keep = Arc::new(Keep(Mutex::default()));
+    let relay = Relay::new(outbox.clone(), keep.clone());
+    assert_eq!(relay.deliver_batch().await.unwrap().delivered, 1);
+    let got = keep.0.lock().unwrap().pop().unwrap();
+    assert_eq!(got.id(), "m-1");
+    assert_eq!(got.destination(), "orders.placed");
+    assert_eq!(got.ordering_key(), Some("order-1"));
+    assert_eq!(got.payload().as_ref(), payload.as_slice());
+    assert_eq!(got.attempt(), 1);
+    assert_eq!(
+        got.headers(),
+        [
+            (
+                "content-type".to_owned(),
+                "application/octet-stream".to_owned()
+            ),
+            ("x-trace".to_owned(), "abc 123".to_owned())
+        ]
+    );
+    // Refused before any statement: the transaction is still usable.
+    let mut tx = db.pool.begin().await.unwrap();
+    let refused = outbox
+        .enqueue(&mut tx, Message::new("bad id", "d", ""))
+        .await;
+    assert!(
+        matches!(refused, Err(OutboxError::Invalid(_))),
+        "{refused:?}"
+    );
+    outbox
+        .enqueue(&mut tx, Message::new("m-2", "d", ""))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert!(outbox.inspect("m-2").await.unwrap().is_some());
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn several_relays_never_publish_one_message_twice_at_once() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    const N: i64 = 200;
+    for i in 0..N {
+        db.commit_order(&outbox, i, Message::new(format!("m-{i}"), "orders", "x"))
+            .await;
+    }
+    let recorder = Recorder::new(5, Box::new(|_| None));
+    let relays: Vec<_> = (0..4)
+        .map(|_| {
+            Relay::builder(outbox.clone(), recorder.clone())
+                .batch(16)
+                .build()
+        })
+        .collect();
+    let done = || recorder.delivered_ids().len() >= N as usize;
+    let tasks: Vec<_> = relays
+        .into_iter()
+        .map(|relay| {
+            let recorder = recorder.clone();
+            tokio::spawn(async move {
+                drain(&relay, || recorder.delivered_ids().len() >= N as usize).await;
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(done());
+    let ids = recorder.delivered_ids();
+    let mut expected: Vec<_> = (0..N).map(|i| format!("m-{i}")).collect();
+    expected.sort();
+    // Without failures or lapsed leases: each exactly once, none overlapping.
+    assert_eq!(ids, expected);
+    assert_eq!(recorder.starts(), N as usize);
+    assert_eq!(recorder.overlaps.load(Ordering::SeqCst), 0);
+    assert_eq!(outbox.stats().await.unwrap().pending, 0);
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_ordering_key_one_in_flight_in_commit_order_through_failures() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    const KEYS: usize = 6;
+    const PER_KEY: usize = 15;
+    // Interleaved across keys, in commit order per key; a few without a key.
+    for n in 0..PER_KEY {
+        for k in 0..KEYS {
+            let id = format!("k{k}-{n:02}");
+            db.commit_order(
+                &outbox,
+                (n * KEYS + k) as i64,
+                Message::new(id, "orders", "x").ordered_by(format!("key-{k}")),
+            )
+            .await;
+        }
+        db.commit_order(
+            &outbox,
+            10_000 + n as i64,
+            Message::new(format!("free-{n:02}"), "orders", "x"),
+        )
+        .await;
+    }
+    // Roughly one publish in three fails on its first try, at random.
+    let recorder = Recorder::new(
+        4,
+        Box::new(|d| {
+            (d.attempt() == 1 && random_below(3) == 0).then(|| PublishError::retry("flaky"))
+        }),
+    );
+    let total = KEYS * PER_KEY + PER_KEY;
+    let tasks: Vec<_> = (0..3)
+        .map(|_| {
+            let relay = Relay::builder(outbox.clone(), recorder.clone())
+                .batch(8)
+                .backoff(Duration::from_millis(5), Duration::from_millis(20))
+                .build();
+            let recorder = recorder.clone();
+            tokio::spawn(async move {
+                drain(&relay, || recorder.delivered_ids().len() >= total).await;
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(recorder.overlaps.load(Ordering::SeqCst), 0);
+    let delivered = recorder.delivered.lock().unwrap().clone();
+    assert_eq!(delivered.len(), total, "each delivered once");
+    for k in 0..KEYS {
+        let key = format!("key-{k}");
+        let order: Vec<_> = delivered
+            .iter()
+            .filter(|(_, dk)| dk.as_deref() == Some(key.as_str()))
+            .map(|(id, _)| id.clone())
+            .collect();
+        let expected: Vec<_> = (0..PER_KEY).map(|n| format!("k{k}-{n:02}")).collect();
+        assert_eq!(order, expected, "{key} out of commit order");
+    }
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_keeps_failing_is_dead_lettered_and_an_operator_retries_it() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    db.commit_order(
+        &outbox,
+        1,
+        Message::new("poison", "orders", "x").ordered_by("k"),
+    )
+    .await;
+    db.commit_order(
+        &outbox,
+        2,
+        Message::new("after", "orders", "x").ordered_by("k"),
+    )
+    .await;
+    db.commit_order(&outbox, 3, Message::new("gone", "orders", "x"))
+        .await;
+    let healed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let h = healed.clone();
+    let recorder = Recorder::new(
+        0,
+        Box::new(move |d| match d.id() {
+            "poison" if !h.load(Ordering::SeqCst) => Some(PublishError::retry("broker says no")),
+            "gone" => Some(PublishError::permanent("404 Not Found")),
+            _ => None,
+        }),
+    );
+    let relay = Relay::builder(outbox.clone(), recorder.clone())
+        .max_attempts(3)
+        .backoff(Duration::from_millis(5), Duration::from_millis(10))
+        .build();
+    drain(&relay, || recorder.delivered_ids() == ["after"]).await;
+
+    // Three tries, then dead with its last error; the key moved on; the permanent one died at once.
+    let poison = outbox.inspect("poison").await.unwrap().unwrap();
+    assert_eq!((poison.state, poison.attempts), (State::Dead, 3));
+    assert_eq!(poison.last_error.as_deref(), Some("broker says no"));
+    let gone = outbox.inspect("gone").await.unwrap().unwrap();
+    assert_eq!((gone.state, gone.attempts), (State::Dead, 1));
+    let started = recorder.started.lock().unwrap().clone();
+    let poison_tries: Vec<_> = started
+        .iter()
+        .filter(|(id, _)| id == "poison")
+        .map(|(_, a)| *a)
+        .collect();
+    assert_eq!(poison_tries, [1, 2, 3]);
+    let dead: Vec<_> = outbox
+        .dead_letters(10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(dead, ["poison", "gone"]);
+    let stats = outbox.stats().await.unwrap();
+    assert_eq!((stats.pending, stats.dead), (0, 2));
+
+    // The operator retries one and discards the other.
+    healed.store(true, Ordering::SeqCst);
+    assert!(outbox.retry("poison").await.unwrap());
+    assert!(!outbox.retry("poison").await.unwrap(), "not dead any more");
+    assert!(outbox.discard("gone").await.unwrap());
+    assert!(!outbox.discard("gone").await.unwrap());
+    drain(&relay, || recorder.delivered_ids().len() == 2).await;
+    assert_eq!(recorder.delivered_ids(), ["after", "poison"]);
+    let poison = outbox.inspect("poison").await.unwrap().unwrap();
+    assert_eq!((poison.state, poison.attempts), (State::Delivered, 1));
+    assert_eq!(outbox.dead_letters(10).await.unwrap(), []);
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_dies_mid_publish_leaves_the_message_to_the_next_after_its_lease() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    db.commit_order(&outbox, 1, Message::new("m", "orders", "x").ordered_by("k"))
+        .await;
+    db.commit_order(&outbox, 2, Message::new("n", "orders", "x").ordered_by("k"))
+        .await;
+
+    // The first relay hangs in its publish and is killed there: no outcome is recorded.
+    struct Hang(AtomicUsize);
+    impl Publisher for Hang {
+        async fn publish(&self, _: &Delivery) -> Result<(), PublishError> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            std::future::pending().await
+        }
+    }
+    let hang = Arc::new(Hang(AtomicUsize::new(0)));
+    let dying = Relay::builder(outbox.clone(), hang.clone())
+        .lease(Duration::from_secs(1))
+        .build();
+    let task = tokio::spawn(async move { dying.deliver_batch().await });
+    eventually("the first relay publishes", || {
+        hang.0.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    task.abort();
+    let _ = task.await;
+    assert!(outbox.inspect("m").await.unwrap().unwrap().leased);
+
+    // Another relay finds nothing while the lease holds (nor the key's next message), then
+    // the same message as attempt 2, then the next one.
+    let recorder = Recorder::ok();
+    let next = relay(&outbox, recorder.clone());
+    assert_eq!(next.deliver_batch().await.unwrap().claimed, 0);
+    drain(&next, || recorder.delivered_ids().len() == 2).await;
+    let started = recorder.started.lock().unwrap().clone();
+    assert_eq!(started, [("m".to_owned(), 2), ("n".to_owned(), 1)]);
+    assert_eq!(hang.0.load(Ordering::SeqCst), 1);
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_running_into_the_lease_end_is_abandoned_and_retried() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    db.commit_order(&outbox, 1, Message::new("slow", "orders", "x"))
+        .await;
+    struct SlowOnce(AtomicUsize);
+    impl Publisher for SlowOnce {
+        async fn publish(&self, _: &Delivery) -> Result<(), PublishError> {
+            if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+                std::future::pending::<()>().await;
+            }
+            Ok(())
+        }
+    }
+    let publisher = Arc::new(SlowOnce(AtomicUsize::new(0)));
+    let relay = Relay::builder(outbox.clone(), publisher.clone())
+        .lease(Duration::from_secs(1))
+        .backoff(Duration::from_millis(10), Duration::from_millis(10))
+        .build();
+    let first = relay.deliver_batch().await.unwrap();
+    assert_eq!((first.claimed, first.retrying), (1, 1), "{first:?}");
+    let record = outbox.inspect("slow").await.unwrap().unwrap();
+    assert_eq!(record.state, State::Pending);
+    assert!(!record.leased, "the abandoned claim gave its lease back");
+    assert!(record.last_error.unwrap().contains("abandoned"));
+    drain(&relay, || publisher.0.load(Ordering::SeqCst) == 2).await;
+    assert_eq!(
+        outbox.inspect("slow").await.unwrap().unwrap().state,
+        State::Delivered
+    );
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_relay_delivers_what_committed_while_none_ran_and_wakes_on_commit() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    // Committed while no relay runs.
+    db.commit_order(&outbox, 1, Message::new("early", "orders", "x"))
+        .await;
+    let recorder = Recorder::ok();
+    // Polling once an hour: only the commit's notification can wake it in this test.
+    let relay = Relay::builder(outbox.clone(), recorder.clone())
+        .poll_interval(Duration::from_secs(3600))
+        .build();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(relay.run_until(async {
+        let _ = stopped.await;
+    }));
+    eventually("the early message is delivered", || {
+        recorder.delivered_ids() == ["early"]
+    })
+    .await;
+    for i in 2..5 {
+        db.commit_order(&outbox, i, Message::new(format!("late-{i}"), "orders", "x"))
+            .await;
+    }
+    eventually("the notified messages are delivered", || {
+        recorder.delivered_ids().len() == 4
+    })
+    .await;
+    stop.send(()).unwrap();
+    running.await.unwrap();
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_deletes_only_delivered_messages_past_the_retention() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = PgOutbox::builder(db.pool.clone())
+        .schema(&db.schema)
+        .retention(Duration::from_millis(1))
+        .build()
+        .unwrap();
+    outbox.migrate().await.unwrap();
+    db.commit_order(&outbox, 1, Message::new("sent", "orders", "x"))
+        .await;
+    db.commit_order(&outbox, 2, Message::new("dead", "orders", "x"))
+        .await;
+    let recorder = Recorder::new(
+        0,
+        Box::new(|d| (d.id() == "dead").then(|| PublishError::permanent("no"))),
+    );
+    let relay = relay(&outbox, recorder.clone());
+    drain(&relay, || recorder.delivered_ids().len() == 1).await;
+    db.commit_order(&outbox, 3, Message::new("pending", "orders", "x"))
+        .await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(outbox.sweep(100).await.unwrap(), 1);
+    assert!(outbox.inspect("sent").await.unwrap().is_none());
+    assert_eq!(
+        outbox.inspect("dead").await.unwrap().unwrap().state,
+        State::Dead
+    );
+    assert_eq!(
+        outbox.inspect("pending").await.unwrap().unwrap().state,
+        State::Pending
+    );
+    // Swept: the id may be enqueued again, a new message.
+    assert_eq!(
+        db.commit_order(&outbox, 1, Message::new("sent", "orders", "x"))
+            .await,
+        Enqueued::New
+    );
+    db.drop_schema().await;
+}
+
+/// The whole loop in one database: a POST's transaction enqueues, the relay publishes to a
+/// broker that redelivers every message, and the consumer's inbox keyed by the message id
+/// makes one effect per committed change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_inbox_keyed_by_the_message_id_closes_the_loop() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    db.exec(&format!(
+        "CREATE TABLE {}.effects (message_id text NOT NULL)",
+        db.schema
+    ))
+    .await;
+    let inbox = PgInbox::builder(db.pool.clone(), "reserve-stock")
+        .schema(&db.schema)
+        .build()
+        .unwrap();
+    inbox.migrate().await.unwrap();
+
+    /// Hands each message to the consumer twice, as a broker redelivering would.
+    struct Twice {
+        inbox: PgInbox,
+        schema: String,
+    }
+    impl Publisher for Twice {
+        async fn publish(&self, d: &Delivery) -> Result<(), PublishError> {
+            for _ in 0..2 {
+                let sql = format!(
+                    "INSERT INTO {}.effects (message_id) VALUES ($1)",
+                    self.schema
+                );
+                let id = d.id().to_owned();
+                let outcome = self
+                    .inbox
+                    .process(d.id(), |conn| {
+                        Box::pin(async move {
+                            sqlx::query(AssertSqlSafe(sql))
+                                .bind(id)
+                                .execute(&mut *conn)
+                                .await
+                                .map(|_| ())
+                        })
+                    })
+                    .await
+                    .map_err(PublishError::retry)?;
+                assert!(matches!(
+                    outcome,
+                    Processed::Done(()) | Processed::Duplicate
+                ));
+            }
+            Ok(())
+        }
+    }
+    for i in 0..20 {
+        db.commit_order(&outbox, i, Message::new(format!("o-{i}"), "orders", "x"))
+            .await;
+        // The client's retry of the same POST enqueues the same id: nothing new.
+        db.commit_order(&outbox, i, Message::new(format!("o-{i}"), "orders", "x"))
+            .await;
+    }
+    let relay = Relay::new(
+        outbox.clone(),
+        Twice {
+            inbox,
+            schema: db.schema.clone(),
+        },
+    );
+    for _ in 0..3 {
+        relay.deliver_batch().await.unwrap();
+    }
+    let effects: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(DISTINCT message_id) * 1000 + count(*) FROM {}.effects",
+        db.schema
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(effects, 20 * 1000 + 20, "20 distinct effects, none twice");
+    db.drop_schema().await;
+}
