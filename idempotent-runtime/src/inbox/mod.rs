@@ -237,11 +237,11 @@ pub(crate) async fn roll_back<DB: sqlx::Database>(
     }
 }
 
-/// A SQL inbox's sweeper: every [`sweep_cadence`] of `retention`, `sweep` batches of
-/// [`DEFAULT_SWEEP_BATCH`] until one comes back short.
+/// A SQL inbox's or outbox's sweeper (`what` names it in logs): every [`sweep_cadence`] of
+/// `retention`, `sweep` batches of [`DEFAULT_SWEEP_BATCH`] until one comes back short.
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) fn spawn_sweep_loop<S, Fut>(
-    consumer: String,
+    what: String,
     retention: Duration,
     sweep: S,
 ) -> tokio::task::JoinHandle<()>
@@ -260,9 +260,9 @@ where
                     Ok(_) => break,
                     Err(e) => {
                         tracing::warn!(
-                            consumer,
+                            sweeping = %what,
                             error = %e,
-                            "inbox: sweep failed; will retry at the next tick"
+                            "sweep failed; will retry at the next tick"
                         );
                         break;
                     }

@@ -483,7 +483,7 @@ impl PgInbox {
     pub fn spawn_sweeper(&self) -> tokio::task::JoinHandle<()> {
         let inbox = self.clone();
         let (consumer, retention) = (self.s.consumer.clone(), self.s.retention);
-        spawn_sweep_loop(consumer, retention, move || {
+        spawn_sweep_loop(format!("inbox {consumer}"), retention, move || {
             let inbox = inbox.clone();
             async move { inbox.sweep(DEFAULT_SWEEP_BATCH).await }
         })
