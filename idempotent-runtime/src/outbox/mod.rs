@@ -52,14 +52,29 @@ use bytes::Bytes;
 
 use crate::context::IdempotencyContext;
 
+#[cfg(feature = "rabbitmq")]
+mod amqp;
+#[cfg(feature = "nats")]
+mod nats;
 mod postgres;
 mod relay;
+#[cfg(feature = "outbox-webhooks")]
+mod webhook;
 
+#[cfg(feature = "rabbitmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
+pub use amqp::AmqpPublisher;
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub use nats::NatsPublisher;
 pub use postgres::{OutboxStats, PgOutbox, PgOutboxBuilder};
 pub use relay::{
     DEFAULT_BACKOFF, DEFAULT_BATCH, DEFAULT_LEASE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BACKOFF,
     DEFAULT_POLL, Relay, RelayBuilder, Relayed,
 };
+#[cfg(feature = "outbox-webhooks")]
+#[cfg_attr(docsrs, doc(cfg(feature = "outbox-webhooks")))]
+pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookPublisher, WebhookPublisherBuilder};
 
 /// The outbox table's default name.
 pub const DEFAULT_TABLE: &str = "outbox_messages";
