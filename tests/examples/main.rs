@@ -16,6 +16,8 @@ mod charges_once;
 mod consumer_nats;
 #[cfg(all(feature = "axum", feature = "postgres"))]
 mod orders_axum;
+#[cfg(all(feature = "axum", feature = "postgres", feature = "nats"))]
+mod outbox_orders;
 #[cfg(all(feature = "axum", feature = "postgres"))]
 mod payments;
 mod quickstart;

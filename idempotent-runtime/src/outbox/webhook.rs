@@ -169,7 +169,10 @@ impl fmt::Debug for WebhookPublisherBuilder {
 impl Publisher for WebhookPublisher {
     async fn publish(&self, delivery: &Delivery) -> Result<(), PublishError> {
         let id = delivery.id();
-        let what = format!("webhook POST of outbox message {id} to {}", endpoint(delivery));
+        let what = format!(
+            "webhook POST of outbox message {id} to {}",
+            endpoint(delivery)
+        );
         if id.contains('.') {
             return Err(PublishError::permanent(format!(
                 "{what}: the id contains `.`, which Standard Webhooks signatures cannot carry \
@@ -294,9 +297,7 @@ fn outcome(
         },
         300..=399 => (
             Failure::Permanent,
-            format!(
-                "{answered}; redirects are not followed: register the final URL; not retried"
-            ),
+            format!("{answered}; redirects are not followed: register the final URL; not retried"),
         ),
         408 => (Failure::Retry, format!("{answered}; retried")),
         400..=499 => (

@@ -1,0 +1,380 @@
+//! One POST, one event, one effect, through crashes (DESIGN.md §6, issue #32): the
+//! `outbox_orders` example's three roles run as separate processes against PostgreSQL and NATS
+//! JetStream. Orders are posted with duplicates while the relay and the consumer are SIGKILLed
+//! and restarted, every backend of the example's database connections is terminated, and
+//! every broker connection is cut (the processes reach NATS through a proxy in this test).
+//! Afterwards: exactly N orders, N messages in the stream (JetStream deduplicated what the relay
+//! published again by `Nats-Msg-Id`), exactly N reservations, each customer's events in commit
+//! order, nothing pending or dead.
+//!
+//! Needs `DATABASE_URL` (skips without it, unless `IDEMPOTENT_REQUIRE_DB=1`) and NATS with
+//! JetStream at `NATS_URL` (default `127.0.0.1:4222`; skips when unreachable, unless
+//! `IDEMPOTENT_REQUIRE_BROKER=1`).
+
+#[path = "../../examples/outbox_orders.rs"]
+#[allow(dead_code)]
+mod example;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead as _, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use example::{Names, OrderPlaced};
+use idempotent_runtime::store::FencingToken;
+use sqlx::AssertSqlSafe;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+use crate::support::{self, required};
+
+/// A TCP proxy in front of NATS whose connections the test can cut.
+struct Proxy {
+    addr: String,
+    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    async fn start(upstream: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let conns = connections.clone();
+        let accept = tokio::spawn(async move {
+            loop {
+                let Ok((mut client, _)) = listener.accept().await else {
+                    return;
+                };
+                let upstream = upstream.clone();
+                conns.lock().unwrap().push(tokio::spawn(async move {
+                    if let Ok(mut server) = TcpStream::connect(&upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                }));
+            }
+        });
+        Self {
+            addr,
+            connections,
+            accept,
+        }
+    }
+
+    /// Drops every open connection (the clients reconnect through the proxy).
+    fn cut(&self) -> usize {
+        let cut: Vec<_> = self.connections.lock().unwrap().drain(..).collect();
+        for c in &cut {
+            c.abort();
+        }
+        cut.len()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+/// One role of the example, as a process of its own.
+struct Role {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Role {
+    /// Starts `role` and waits for the line starting with `ready`; returns it too.
+    fn start(
+        role: &str,
+        database_url: &str,
+        nats: &str,
+        name: &str,
+        ready: &str,
+    ) -> (Self, String) {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut child = Command::new(cargo)
+            .args([
+                "run",
+                "--quiet",
+                "--all-features",
+                "-p",
+                "idempotent-examples",
+                "--example",
+                "outbox_orders",
+            ])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("DATABASE_URL", database_url)
+            .env("NATS_URL", nats)
+            .env("OUTBOX_NAME", name)
+            .env("OUTBOX_ROLE", role)
+            .env("ORDERS_ADDR", "127.0.0.1:0")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start outbox_orders");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let role_ = Self { child, lines };
+        // A liveness bound (the first start may build the example), not a speed assertion.
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match role_.lines.recv_timeout(left) {
+                Ok(line) if line.starts_with(ready) => return (role_, line),
+                Ok(_) => {}
+                Err(e) => panic!("outbox_orders {role} never printed {ready:?}: {e}"),
+            }
+        }
+    }
+
+    /// SIGKILL: no destructor, no graceful shutdown, whatever was in flight.
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn scalar(pool: &PgPool, sql: String) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(sql.clone()))
+        .fetch_one(pool)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    posts: usize,
+    created: usize,
+    replayed: usize,
+    in_progress: usize,
+    failed: usize,
+}
+
+/// POSTs order `key` until it is answered 201 (first or replayed), as a client retrying would.
+async fn post_until_created(
+    http: &reqwest::Client,
+    url: &str,
+    key: &str,
+    body: &serde_json::Value,
+    tally: &Mutex<Tally>,
+) -> i64 {
+    for _ in 0..400 {
+        let sent = http
+            .post(format!("{url}/orders"))
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await;
+        tally.lock().unwrap().posts += 1;
+        match sent {
+            Ok(r) if r.status() == 201 => {
+                let replayed = r.headers().contains_key("idempotency-replayed");
+                let placed: OrderPlaced =
+                    serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+                let mut t = tally.lock().unwrap();
+                if replayed {
+                    t.replayed += 1;
+                } else {
+                    t.created += 1;
+                }
+                return placed.order_id;
+            }
+            Ok(r) if r.status() == 409 => tally.lock().unwrap().in_progress += 1,
+            _ => tally.lock().unwrap().failed += 1,
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("order {key} was never created");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_order_publishes_one_event_and_reserves_once_through_crashes() {
+    let Some(database_url) = support::database_url() else {
+        return;
+    };
+    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());
+    let client =
+        match tokio::time::timeout(Duration::from_secs(5), async_nats::connect(&nats_url)).await {
+            Ok(Ok(client)) => client,
+            _ => {
+                assert!(
+                    !required("IDEMPOTENT_REQUIRE_BROKER"),
+                    "NATS at {nats_url} is unreachable but IDEMPOTENT_REQUIRE_BROKER=1"
+                );
+                eprintln!("outbox_orders: skipped, NATS at {nats_url} is unreachable");
+                return;
+            }
+        };
+    let js = jetstream::new(client);
+    let name = format!("e2e{:08x}", FencingToken::mint().0 as u32);
+    let names = Names::new(&name);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&database_url)
+        .await
+        .expect("connect to DATABASE_URL");
+    example::setup_database(&pool, &names).await.unwrap();
+    example::setup_broker(&js, &names, Duration::from_secs(2))
+        .await
+        .expect("create the stream and consumer (is JetStream enabled?)");
+
+    // The example's connections carry an application name, so the test can terminate them.
+    let app = format!("outbox_{name}");
+    let sep = if database_url.contains('?') { '&' } else { '?' };
+    let example_url = format!("{database_url}{sep}application_name={app}");
+    let upstream = nats_url
+        .trim_start_matches("nats://")
+        .trim_start_matches("tls://")
+        .to_owned();
+    let proxy = Proxy::start(upstream).await;
+    let (url_db, url_nats, url_name) = (example_url.clone(), proxy.addr.clone(), name.clone());
+    let start = move |role: &'static str, ready: &'static str| {
+        let (db, nats, name) = (url_db.clone(), url_nats.clone(), url_name.clone());
+        tokio::task::spawn_blocking(move || Role::start(role, &db, &nats, &name, ready))
+    };
+    let (serve, line) = start("serve", "listening on ").await.unwrap();
+    let url = line["listening on ".len()..].trim().to_owned();
+    let (mut relay, _) = start("relay", "relaying").await.unwrap();
+    let (mut consume, _) = start("consume", "consuming").await.unwrap();
+
+    const CUSTOMERS: usize = 6;
+    const ROUNDS: usize = 8;
+    let http = reqwest::Client::new();
+    let tally = Mutex::new(Tally::default());
+    let mut faults = BTreeMap::<&str, usize>::new();
+    let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for round in 0..ROUNDS {
+        // Each customer's order of this round, posted three times, two of them at once.
+        let posts = (0..CUSTOMERS).map(|c| {
+            let (http, url, tally) = (&http, &url, &tally);
+            async move {
+                let key = format!("c{c}-r{round}");
+                let body = serde_json::json!({"customer": format!("c{c}"), "sku": "A1", "quantity": round + 1});
+                let (a, b) = tokio::join!(
+                    post_until_created(http, url, &key, &body, tally),
+                    post_until_created(http, url, &key, &body, tally)
+                );
+                let again = post_until_created(http, url, &key, &body, tally).await;
+                assert!(a == b && b == again, "one order per key: {a} {b} {again}");
+                (format!("c{c}"), a)
+            }
+        });
+        for (customer, order) in futures_util::future::join_all(posts).await {
+            expected.entry(customer).or_default().push(order);
+        }
+        if [1, 4, 6].contains(&round) {
+            relay.kill();
+            *faults.entry("relay SIGKILLs").or_default() += 1;
+            relay = start("relay", "relaying").await.unwrap().0;
+        }
+        if [2, 5, 7].contains(&round) {
+            consume.kill();
+            *faults.entry("consumer SIGKILLs").or_default() += 1;
+            consume = start("consume", "consuming").await.unwrap().0;
+        }
+        if [3, 6].contains(&round) {
+            let n = scalar(
+                &pool,
+                format!(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                     WHERE application_name = '{app}'"
+                ),
+            )
+            .await;
+            *faults.entry("backends terminated").or_default() += n as usize;
+        }
+        if [4, 7].contains(&round) {
+            *faults.entry("broker connections cut").or_default() += proxy.cut();
+        }
+    }
+    let n = (CUSTOMERS * ROUNDS) as i64;
+    let s = &names.schema;
+
+    // Every order's reservation arrives (a liveness bound, not a speed assertion).
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let reserved = scalar(
+            &pool,
+            format!("SELECT count(DISTINCT order_id) FROM {s}.reservations"),
+        )
+        .await;
+        if reserved >= n {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {reserved} of {n} orders reserved"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Let anything still in flight land before counting.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let orders = scalar(&pool, format!("SELECT count(*) FROM {s}.orders")).await;
+    let reservations = scalar(&pool, format!("SELECT count(*) FROM {s}.reservations")).await;
+    let distinct = scalar(
+        &pool,
+        format!("SELECT count(DISTINCT message_id) FROM {s}.reservations"),
+    )
+    .await;
+    let outbox = example::outbox(&pool, &names).unwrap();
+    let stats = outbox.stats().await.unwrap();
+    let attempts = scalar(
+        &pool,
+        format!("SELECT sum(attempts) FROM {}", outbox.qualified_table()),
+    )
+    .await;
+
+    // The stream, in its order: each customer's events in commit order.
+    let mut stream = js.get_stream(&names.stream).await.unwrap();
+    let info = stream.info().await.unwrap().clone();
+    let mut seen: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for seq in info.state.first_sequence..=info.state.last_sequence {
+        let m = stream.get_raw_message(seq).await.unwrap();
+        let e: OrderPlaced = serde_json::from_slice(&m.payload).unwrap();
+        seen.entry(e.customer).or_default().push(e.order_id);
+    }
+
+    drop((serve, relay, consume));
+    let _ = js.delete_stream(&names.stream).await;
+    let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {s} CASCADE")))
+        .execute(&pool)
+        .await;
+    eprintln!(
+        "outbox_orders e2e: {n} orders, {} messages in the stream, {reservations} reservations, \
+         {attempts} publish attempts; faults {faults:?}; clients {:?}",
+        info.state.messages,
+        tally.lock().unwrap()
+    );
+
+    assert_eq!(orders, n, "exactly N orders");
+    assert_eq!(info.state.messages, n as u64, "N messages in the stream");
+    assert_eq!((reservations, distinct), (n, n), "exactly N effects");
+    assert_eq!((stats.pending, stats.dead), (0, 0), "nothing left behind");
+    assert_eq!(seen, expected, "each customer's events in commit order");
+    assert!(
+        faults.values().all(|&v| v > 0),
+        "every fault happened: {faults:?}"
+    );
+}
