@@ -74,7 +74,7 @@ fn unique() -> String {
 }
 
 /// A fresh schema holding an outbox (and the requests' tables).
-async fn schema(pool: &PgPool) -> (String, PgOutbox) {
+async fn fresh_schema(pool: &PgPool) -> (String, PgOutbox) {
     let schema = format!("outbox_bench_{}", unique());
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE SCHEMA {schema}; CREATE TABLE {schema}.orders (id bigserial PRIMARY KEY, body jsonb NOT NULL)"
@@ -272,7 +272,7 @@ async fn run(args: Args) {
         })
         .await
         .expect("create stream");
-        let (schema, outbox) = schema(&pool).await;
+        let (schema, outbox) = fresh_schema(&pool).await;
         fill(&pool, &outbox, args.messages, &subject).await;
         let rate = drain(
             &outbox,
@@ -299,7 +299,7 @@ async fn run(args: Args) {
             )
             .await
             .expect("declare queue");
-        let (schema, outbox) = schema(&pool).await;
+        let (schema, outbox) = fresh_schema(&pool).await;
         fill(&pool, &outbox, args.messages, &queue).await;
         let publisher = Arc::new(
             AmqpPublisher::new(amqp.create_channel().await.expect("channel"), "")
@@ -326,7 +326,7 @@ async fn run(args: Args) {
         .expect("store");
     store.migrate().await.expect("migrate store");
     let idempotency = Idempotency::new(store);
-    let (schema_a, _) = schema(&pool).await;
+    let (schema_a, _) = fresh_schema(&pool).await;
     let without = first_requests(
         App {
             idempotency: idempotency.clone(),
@@ -336,7 +336,7 @@ async fn run(args: Args) {
         args.seconds,
     )
     .await;
-    let (schema_b, outbox) = schema(&pool).await;
+    let (schema_b, outbox) = fresh_schema(&pool).await;
     // A relay publishing to NATS while the requests run: the lag under load.
     let subject = "orders.placed";
     let stream = format!("BENCH_OUTBOX_LAG_{}", unique());
