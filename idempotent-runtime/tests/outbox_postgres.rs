@@ -763,3 +763,68 @@ async fn the_inbox_keyed_by_the_message_id_closes_the_loop() {
     assert_eq!(effects, 20 * 1000 + 20, "20 distinct effects, none twice");
     db.drop_schema().await;
 }
+
+/// Behind PgBouncer in transaction pooling mode (`scripts/pgbouncer start`): enqueue in the
+/// caller's transaction, relay by polling (no `LISTEN`), operators' calls, all with unnamed
+/// statements.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_transaction_pooler_it_enqueues_and_relays_by_polling() {
+    let Some(url) = support::pgbouncer_url() else {
+        return;
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .expect("connect to PGBOUNCER_URL");
+    let schema = format!("outbox_pooled_{:016x}", FencingToken::mint().0);
+    let outbox = PgOutbox::builder(pool.clone())
+        .schema(&schema)
+        .transaction_pooler(true)
+        .build()
+        .unwrap();
+    outbox.migrate().await.expect("migrate behind the pooler");
+    for i in 0..20 {
+        let mut tx = pool.begin().await.unwrap();
+        outbox
+            .enqueue(
+                &mut tx,
+                Message::new(format!("p-{i}"), "orders", "x").ordered_by("k"),
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let recorder = Recorder::ok();
+    let relay = Relay::builder(outbox.clone(), recorder.clone())
+        .poll_interval(Duration::from_millis(20))
+        .build();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(relay.run_until(async {
+        let _ = stopped.await;
+    }));
+    eventually("every message is delivered behind the pooler", || {
+        recorder.delivered_ids().len() == 20
+    })
+    .await;
+    stop.send(()).unwrap();
+    running.await.unwrap();
+    let order: Vec<_> = recorder
+        .delivered
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(id, _)| id.clone())
+        .collect();
+    assert_eq!(order, (0..20).map(|i| format!("p-{i}")).collect::<Vec<_>>());
+    let record = outbox.inspect("p-7").await.unwrap().unwrap();
+    assert_eq!(record.state, State::Delivered);
+    assert_eq!(outbox.stats().await.unwrap().pending, 0);
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .persistent(false)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
