@@ -40,6 +40,12 @@
 //!   [`PgOutbox::inspect`] answers "was it sent?" and re-enqueuing the same id within it is a
 //!   no-op ([`Enqueued::AlreadyEnqueued`]); the sweeper deletes them after.
 //!
+//! Publishers, each behind its feature: `NatsPublisher` (NATS JetStream, `Nats-Msg-Id`; feature
+//! `nats`), `AmqpPublisher` (RabbitMQ with publisher confirms, `message_id`; feature
+//! `rabbitmq`), `WebhookPublisher` (HTTP POST signed as Standard Webhooks, `Idempotency-Key` and
+//! `webhook-id`, `Retry-After` honoured; feature `outbox-webhooks`), or any type implementing
+//! [`Publisher`].
+//!
 //! PostgreSQL first (feature `postgres`); the table and its statements are kept to what MySQL
 //! can also express.
 
@@ -68,10 +74,7 @@ pub use amqp::AmqpPublisher;
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub use nats::NatsPublisher;
 pub use postgres::{OutboxStats, PgOutbox, PgOutboxBuilder};
-pub use relay::{
-    DEFAULT_BACKOFF, DEFAULT_BATCH, DEFAULT_LEASE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BACKOFF,
-    DEFAULT_POLL, Relay, RelayBuilder, Relayed,
-};
+pub use relay::{Relay, RelayBuilder, Relayed};
 #[cfg(feature = "outbox-webhooks")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox-webhooks")))]
 pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookPublisher, WebhookPublisherBuilder};
@@ -82,8 +85,8 @@ pub const DEFAULT_TABLE: &str = "outbox_messages";
 /// How long delivered messages are kept by default before the sweeper deletes them: 7 days.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
-/// The longest message id, ordering key or header value accepted, in bytes.
-pub const MAX_ID_LEN: usize = 255;
+/// The longest message id, ordering key or header name accepted, in bytes.
+const MAX_ID_LEN: usize = 255;
 
 /// A message to send once its transaction commits: a stable id, a destination, an optional
 /// ordering key, headers and a payload.
@@ -190,7 +193,7 @@ impl Message {
     }
 
     /// Checks what the outbox stores and the publishers send: the id, the ordering key and
-    /// the header values are visible ASCII within [`MAX_ID_LEN`], header names HTTP tokens.
+    /// the header values are visible ASCII within 255 bytes, header names HTTP tokens.
     pub(crate) fn validate(&self) -> Result<(), InvalidMessage> {
         let visible = |s: &str| s.bytes().all(|b| (0x21..=0x7e).contains(&b));
         if self.id.is_empty() || self.id.len() > MAX_ID_LEN || !visible(&self.id) {

@@ -18,17 +18,17 @@ use super::postgres::{Claimed, Failed, PgOutbox};
 use super::{PublishError, Publisher};
 
 /// Messages a relay claims at once by default (each published concurrently).
-pub const DEFAULT_BATCH: usize = 64;
+const DEFAULT_BATCH: usize = 64;
 /// How long a claim holds its messages by default: 30 s.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// How often an idle relay looks for messages by default when no notification woke it: 1 s.
-pub const DEFAULT_POLL: Duration = Duration::from_secs(1);
+const DEFAULT_POLL: Duration = Duration::from_secs(1);
 /// Tries before a message is dead-lettered by default.
-pub const DEFAULT_MAX_ATTEMPTS: u32 = 12;
+const DEFAULT_MAX_ATTEMPTS: u32 = 12;
 /// The first retry's delay by default (doubling each try): 1 s.
-pub const DEFAULT_BACKOFF: Duration = Duration::from_secs(1);
+const DEFAULT_BACKOFF: Duration = Duration::from_secs(1);
 /// The longest delay between tries by default: 10 min.
-pub const DEFAULT_MAX_BACKOFF: Duration = Duration::from_secs(600);
+const DEFAULT_MAX_BACKOFF: Duration = Duration::from_secs(600);
 
 /// The longest `Retry-After` honoured: a day.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 3600);
