@@ -177,9 +177,8 @@ fn is_for(properties: &BasicProperties, id: &str) -> bool {
 /// Persistent, `message_id` = the delivery's id, the headers as an AMQP table (a repeated
 /// name as an array of its values), and a `content-type` header also as the property.
 fn properties(delivery: &Delivery) -> Result<BasicProperties, String> {
-    let short = |s: &str| {
-        ShortString::try_new(s).map_err(|e| format!("{s:?} cannot travel in AMQP ({e})"))
-    };
+    let short =
+        |s: &str| ShortString::try_new(s).map_err(|e| format!("{s:?} cannot travel in AMQP ({e})"));
     let mut table = FieldTable::default();
     let mut content_type = None;
     for (name, raw) in delivery.headers() {

@@ -136,7 +136,9 @@ fn classify(delivery: &Delivery, e: NatsError) -> PublishError {
         delivery.destination()
     );
     if permanent {
-        PublishError::permanent(format!("{what} (not retried: the message itself is refused)"))
+        PublishError::permanent(format!(
+            "{what} (not retried: the message itself is refused)"
+        ))
     } else if e.kind() == PublishErrorKind::StreamNotFound {
         PublishError::retry(format!(
             "{what} (create a stream whose subjects match it; retried until then)"
