@@ -43,7 +43,7 @@ const OWN_HEADERS: [&str; 4] = [
 /// | 408, any other 5xx, a timeout, a connection refused or reset | retried after the relay's backoff |
 /// | 3xx | permanent: redirects are not followed; register the final URL |
 /// | any other 4xx (400, 401, 403, 404, 410, 422, …) | permanent: the receiver refused this message, or the endpoint is gone or not authorised, and sending it again gets the same answer |
-/// | a URL reqwest cannot use (malformed, or `https` without a TLS feature), an id containing `.` | permanent |
+/// | a destination that is not an `http(s)` URL, an id containing `.` | permanent |
 ///
 /// A permanent failure dead-letters the message at once, with the answer as its last error,
 /// for an operator to [`retry`](super::PgOutbox::retry) once the endpoint is mended or
@@ -53,8 +53,10 @@ const OWN_HEADERS: [&str; 4] = [
 ///
 /// HTTP/1.1 over plain TCP: the crate turns on none of reqwest's optional features. For
 /// `https` destinations, HTTP/2 or proxies, depend on reqwest 0.13 yourself with the features
-/// you want (`reqwest = { version = "0.13", features = ["rustls"] }`; Cargo merges them) and
-/// pass your `reqwest::ClientBuilder` to [`WebhookPublisherBuilder::client`].
+/// you want (`reqwest = { version = "0.13", features = ["rustls"] }`; Cargo merges them) and,
+/// for settings of your own, pass your `reqwest::ClientBuilder` to
+/// [`WebhookPublisherBuilder::client`]. Without TLS, an `https` call fails with "scheme is not
+/// http" and is retried: a build with TLS then delivers it, no operator needed.
 ///
 /// An id containing `.` is refused: it would make the signed `{id}.{timestamp}.{body}`
 /// ambiguous, and this crate's verifier rejects it.
@@ -74,7 +76,7 @@ const OWN_HEADERS: [&str; 4] = [
 /// let mut tx = pool.begin().await?;
 /// let event = Message::new("order-42-paid", "http://partner.example/hooks", r#"{"order":42}"#)
 ///     .header("content-type", "application/json");
-/// let _ = outbox.enqueue(&mut tx, &event).await?;
+/// let _ = outbox.enqueue(&mut tx, event).await?;
 /// tx.commit().await?;
 ///
 /// let relay = Relay::new(outbox, publisher);
@@ -202,11 +204,11 @@ impl Publisher for WebhookPublisher {
             .await
             .map_err(|e| {
                 let permanent = e.is_builder();
-                let e = e.without_url();
-                let detail = if e.is_timeout() {
+                let e = Chain(e.without_url());
+                let detail = if e.0.is_timeout() {
                     format!("no answer within {:?}: {e}; retried", self.timeout)
                 } else if permanent {
-                    format!("{e}; not sent, not retried (is the URL right, its scheme supported?)")
+                    format!("{e}; not sent, not retried (is the destination an http(s) URL?)")
                 } else {
                     format!("{e}; retried")
                 };
@@ -223,6 +225,21 @@ impl Publisher for WebhookPublisher {
             SystemTime::now(),
         )
         .map_err(|(kind, detail)| kind.error(format!("{what}: {detail}")))
+    }
+}
+
+/// An error and its sources, `: `-separated (reqwest's own says only "error sending request").
+struct Chain<E>(E);
+
+impl<E: std::error::Error> fmt::Display for Chain<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(e) = source {
+            write!(f, ": {e}")?;
+            source = e.source();
+        }
+        Ok(())
     }
 }
 
