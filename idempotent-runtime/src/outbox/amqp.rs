@@ -43,7 +43,8 @@ const PERSISTENT: u8 = 2;
 ///
 /// AMQP's `basic.return` does not say which publish it answers, and lapin hands it to the
 /// next confirmation it completes; so that a returned message is never taken for another's, a
-/// channel carries one publish at a time. Give the publisher several channels
+/// channel carries one publish at a time, from the publish to the broker's acknowledgement
+/// (a round trip each). Give the publisher several channels
 /// ([`with_channels`](Self::with_channels)) for a relay that publishes batches concurrently.
 ///
 /// ```no_run
@@ -134,6 +135,14 @@ impl Publisher for AmqpPublisher {
         };
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.channels.len();
         let channel = self.channels[i].lock().await;
+        // Settles what a publish abandoned mid-flight left on the channel (its confirmation,
+        // its return), so that the broker's next acknowledgement and return are this message's:
+        // a `multiple` acknowledgement covering both would otherwise hand lapin's one returned
+        // message to either.
+        channel
+            .wait_for_confirms()
+            .await
+            .map_err(|e| PublishError::retry(failed(&e.to_string())))?;
         let confirmation = channel
             .basic_publish(
                 self.exchange.clone(),
@@ -149,8 +158,8 @@ impl Publisher for AmqpPublisher {
         drop(channel);
         match confirmation {
             Confirmation::Ack(returned) => match returned {
-                // A return carrying another id is left over from a publish abandoned before
-                // its confirmation (the relay retries that one).
+                // A return carrying another id belongs to a publish abandoned mid-flight
+                // (the relay retries that one); the wait above makes it unlikely.
                 Some(returned) if is_for(&returned.properties, delivery.id()) => {
                     Err(PublishError::retry(failed(&format!(
                         "returned unroutable ({} {}): bind a queue to the exchange for this \

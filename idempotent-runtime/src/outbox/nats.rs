@@ -20,13 +20,14 @@ const MSG_ID: &str = "Nats-Msg-Id";
 ///
 /// JetStream drops a message whose `Nats-Msg-Id` it has stored within the stream's
 /// **duplicate window** (`duplicate_window`, two minutes by default) and acknowledges it as a
-/// duplicate, which this publisher reports as delivered. A relay that republishes after the
-/// window (it died between the publish and its record and its lease ran out later than that,
-/// or an operator retried a message long delivered) puts a **second message** in the stream.
+/// duplicate, which this publisher reports as delivered. A publish of the same id after the
+/// window puts a **second message** in the stream: a retry after a long backoff of a publish
+/// whose acknowledgement was lost (a timeout, a dropped connection), or an operator's retry of
+/// a dead-lettered message that had in fact reached the stream.
 /// So the consumer still deduplicates by the id, with an [inbox](crate::inbox) keyed by
 /// `Nats-Msg-Id`: the window makes duplicates rare, the inbox makes their effects once. Keep the
-/// window above the relay's lease ([`RelayBuilder::lease`](super::RelayBuilder::lease)) so that
-/// the ordinary redelivery after a relay's death falls inside it.
+/// window well above the relay's lease ([`RelayBuilder::lease`](super::RelayBuilder::lease),
+/// 30 s by default) so that the ordinary redelivery after a relay's death falls inside it.
 ///
 /// # Failures
 ///
