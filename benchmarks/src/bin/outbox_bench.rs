@@ -301,8 +301,13 @@ async fn run(args: Args) {
             .expect("declare queue");
         let (schema, outbox) = fresh_schema(&pool).await;
         fill(&pool, &outbox, args.messages, &queue).await;
+        // One confirm in flight per channel: a channel per message of a relay's batch.
+        let mut channels = Vec::new();
+        for _ in 0..64 {
+            channels.push(amqp.create_channel().await.expect("channel"));
+        }
         let publisher = Arc::new(
-            AmqpPublisher::new(amqp.create_channel().await.expect("channel"), "")
+            AmqpPublisher::with_channels(channels, "")
                 .await
                 .expect("publisher"),
         );
