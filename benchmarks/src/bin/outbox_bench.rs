@@ -341,6 +341,33 @@ async fn run(args: Args) {
         args.seconds,
     )
     .await;
+    // The message alone: an outbox that does not notify, no relay running.
+    let (schema_q, _) = fresh_schema(&pool).await;
+    let quiet = PgOutbox::builder(pool.clone())
+        .schema(&schema_q)
+        .notify(false)
+        .build()
+        .expect("outbox");
+    let with_quiet = first_requests(
+        App {
+            idempotency: idempotency.clone(),
+            outbox: Some(quiet),
+            schema: schema_q.clone().into(),
+        },
+        args.seconds,
+    )
+    .await;
+    // With the commit's NOTIFY, no relay running.
+    let (schema_n, notifying) = fresh_schema(&pool).await;
+    let with_notify = first_requests(
+        App {
+            idempotency: idempotency.clone(),
+            outbox: Some(notifying),
+            schema: schema_n.clone().into(),
+        },
+        args.seconds,
+    )
+    .await;
     let (schema_b, outbox) = fresh_schema(&pool).await;
     // A relay publishing to NATS while the requests run: the lag under load.
     let subject = "orders.placed";
@@ -373,14 +400,26 @@ async fn run(args: Args) {
     let _ = stop.send(());
     relay.await.expect("relay");
     let (p50, p99, delivered) = lag_percentiles(&pool, &outbox).await;
-    println!("| variant | requests/s |");
-    println!("|---|---|");
-    println!("| enlisted, order only | {without:.0} |");
-    println!("| enlisted, order + outbox message | {with:.0} |");
-    println!("ratio with/without: {:.2}", with / without);
+    println!("| variant | requests/s | / order only |");
+    println!("|---|---|---|");
+    println!("| enlisted, order only | {without:.0} | 1.00 |");
+    println!(
+        "| + outbox message, no NOTIFY, no relay | {with_quiet:.0} | {:.2} |",
+        with_quiet / without
+    );
+    println!(
+        "| + outbox message with NOTIFY, no relay | {with_notify:.0} | {:.2} |",
+        with_notify / without
+    );
+    println!(
+        "| + outbox message with NOTIFY, a relay publishing to NATS | {with:.0} | {:.2} |",
+        with / without
+    );
     println!(
         "lag enqueued → delivered to NATS under that load (one relay, {delivered} messages): p50 {p50:.1} ms, p99 {p99:.1} ms"
     );
+    drop_schema(&pool, &schema_q).await;
+    drop_schema(&pool, &schema_n).await;
     let _ = js.delete_stream(&stream).await;
     drop_schema(&pool, &schema_a).await;
     drop_schema(&pool, &schema_b).await;
