@@ -90,6 +90,15 @@ async fn fresh_schema(pool: &PgPool) -> (String, PgOutbox) {
     (schema, outbox)
 }
 
+/// The outbox of `schema`, notifying relays at commit.
+async fn notifying(pool: &PgPool, schema: &str) -> PgOutbox {
+    PgOutbox::builder(pool.clone())
+        .schema(schema)
+        .notify(true)
+        .build()
+        .expect("outbox")
+}
+
 async fn drop_schema(pool: &PgPool, schema: &str) {
     let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(pool)
@@ -341,13 +350,8 @@ async fn run(args: Args) {
         args.seconds,
     )
     .await;
-    // The message alone: an outbox that does not notify, no relay running.
-    let (schema_q, _) = fresh_schema(&pool).await;
-    let quiet = PgOutbox::builder(pool.clone())
-        .schema(&schema_q)
-        .notify(false)
-        .build()
-        .expect("outbox");
+    // The message alone (the default outbox: relays poll), no relay running.
+    let (schema_q, quiet) = fresh_schema(&pool).await;
     let with_quiet = first_requests(
         App {
             idempotency: idempotency.clone(),
@@ -358,18 +362,30 @@ async fn run(args: Args) {
     )
     .await;
     // With the commit's NOTIFY, no relay running.
-    let (schema_n, notifying) = fresh_schema(&pool).await;
+    let (schema_n, _) = fresh_schema(&pool).await;
+    let notified = notifying(&pool, &schema_n).await;
     let with_notify = first_requests(
         App {
             idempotency: idempotency.clone(),
-            outbox: Some(notifying),
+            outbox: Some(notified),
             schema: schema_n.clone().into(),
         },
         args.seconds,
     )
     .await;
-    let (schema_b, outbox) = fresh_schema(&pool).await;
-    // A relay publishing to NATS while the requests run: the lag under load.
+    println!("| variant | requests/s | / order only |");
+    println!("|---|---|---|");
+    println!("| enlisted, order only | {without:.0} | 1.00 |");
+    println!(
+        "| + outbox message (default: relays poll), no relay | {with_quiet:.0} | {:.2} |",
+        with_quiet / without
+    );
+    println!(
+        "| + outbox message with NOTIFY, no relay | {with_notify:.0} | {:.2} |",
+        with_notify / without
+    );
+    // A relay publishing to NATS while the requests run: the lag under load, polling and
+    // listening.
     let subject = "orders.placed";
     let stream = format!("BENCH_OUTBOX_LAG_{}", unique());
     js.create_stream(async_nats::jetstream::stream::Config {
@@ -379,48 +395,46 @@ async fn run(args: Args) {
     })
     .await
     .expect("create stream");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let relay = tokio::spawn(
-        Relay::new(outbox.clone(), NatsPublisher::new(js.clone())).run_until(async move {
-            let _ = stopped.await;
-        }),
-    );
-    let with = first_requests(
-        App {
-            idempotency,
-            outbox: Some(outbox.clone()),
-            schema: schema_b.clone().into(),
-        },
-        args.seconds,
-    )
-    .await;
-    while outbox.stats().await.expect("stats").pending > 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    for notify in [false, true] {
+        let (schema_r, polled) = fresh_schema(&pool).await;
+        let outbox = if notify {
+            notifying(&pool, &schema_r).await
+        } else {
+            polled
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let relay = tokio::spawn(
+            Relay::new(outbox.clone(), NatsPublisher::new(js.clone())).run_until(async move {
+                let _ = stopped.await;
+            }),
+        );
+        let with = first_requests(
+            App {
+                idempotency: idempotency.clone(),
+                outbox: Some(outbox.clone()),
+                schema: schema_r.clone().into(),
+            },
+            args.seconds,
+        )
+        .await;
+        while outbox.stats().await.expect("stats").pending > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let _ = stop.send(());
+        relay.await.expect("relay");
+        let (p50, p99, delivered) = lag_percentiles(&pool, &outbox).await;
+        let how = if notify { "with NOTIFY, the relay listening" } else { "the relay polling every 100 ms" };
+        println!(
+            "| + outbox message, {how}, publishing to NATS | {with:.0} | {:.2} |",
+            with / without
+        );
+        println!(
+            "|   lag enqueued → delivered ({delivered} messages): p50 {p50:.1} ms, p99 {p99:.1} ms | | |"
+        );
+        drop_schema(&pool, &schema_r).await;
     }
-    let _ = stop.send(());
-    relay.await.expect("relay");
-    let (p50, p99, delivered) = lag_percentiles(&pool, &outbox).await;
-    println!("| variant | requests/s | / order only |");
-    println!("|---|---|---|");
-    println!("| enlisted, order only | {without:.0} | 1.00 |");
-    println!(
-        "| + outbox message, no NOTIFY, no relay | {with_quiet:.0} | {:.2} |",
-        with_quiet / without
-    );
-    println!(
-        "| + outbox message with NOTIFY, no relay | {with_notify:.0} | {:.2} |",
-        with_notify / without
-    );
-    println!(
-        "| + outbox message with NOTIFY, a relay publishing to NATS | {with:.0} | {:.2} |",
-        with / without
-    );
-    println!(
-        "lag enqueued → delivered to NATS under that load (one relay, {delivered} messages): p50 {p50:.1} ms, p99 {p99:.1} ms"
-    );
     drop_schema(&pool, &schema_q).await;
     drop_schema(&pool, &schema_n).await;
     let _ = js.delete_stream(&stream).await;
     drop_schema(&pool, &schema_a).await;
-    drop_schema(&pool, &schema_b).await;
 }
