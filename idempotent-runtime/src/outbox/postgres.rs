@@ -122,7 +122,7 @@ impl PgOutboxBuilder {
 
     /// Whether [`enqueue`](PgOutbox::enqueue) wakes listening relays with a `NOTIFY` that
     /// PostgreSQL delivers at commit (default `false`: relays poll, every 100 ms by default).
-    /// A notifying commit takes a lock that serialises every notifying commit of the database:
+    /// A notifying commit takes a lock that serialises every notifying commit on the server:
     /// in one run of `outbox_bench` (16 concurrent enlisted first requests) the message alone
     /// kept 0.80× the throughput without it, the message and its `NOTIFY` 0.46×. Turn
     /// it on when messages are rare and each must leave at once; relays `LISTEN` then, and
