@@ -288,6 +288,17 @@ impl Reservation {
                 self.release_now().await;
                 return;
             }
+            Err(error @ StoreError::NotReplicated { .. }) => {
+                // Recorded on the primary, so replayed while it serves; only a failover before
+                // the replicas catch up loses it. The answer goes out: the handler ran.
+                observe::count(Event::StoreError, &self.route);
+                tracing::warn!(
+                    route = %self.route,
+                    key_hash = %KeyDisplay(guard.key.as_str()),
+                    %error,
+                    "response recorded but not replicated in time: check the store's replicas"
+                );
+            }
             Err(error) => {
                 observe::count(Event::NotRecorded, &self.route);
                 observe::count(Event::StoreError, &self.route);

@@ -423,7 +423,20 @@ pub struct RedisStoreBuilder {
     prefix: String,
     response_timeout: Duration,
     connection_timeout: Duration,
+    wait_for_replicas: Option<WaitForReplicas>,
 }
+
+/// What a completion waits for before it counts as recorded: `WAIT replicas timeout`.
+#[derive(Debug, Clone, Copy)]
+struct WaitForReplicas {
+    replicas: u32,
+    timeout: Duration,
+}
+
+/// Connections a store opens for completions that wait for replicas (beside the one for
+/// everything else): a `WAIT` holds its connection until the replicas answer, so claims and
+/// replays never queue behind it, and completions spread over several.
+const WAIT_CONNECTIONS: usize = 4;
 
 impl RedisStoreBuilder {
     /// The prefix of every key (default `idem`): 1–64 bytes without `{`, `}` or whitespace (the
@@ -443,6 +456,33 @@ impl RedisStoreBuilder {
     pub fn connection_timeout(mut self, timeout: Duration) -> Self {
         self.connection_timeout = timeout;
         self
+    }
+
+    /// Makes every completion wait until `replicas` replicas have acknowledged it, for at most
+    /// `timeout` (Redis's `WAIT`, sent with the completion in one round trip), so an answer is
+    /// reported recorded only once a failover to one of those replicas keeps it. Off by default:
+    /// replication is asynchronous and a failover loses the completions a replica had not
+    /// received, letting their retries run again.
+    ///
+    /// When fewer replicas answer within `timeout`, the completion stands on the primary, the
+    /// response is still sent (the handler ran; a 503 would only make the client retry into
+    /// the very failover this guards against), and the shortfall is an error
+    /// ([`StoreError::NotReplicated`]): logged with the key's hash and counted `store_error`.
+    /// Claims are not waited for. Standalone connections only: a cluster build is refused.
+    /// `replicas` 0 turns it off.
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait_for_replicas = (replicas > 0).then_some(WaitForReplicas { replicas, timeout });
+        self
+    }
+
+    fn check_no_wait(&self) -> Result<(), RedisError> {
+        if self.wait_for_replicas.is_some() {
+            return Err(RedisError::from((
+                ErrorKind::InvalidClientConfig,
+                "wait_for_replicas is not supported on a Redis Cluster connection",
+            )));
+        }
+        Ok(())
     }
 
     fn check_prefix(&self) -> Result<(), RedisError> {
@@ -473,8 +513,19 @@ impl RedisStoreBuilder {
             .set_connection_timeout(Some(self.connection_timeout))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(500));
-        let manager = ConnectionManager::new_with_config(client, config).await?;
-        self.finish(Connection::Single(manager)).await
+        let manager = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+        let mut waiting = Vec::new();
+        if let Some(wait) = self.wait_for_replicas {
+            // A WAIT answers after its timeout at the latest: only past that has Redis failed.
+            let config = config
+                .set_response_timeout(Some(self.response_timeout.saturating_add(wait.timeout)));
+            for _ in 0..WAIT_CONNECTIONS {
+                waiting.push(
+                    ConnectionManager::new_with_config(client.clone(), config.clone()).await?,
+                );
+            }
+        }
+        self.finish(Connection::Single(manager), waiting).await
     }
 
     /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` each) and
@@ -485,34 +536,52 @@ impl RedisStoreBuilder {
         S: AsRef<str>,
     {
         self.check_prefix()?;
+        self.check_no_wait()?;
         let nodes: Vec<String> = nodes.into_iter().map(|n| n.as_ref().to_owned()).collect();
         let client = ClusterClient::builder(nodes)
             .response_timeout(self.response_timeout)
             .connection_timeout(self.connection_timeout)
             .build()?;
         let conn = client.get_async_connection().await?;
-        self.finish(Connection::Cluster(conn)).await
+        self.finish(Connection::Cluster(conn), Vec::new()).await
     }
 
-    /// Builds the store over an existing connection manager and loads the scripts.
+    /// Builds the store over an existing connection manager and loads the scripts. With
+    /// [`wait_for_replicas`](Self::wait_for_replicas), completions wait on this manager too
+    /// (holding it while replicas answer): give it a response timeout longer than the wait's.
     pub async fn build(self, manager: ConnectionManager) -> Result<RedisStore, RedisError> {
         self.check_prefix()?;
-        self.finish(Connection::Single(manager)).await
+        let waiting = if self.wait_for_replicas.is_some() {
+            vec![manager.clone()]
+        } else {
+            Vec::new()
+        };
+        self.finish(Connection::Single(manager), waiting).await
     }
 
     /// Builds the store over an existing cluster connection and loads the scripts.
     pub async fn build_cluster(self, conn: ClusterConnection) -> Result<RedisStore, RedisError> {
         self.check_prefix()?;
-        self.finish(Connection::Cluster(conn)).await
+        self.check_no_wait()?;
+        self.finish(Connection::Cluster(conn), Vec::new()).await
     }
 
-    async fn finish(self, conn: Connection) -> Result<RedisStore, RedisError> {
+    async fn finish(
+        self,
+        conn: Connection,
+        waiting: Vec<ConnectionManager>,
+    ) -> Result<RedisStore, RedisError> {
         let scripts = Scripts::new();
         for script in scripts.all() {
             conn.load(script).await?;
         }
         Ok(RedisStore {
             conn,
+            waiting: self.wait_for_replicas.map(|wait| Waiting {
+                wait,
+                conns: waiting,
+                next: AtomicU64::new(0),
+            }),
             prefix: self.prefix,
             scripts,
             clock_offset_ms: AtomicI64::new(0),
@@ -526,10 +595,18 @@ impl RedisStoreBuilder {
 /// `Arc`; build it with [`RedisStore::connect`] or [`RedisStore::builder`].
 pub struct RedisStore {
     conn: Connection,
+    waiting: Option<Waiting>,
     prefix: String,
     scripts: Scripts,
     clock_offset_ms: AtomicI64,
     round_trips: AtomicU64,
+}
+
+/// The connections of completions that wait for replicas, taken in turn.
+struct Waiting {
+    wait: WaitForReplicas,
+    conns: Vec<ConnectionManager>,
+    next: AtomicU64,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -537,6 +614,13 @@ impl std::fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
             .field("cluster", &matches!(self.conn, Connection::Cluster(_)))
+            .field(
+                "wait_for_replicas",
+                &self
+                    .waiting
+                    .as_ref()
+                    .map(|w| (w.wait.replicas, w.wait.timeout)),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -702,6 +786,7 @@ impl RedisStore {
             prefix: DEFAULT_PREFIX.to_owned(),
             response_timeout: Duration::from_secs(2),
             connection_timeout: Duration::from_secs(1),
+            wait_for_replicas: None,
         }
     }
 
@@ -776,6 +861,74 @@ impl RedisStore {
                     tokio::time::sleep(Duration::from_millis(25 * u64::from(attempt))).await;
                 }
                 Err(e) => return (Err(store_error(e)), attempt > 0),
+            }
+        }
+    }
+
+    /// The completion script and `WAIT` in one pipeline on a connection of their own, resent
+    /// like [`run`](Self::run) while the connection fails, with the script loaded again where
+    /// Redis has lost it (a promoted replica has no script cache).
+    #[allow(clippy::too_many_arguments)]
+    async fn complete_waited(
+        &self,
+        waiting: &Waiting,
+        scope: &ScopeHash,
+        key: &str,
+        token: &[u8; 8],
+        tail: &[u8],
+        format: u8,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let redis_key = self.redis_key(scope, key);
+        let turn = waiting.next.fetch_add(1, Ordering::Relaxed) as usize;
+        let mut conn = waiting.conns[turn % waiting.conns.len()].clone();
+        let mut attempt = 0;
+        let mut loaded = false;
+        loop {
+            let mut eval = ::redis::cmd("EVALSHA");
+            eval.arg(self.scripts.complete.get_hash())
+                .arg(1)
+                .arg(&redis_key)
+                .arg(self.clock_offset_ms.load(Ordering::SeqCst))
+                .arg(&token[..])
+                .arg(millis(retention).max(1))
+                .arg(tail)
+                .arg(if attempt > 0 { "1" } else { "" })
+                .arg(&[format][..]);
+            let mut pipe = ::redis::pipe();
+            pipe.add_command(eval)
+                .cmd("WAIT")
+                .arg(waiting.wait.replicas)
+                .arg(millis(waiting.wait.timeout));
+            self.round_trips.fetch_add(1, Ordering::Relaxed);
+            let sent: Result<(Value, i64), RedisError> = pipe.query_async(&mut conn).await;
+            match sent {
+                Ok((reply, acknowledged)) => {
+                    let done = flag(&reply)?;
+                    let acknowledged = u32::try_from(acknowledged.max(0)).unwrap_or(u32::MAX);
+                    if done && acknowledged < waiting.wait.replicas {
+                        return Err(StoreError::NotReplicated {
+                            acknowledged,
+                            wanted: waiting.wait.replicas,
+                        });
+                    }
+                    return Ok(done);
+                }
+                Err(e) if !loaded && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    loaded = true;
+                    self.scripts
+                        .complete
+                        .prepare_invoke()
+                        .load_async(&mut conn)
+                        .await
+                        .map_err(store_error)?;
+                }
+                Err(e) if attempt + 1 < ATTEMPTS && resendable(&e) => {
+                    attempt += 1;
+                    tracing::debug!(error = %e, attempt, "idempotency store: resending a completion");
+                    tokio::time::sleep(Duration::from_millis(25 * u64::from(attempt))).await;
+                }
+                Err(e) => return Err(store_error(e)),
             }
         }
     }
@@ -888,6 +1041,11 @@ impl Store for RedisStore {
     ) -> Result<bool, StoreError> {
         let token = token.0.to_be_bytes();
         let (format, tail) = encode_response(response);
+        if let Some(waiting) = &self.waiting {
+            return self
+                .complete_waited(waiting, scope, key, &token, &tail, format, retention)
+                .await;
+        }
         let reply = self
             .run(&self.scripts.complete, scope, key, |inv, resent| {
                 inv.arg(&token[..])
