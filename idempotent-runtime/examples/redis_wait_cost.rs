@@ -3,25 +3,34 @@
 //!
 //! ```text
 //! scripts/redis-replica primary 16390 && scripts/redis-replica replica 16391 16390
+//! until redis-cli -p 16391 info replication | grep -q link_status:up; do sleep 0.1; done
 //! cargo run --release -p idempotent-runtime --features redis --example redis_wait_cost \
 //!     -- redis://127.0.0.1:16390/0 [SECONDS] [CONCURRENCY]
 //! scripts/redis-replica stop 16391 && scripts/redis-replica stop 16390
 //! ```
 //!
 //! Each run claims and completes fresh keys from CONCURRENCY tasks (default 16) for SECONDS
-//! (default 8) on a two-worker runtime, and prints first requests a second and the completion's
-//! latency (median and 99th percentile). The keys are deleted afterwards.
+//! (default 8) on a two-worker runtime, and prints first requests a second, the completion's
+//! latency (median and 99th percentile) and how many completions no replica acknowledged within
+//! the 100 ms wait. The keys are deleted afterwards.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::fingerprint::Fingerprint;
 use idempotent_runtime::store::redis::RedisStore;
-use idempotent_runtime::store::{Claim, ClaimRequest, FencingToken, RecordedResponse, Store};
+use idempotent_runtime::store::{
+    Claim, ClaimRequest, FencingToken, RecordedResponse, Store, StoreError,
+};
 
 const SCOPE: [u8; 32] = [9; 32];
 
-async fn run(store: Arc<RedisStore>, secs: u64, concurrency: usize) -> (usize, Vec<Duration>) {
+/// Completions, their latencies sorted, and how many were not replicated in time.
+async fn run(
+    store: Arc<RedisStore>,
+    secs: u64,
+    concurrency: usize,
+) -> (usize, Vec<Duration>, usize) {
     let deadline = Instant::now() + Duration::from_secs(secs);
     let answer = RecordedResponse::new(201, Vec::new(), vec![b'a'; 1024].into());
     let tasks: Vec<_> = (0..concurrency)
@@ -30,6 +39,7 @@ async fn run(store: Arc<RedisStore>, secs: u64, concurrency: usize) -> (usize, V
             let answer = answer.clone();
             tokio::spawn(async move {
                 let mut latencies = Vec::new();
+                let mut not_replicated = 0;
                 let mut n = 0;
                 while Instant::now() < deadline {
                     n += 1;
@@ -52,22 +62,29 @@ async fn run(store: Arc<RedisStore>, secs: u64, concurrency: usize) -> (usize, V
                         panic!("claim of a fresh key did not acquire");
                     };
                     let start = Instant::now();
-                    store
+                    match store
                         .complete(&SCOPE, &key, req.token, &answer, req.retention)
                         .await
-                        .expect("completion");
+                    {
+                        Ok(true) => {}
+                        Err(StoreError::NotReplicated { .. }) => not_replicated += 1,
+                        other => panic!("completion: {other:?}"),
+                    }
                     latencies.push(start.elapsed());
                 }
-                latencies
+                (latencies, not_replicated)
             })
         })
         .collect();
     let mut all = Vec::new();
+    let mut not_replicated = 0;
     for t in tasks {
-        all.extend(t.await.expect("task"));
+        let (latencies, late) = t.await.expect("task");
+        all.extend(latencies);
+        not_replicated += late;
     }
     all.sort();
-    (all.len(), all)
+    (all.len(), all, not_replicated)
 }
 
 fn main() {
@@ -96,13 +113,13 @@ fn main() {
                 builder = builder.wait_for_replicas(replicas, timeout);
             }
             let store = Arc::new(builder.connect(&url).await.expect("connect"));
-            let (n, latencies) = run(Arc::clone(&store), secs, concurrency).await;
+            let (n, latencies, not_replicated) = run(Arc::clone(&store), secs, concurrency).await;
             let at = |q: f64| {
                 latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)]
             };
             println!(
                 "{label}: {:.0} first requests/s ({concurrency} concurrent, {secs} s), \
-                 completion median {:?}, p99 {:?}",
+                 completion median {:?}, p99 {:?}, not replicated in time {not_replicated}",
                 n as f64 / secs as f64,
                 at(0.5),
                 at(0.99)

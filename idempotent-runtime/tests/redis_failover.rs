@@ -284,6 +284,9 @@ async fn worker(store: Arc<RedisStore>, load: Arc<Load>, worker: usize) {
 
 /// What one failover did to the records a store had acknowledged.
 struct Failover {
+    /// With the option: a completion after the promoted replica lost its scripts (no replica
+    /// is left to acknowledge it), and whether it stands completed.
+    reloaded: Option<(Result<bool, StoreError>, bool)>,
     /// First requests (claim + completion) a second before the cut, on a healthy pair.
     per_second: f64,
     acknowledged: usize,
@@ -392,9 +395,31 @@ async fn failover(wait: Option<(u32, Duration)>) -> Failover {
             not_replicated_lost_after_cut += usize::from(*after_cut);
         }
     }
+    let mut reloaded = None;
+    if let Some((replicas, timeout)) = wait {
+        // The promoted replica has no script cache, as after a real failover for a store that
+        // stays connected (Sentinel): a waited completion must load its script again, not fail.
+        let waited = RedisStore::builder()
+            .prefix(&prefix)
+            .wait_for_replicas(replicas, timeout)
+            .connect(&Pair::url(pair.replica))
+            .await
+            .expect("connect to the promoted replica");
+        let req = request("after-the-failover");
+        assert!(matches!(waited.claim(&req).await, Ok(Claim::Acquired)));
+        tokio::task::block_in_place(|| {
+            assert!(cli(pair.replica, &["SCRIPT", "FLUSH"]).contains("OK"));
+        });
+        let answer = RecordedResponse::new(201, Vec::new(), "{}".into());
+        let done = waited
+            .complete(&SCOPE, req.key, req.token, &answer, req.retention)
+            .await;
+        reloaded = Some((done, completed_on(&promoted, req.key).await));
+    }
     drop(forwarder);
     drop(pair);
     Failover {
+        reloaded,
         per_second,
         acknowledged: outcomes.acknowledged.len(),
         acknowledged_after_cut: outcomes.acknowledged.iter().filter(|(_, c)| *c).count(),
@@ -475,6 +500,18 @@ async fn with_wait_for_replicas_no_acknowledged_completion_is_lost_by_a_failover
         f.not_replicated > 0,
         "no completion after the cut was reported unreplicated"
     );
+    let (done, completed) = f.reloaded.expect("the completion after the failover");
+    assert!(
+        matches!(
+            done,
+            Err(StoreError::NotReplicated {
+                acknowledged: 0,
+                wanted: 1
+            })
+        ),
+        "a waited completion on the promoted replica without its scripts: {done:?}"
+    );
+    assert!(completed, "the reloaded completion did not stand");
     // Reported means "not known to be on a replica": a completion that reached the replica
     // just before the cut, whose acknowledgement did not come back, is reported and survives.
     assert!(f.not_replicated_lost <= f.not_replicated);

@@ -111,6 +111,7 @@ use ::redis::cluster::ClusterClient;
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::{ErrorKind, RedisError, Script, ScriptInvocation, ServerErrorKind, Value};
 use bytes::Bytes;
+use tokio::sync::oneshot;
 
 use super::{
     Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, Standing,
@@ -433,10 +434,94 @@ struct WaitForReplicas {
     timeout: Duration,
 }
 
-/// Connections a store opens for completions that wait for replicas (beside the one for
-/// everything else): a `WAIT` holds its connection until the replicas answer, so claims and
-/// replays never queue behind it, and completions spread over several.
-const WAIT_CONNECTIONS: usize = 4;
+/// The completions that wait for replicas, sent together on a connection of their own: every
+/// completion that arrives while a batch is out goes in the next one, one pipeline of their
+/// scripts followed by a single `WAIT`, which covers every write sent before it on its
+/// connection. Claims and replays, on the store's other connection, never queue behind a
+/// `WAIT`, and concurrent completions share one instead of waiting in turn.
+struct Waiting {
+    wait: WaitForReplicas,
+    conn: ConnectionManager,
+    queue: std::sync::Mutex<WaitQueue>,
+}
+
+#[derive(Default)]
+struct WaitQueue {
+    pending: Vec<(::redis::Cmd, WaitAnswer)>,
+    /// Whether a task is sending batches.
+    out: bool,
+}
+
+/// A completion's script reply and the replicas its batch's `WAIT` counted.
+type WaitAnswer = oneshot::Sender<Result<(Value, i64), RedisError>>;
+
+impl Waiting {
+    /// Sends `completion` with the next batch; `None` when the batch's task was gone before it
+    /// answered (the outcome is unknown).
+    async fn submit(
+        self: &Arc<Self>,
+        completion: ::redis::Cmd,
+    ) -> Option<Result<(Value, i64), RedisError>> {
+        let (answer, reply) = oneshot::channel();
+        let start = {
+            let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            queue.pending.push((completion, answer));
+            !std::mem::replace(&mut queue.out, true)
+        };
+        if start {
+            // Its own task: a request that gives up must not take its neighbours' batch along.
+            tokio::spawn(Arc::clone(self).send_batches());
+        }
+        reply.await.ok()
+    }
+
+    async fn send_batches(self: Arc<Self>) {
+        let mut conn = self.conn.clone();
+        loop {
+            let batch = {
+                let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                if queue.pending.is_empty() {
+                    queue.out = false;
+                    return;
+                }
+                std::mem::take(&mut queue.pending)
+            };
+            let mut pipe = ::redis::pipe();
+            pipe.ignore_errors();
+            let mut answers = Vec::with_capacity(batch.len());
+            for (completion, answer) in batch {
+                pipe.add_command(completion);
+                answers.push(answer);
+            }
+            pipe.cmd("WAIT")
+                .arg(self.wait.replicas)
+                .arg(millis(self.wait.timeout));
+            let replies: Result<Vec<Result<Value, RedisError>>, RedisError> =
+                pipe.query_async(&mut conn).await;
+            match replies {
+                Ok(mut replies) => {
+                    let acknowledged = match replies.pop() {
+                        Some(Ok(Value::Int(n))) => Ok(n),
+                        Some(Err(e)) => Err(e),
+                        _ => Err(RedisError::from((
+                            ErrorKind::UnexpectedReturnType,
+                            "WAIT answered something other than a count",
+                        ))),
+                    };
+                    for (answer, reply) in answers.into_iter().zip(replies) {
+                        let _ =
+                            answer.send(reply.and_then(|v| acknowledged.clone().map(|n| (v, n))));
+                    }
+                }
+                Err(e) => {
+                    for answer in answers {
+                        let _ = answer.send(Err(e.clone()));
+                    }
+                }
+            }
+        }
+    }
+}
 
 impl RedisStoreBuilder {
     /// The prefix of every key (default `idem`): 1–64 bytes without `{`, `}` or whitespace (the
@@ -514,16 +599,12 @@ impl RedisStoreBuilder {
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(500));
         let manager = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
-        let mut waiting = Vec::new();
+        let mut waiting = None;
         if let Some(wait) = self.wait_for_replicas {
             // A WAIT answers after its timeout at the latest: only past that has Redis failed.
             let config = config
                 .set_response_timeout(Some(self.response_timeout.saturating_add(wait.timeout)));
-            for _ in 0..WAIT_CONNECTIONS {
-                waiting.push(
-                    ConnectionManager::new_with_config(client.clone(), config.clone()).await?,
-                );
-            }
+            waiting = Some(ConnectionManager::new_with_config(client, config).await?);
         }
         self.finish(Connection::Single(manager), waiting).await
     }
@@ -543,7 +624,7 @@ impl RedisStoreBuilder {
             .connection_timeout(self.connection_timeout)
             .build()?;
         let conn = client.get_async_connection().await?;
-        self.finish(Connection::Cluster(conn), Vec::new()).await
+        self.finish(Connection::Cluster(conn), None).await
     }
 
     /// Builds the store over an existing connection manager and loads the scripts. With
@@ -551,11 +632,7 @@ impl RedisStoreBuilder {
     /// (holding it while replicas answer): give it a response timeout longer than the wait's.
     pub async fn build(self, manager: ConnectionManager) -> Result<RedisStore, RedisError> {
         self.check_prefix()?;
-        let waiting = if self.wait_for_replicas.is_some() {
-            vec![manager.clone()]
-        } else {
-            Vec::new()
-        };
+        let waiting = self.wait_for_replicas.map(|_| manager.clone());
         self.finish(Connection::Single(manager), waiting).await
     }
 
@@ -563,13 +640,13 @@ impl RedisStoreBuilder {
     pub async fn build_cluster(self, conn: ClusterConnection) -> Result<RedisStore, RedisError> {
         self.check_prefix()?;
         self.check_no_wait()?;
-        self.finish(Connection::Cluster(conn), Vec::new()).await
+        self.finish(Connection::Cluster(conn), None).await
     }
 
     async fn finish(
         self,
         conn: Connection,
-        waiting: Vec<ConnectionManager>,
+        waiting: Option<ConnectionManager>,
     ) -> Result<RedisStore, RedisError> {
         let scripts = Scripts::new();
         for script in scripts.all() {
@@ -577,10 +654,12 @@ impl RedisStoreBuilder {
         }
         Ok(RedisStore {
             conn,
-            waiting: self.wait_for_replicas.map(|wait| Waiting {
-                wait,
-                conns: waiting,
-                next: AtomicU64::new(0),
+            waiting: self.wait_for_replicas.zip(waiting).map(|(wait, conn)| {
+                Arc::new(Waiting {
+                    wait,
+                    conn,
+                    queue: Default::default(),
+                })
             }),
             prefix: self.prefix,
             scripts,
@@ -595,18 +674,11 @@ impl RedisStoreBuilder {
 /// `Arc`; build it with [`RedisStore::connect`] or [`RedisStore::builder`].
 pub struct RedisStore {
     conn: Connection,
-    waiting: Option<Waiting>,
+    waiting: Option<Arc<Waiting>>,
     prefix: String,
     scripts: Scripts,
     clock_offset_ms: AtomicI64,
     round_trips: AtomicU64,
-}
-
-/// The connections of completions that wait for replicas, taken in turn.
-struct Waiting {
-    wait: WaitForReplicas,
-    conns: Vec<ConnectionManager>,
-    next: AtomicU64,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -865,13 +937,13 @@ impl RedisStore {
         }
     }
 
-    /// The completion script and `WAIT` in one pipeline on a connection of their own, resent
-    /// like [`run`](Self::run) while the connection fails, with the script loaded again where
-    /// Redis has lost it (a promoted replica has no script cache).
+    /// The completion sent with the next batch of completions that wait for replicas (see
+    /// [`Waiting`]); when its batch failed, or Redis had lost the script (a promoted replica
+    /// has no script cache), sent again alone with its own `WAIT`, like [`run`](Self::run).
     #[allow(clippy::too_many_arguments)]
     async fn complete_waited(
         &self,
-        waiting: &Waiting,
+        waiting: &Arc<Waiting>,
         scope: &ScopeHash,
         key: &str,
         token: &[u8; 8],
@@ -880,11 +952,7 @@ impl RedisStore {
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let redis_key = self.redis_key(scope, key);
-        let turn = waiting.next.fetch_add(1, Ordering::Relaxed) as usize;
-        let mut conn = waiting.conns[turn % waiting.conns.len()].clone();
-        let mut attempt = 0;
-        let mut loaded = false;
-        loop {
+        let completion = |resent: bool| {
             let mut eval = ::redis::cmd("EVALSHA");
             eval.arg(self.scripts.complete.get_hash())
                 .arg(1)
@@ -893,27 +961,54 @@ impl RedisStore {
                 .arg(&token[..])
                 .arg(millis(retention).max(1))
                 .arg(tail)
-                .arg(if attempt > 0 { "1" } else { "" })
+                .arg(if resent { "1" } else { "" })
                 .arg(&[format][..]);
+            eval
+        };
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let answered = match waiting.submit(completion(false)).await {
+            Some(Ok(answer)) => answer,
+            Some(Err(e))
+                if !(resendable(&e)
+                    || e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)) =>
+            {
+                return Err(store_error(e));
+            }
+            // Outcome unknown (or not run, for NOSCRIPT): the completion is safe to resend.
+            _ => self.complete_alone(waiting, &completion).await?,
+        };
+        let (reply, acknowledged) = answered;
+        let done = flag(&reply)?;
+        let acknowledged = u32::try_from(acknowledged.max(0)).unwrap_or(u32::MAX);
+        if done && acknowledged < waiting.wait.replicas {
+            return Err(StoreError::NotReplicated {
+                acknowledged,
+                wanted: waiting.wait.replicas,
+            });
+        }
+        Ok(done)
+    }
+
+    /// A waited completion resent alone: the script and `WAIT` in one pipeline, loading the
+    /// script where Redis lost it, resent while the connection fails.
+    async fn complete_alone(
+        &self,
+        waiting: &Waiting,
+        completion: &(dyn Fn(bool) -> ::redis::Cmd + Sync),
+    ) -> Result<(Value, i64), StoreError> {
+        let mut conn = waiting.conn.clone();
+        let mut attempt = 1;
+        let mut loaded = false;
+        loop {
             let mut pipe = ::redis::pipe();
-            pipe.add_command(eval)
+            pipe.add_command(completion(true))
                 .cmd("WAIT")
                 .arg(waiting.wait.replicas)
                 .arg(millis(waiting.wait.timeout));
             self.round_trips.fetch_add(1, Ordering::Relaxed);
             let sent: Result<(Value, i64), RedisError> = pipe.query_async(&mut conn).await;
             match sent {
-                Ok((reply, acknowledged)) => {
-                    let done = flag(&reply)?;
-                    let acknowledged = u32::try_from(acknowledged.max(0)).unwrap_or(u32::MAX);
-                    if done && acknowledged < waiting.wait.replicas {
-                        return Err(StoreError::NotReplicated {
-                            acknowledged,
-                            wanted: waiting.wait.replicas,
-                        });
-                    }
-                    return Ok(done);
-                }
+                Ok(answer) => return Ok(answer),
                 Err(e) if !loaded && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                     loaded = true;
                     self.scripts
@@ -923,7 +1018,7 @@ impl RedisStore {
                         .await
                         .map_err(store_error)?;
                 }
-                Err(e) if attempt + 1 < ATTEMPTS && resendable(&e) => {
+                Err(e) if attempt < ATTEMPTS && resendable(&e) => {
                     attempt += 1;
                     tracing::debug!(error = %e, attempt, "idempotency store: resending a completion");
                     tokio::time::sleep(Duration::from_millis(25 * u64::from(attempt))).await;
