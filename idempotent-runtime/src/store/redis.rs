@@ -93,14 +93,15 @@
 //! runs the handler again. Three failures lose acknowledged records: a restart of a Redis that
 //! persists nothing (the default of many installs, and of this project's test machines) loses all of
 //! them; with `appendonly yes` and the default `appendfsync everysec`, a crash of the machine loses up
-//! to about a second of writes; and a failover to a replica (Sentinel, Cluster) loses whatever the
-//! replica had not received yet, because replication is asynchronous. `appendonly yes` with
-//! `appendfsync always` closes the first two at the cost of an fsync per write (every claim and
-//! completion waits on the disk). The failover window is narrowed, not closed, by `WAIT 1 <ms>` after
-//! a write or by `min-replicas-to-write 1` with `min-replicas-max-lag`, which make the primary refuse
-//! writes (503 here) when no replica keeps up; Redis still does not guarantee that an acknowledged
-//! write survives a failover. If a retry must never run twice across such failures, use PostgreSQL,
-//! and its enlisted mode.
+//! to about a second of writes; and a failover to a replica (Sentinel) loses whatever the replica had
+//! not received yet, because replication is asynchronous. `appendonly yes` with `appendfsync always`
+//! closes the first two at the cost of an fsync per write. The failover window is closed for what
+//! the store acknowledges by [`RedisStoreBuilder::wait_for_replicas`]: a completion counts as
+//! recorded only once that many replicas acknowledged it (`WAIT`), and one they did not acknowledge
+//! in time is reported ([`StoreError::NotReplicated`]), logged and counted, its answer still sent.
+//! Tested with a replica of the test's own promoted after its primary was killed: without the
+//! option every completion acknowledged after the replica fell behind was lost; with it, none was.
+//! If a retry must never run twice across such failures, use PostgreSQL, and its enlisted mode.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -544,17 +545,24 @@ impl RedisStoreBuilder {
     }
 
     /// Makes every completion wait until `replicas` replicas have acknowledged it, for at most
-    /// `timeout` (Redis's `WAIT`, sent with the completion in one round trip), so an answer is
-    /// reported recorded only once a failover to one of those replicas keeps it. Off by default:
-    /// replication is asynchronous and a failover loses the completions a replica had not
-    /// received, letting their retries run again.
+    /// `timeout` (Redis's `WAIT`), so an answer is reported recorded only once a failover to one
+    /// of those replicas keeps it. Off by default: replication is asynchronous, and a failover
+    /// loses the completions a replica had not received, letting their retries run again.
     ///
-    /// When fewer replicas answer within `timeout`, the completion stands on the primary, the
-    /// response is still sent (the handler ran; a 503 would only make the client retry into
-    /// the very failover this guards against), and the shortfall is an error
-    /// ([`StoreError::NotReplicated`]): logged with the key's hash and counted `store_error`.
-    /// Claims are not waited for. Standalone connections only: a cluster build is refused.
-    /// `replicas` 0 turns it off.
+    /// Completions that wait go out on a connection of their own ([`connect`](Self::connect)
+    /// opens it; [`build`](Self::build) uses the manager it is given, whose response timeout
+    /// should then exceed `timeout`): the completions that arrive while one batch waits go out
+    /// together as the next, their scripts and one `WAIT` in one pipeline. Claims and replays
+    /// never queue behind a `WAIT`.
+    ///
+    /// When fewer replicas answer within `timeout`, the completion stands on the primary (and
+    /// is replayed while it serves), the response is still sent, and the shortfall is an error
+    /// ([`StoreError::NotReplicated`]), logged with the key's hash and counted `store_error`.
+    /// The handler has run: a 503 would tell the client it had not, and send its retry into the
+    /// very failover this guards against. Claims are not waited for: a claim lost by a
+    /// failover lets a retry run while the first handler still runs, whose completion then
+    /// finds no reservation and is counted `lease_lost`. Standalone connections only: a cluster
+    /// build is refused. `replicas` 0 turns it off.
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait_for_replicas = (replicas > 0).then_some(WaitForReplicas { replicas, timeout });
         self
