@@ -453,6 +453,27 @@ struct WaitQueue {
     out: bool,
 }
 
+/// The most completions in one batch.
+const MAX_WAIT_BATCH: usize = 128;
+
+/// Dropped with the task that sends batches: when its runtime shut down under it, the
+/// completions still queued are answered "outcome unknown" (their senders dropped, so they
+/// resend alone) and the next completion starts a task again, rather than waiting for ever.
+struct Sending<'a> {
+    waiting: &'a Waiting,
+    done: bool,
+}
+
+impl Drop for Sending<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut queue = self.waiting.queue.lock().unwrap_or_else(|p| p.into_inner());
+            queue.pending.clear();
+            queue.out = false;
+        }
+    }
+}
+
 /// A completion's script reply and the replicas its batch's `WAIT` counted.
 type WaitAnswer = oneshot::Sender<Result<(Value, i64), RedisError>>;
 
@@ -478,14 +499,20 @@ impl Waiting {
 
     async fn send_batches(self: Arc<Self>) {
         let mut conn = self.conn.clone();
+        let mut sending = Sending {
+            waiting: &self,
+            done: false,
+        };
         loop {
-            let batch = {
+            let batch: Vec<_> = {
                 let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
                 if queue.pending.is_empty() {
                     queue.out = false;
+                    sending.done = true;
                     return;
                 }
-                std::mem::take(&mut queue.pending)
+                let n = queue.pending.len().min(MAX_WAIT_BATCH);
+                queue.pending.drain(..n).collect()
             };
             let mut pipe = ::redis::pipe();
             pipe.ignore_errors();
