@@ -29,7 +29,7 @@ use actix_web::{
 use idempotent_examples::admin;
 use idempotent_examples::conformance::{self, Executions, Options, RunLog, identity, init_logging};
 use idempotent_runtime::actix::{CallerScope, IdempotencyMiddleware, idempotent};
-use idempotent_runtime::{EndpointConfig, Idempotency, IdempotencyContext};
+use idempotent_runtime::{Idempotency, IdempotencyContext, config::EndpointConfig};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 #[path = "support/prometheus.rs"]

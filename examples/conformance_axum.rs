@@ -31,7 +31,7 @@ use idempotent_examples::conformance::{
     self, Executions, Options, RunLog, identity, init_logging, shutdown_signal,
 };
 use idempotent_runtime::axum::{CallerScope, IdempotencyLayer, idempotent};
-use idempotent_runtime::{EndpointConfig, Idempotency, IdempotencyContext};
+use idempotent_runtime::{Idempotency, IdempotencyContext, config::EndpointConfig};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 #[path = "support/prometheus.rs"]

@@ -8,10 +8,10 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 
 use super::adapter::{HANDLE_MISSING_FIX as FIX, prepare, route_of};
+use crate::Idempotency;
 use crate::adapter::{self, Claimed, Entry, OuterStep, Served};
 use crate::config::{Endpoint, EndpointConfig};
 use crate::context::IdempotencyContext;
-use crate::handle::Idempotency;
 
 /// Where the extractor finds the [`Idempotency`].
 pub trait HandleSource<S>: Send + Sync + 'static {

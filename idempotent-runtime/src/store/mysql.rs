@@ -92,7 +92,7 @@ const MIGRATIONS: &[Step] = &[Step {
 }];
 
 /// The default table name.
-pub const DEFAULT_TABLE: &str = "idempotency_records";
+pub(crate) const DEFAULT_TABLE: &str = "idempotency_records";
 
 /// How often a claim is sent again when its read-back finds nothing (the standing row was
 /// deleted in between) or it was chosen as a deadlock victim.
