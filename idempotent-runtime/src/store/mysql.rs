@@ -859,6 +859,7 @@ impl MySqlStore {
 
     /// Moves the store's clock forward by `by` (an offset added to the database's clock in
     /// every statement), so the contract suite can test leases and retention without sleeping.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn advance_clock_for_tests(&self, by: Duration) {
         self.core
@@ -867,6 +868,7 @@ impl MySqlStore {
     }
 
     /// Statements sent to the database so far (each one round trip).
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn statements_executed(&self) -> u64 {
         self.core.statements.load(Ordering::Relaxed)
