@@ -462,16 +462,26 @@ impl OuterStep {
 /// any), or the refusal when the attribute requires the key and the outer step does not (the
 /// watch says that setup once; strict mode refuses every request, otherwise a keyless one is
 /// refused as the attribute alone would).
+///
+/// Keyed means keyed where the attribute reads its key, as it would alone: the outer step
+/// left a context, or the request carries the attribute's own key header (its `key =
+/// header(…)`, else the configured one). A key read from the body cannot be seen before the
+/// body is read, so there the outer step's decision stands.
 pub(crate) fn under_outer<R: Reply>(
     outer: OuterStep,
     endpoint: &EndpointConfig,
     handle: Option<&Idempotency>,
     route: &str,
-    keyed: bool,
+    keyed: impl FnOnce(&str) -> bool,
 ) -> Option<R> {
     if !endpoint.require_key || outer.require_key {
         return None;
     }
+    let keyed = match endpoint.key_source() {
+        Some(source) if source.reads_body() => true,
+        Some(source) => keyed(source.header_name().unwrap_or(crate::key::HEADER_NAME)),
+        None => keyed(handle.map_or(crate::key::HEADER_NAME, |h| h.config().key_header())),
+    };
     pipeline::required_under_optional(handle, route, keyed)
 }
 
@@ -503,16 +513,19 @@ pub enum Entry<R> {
 }
 
 /// The attribute's first decision, the same in every framework: under an `outer` step it
-/// steps aside (or refuses, when it requires the key and the outer step does not); without a handle a method the endpoint does not apply to
-/// needs none, and anything else is [`handle_missing`] with `fix`. `route` is asked only when
-/// a log line needs it; `keyed` is whether the outer step left a context.
+/// steps aside, or refuses when it requires the key, the outer step does not, and the request
+/// is keyless where the attribute reads its key; without a handle a method the endpoint does
+/// not apply to needs none, and anything else is [`handle_missing`] with `fix`. `route` is
+/// asked only when a log line needs it; `keyed(name)` says whether the outer step left a
+/// context or the request carries header `name` (asked only under an outer step, with the
+/// header the attribute reads its key from).
 pub fn entry<R: Reply, S: AsRef<str>>(
     outer: Option<OuterStep>,
     handle: Option<Idempotency>,
     endpoint: &EndpointConfig,
     method: &str,
     route: impl FnOnce() -> S,
-    keyed: bool,
+    keyed: impl FnOnce(&str) -> bool,
     fix: &str,
 ) -> Entry<R> {
     if let Some(outer) = outer {

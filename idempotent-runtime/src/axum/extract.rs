@@ -111,7 +111,8 @@ where
         let handle = Src::handle(extensions, state);
         let route = || route_of(extensions);
         let method = request.method().as_str();
-        let keyed = context.is_some();
+        let headers = request.headers();
+        let keyed = |name: &str| context.is_some() || headers.contains_key(name);
         let entry = adapter::entry(outer, handle, Self::ENDPOINT, method, route, keyed, FIX);
         let (request, claimed) = match entry {
             Entry::Answer(answer) => return Err(answer),

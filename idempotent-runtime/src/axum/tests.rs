@@ -657,6 +657,62 @@ async fn a_required_key_under_an_optional_layer_is_still_required_and_said() {
     assert!(logs.errors().is_empty(), "{:?}", logs.errors());
 }
 
+#[idempotent(crate = crate, require_key, key = header("X-Request-Key"))]
+async fn create_by_header(State(app): State<App>, body: String) -> String {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    body
+}
+
+#[idempotent(crate = crate, require_key, key = body("/id"))]
+async fn create_by_body(State(app): State<App>, body: String) -> String {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    body
+}
+
+/// Under an optional layer (strict mode off), a `require_key` attribute judges "keyless" where
+/// it reads its own key, as it would alone: its own header, not the configured one; a key in
+/// the body is not refused as missing before the body is read.
+#[tokio::test]
+async fn a_required_key_under_an_optional_layer_is_looked_for_where_the_attribute_reads_it() {
+    let store = strict(false);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = Router::new()
+        .route("/by-header", post(create_by_header))
+        .route("/by-body", post(create_by_body))
+        .with_state(App {
+            store: store.clone(),
+            runs: Arc::clone(&runs),
+        })
+        .layer(IdempotencyLayer::new(store))
+        .layer(peer());
+    let by_header = Request::post("/by-header")
+        .header("x-request-key", "k1")
+        .body(Body::from("x"))
+        .unwrap();
+    let (status, _, body) = call(&router, by_header).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "x"));
+    let by_body = Request::post("/by-body")
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"id":"k2"}"#))
+        .unwrap();
+    let (status, _, body) = call(&router, by_body).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, r#"{"id":"k2"}"#));
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "both ran under the layer");
+
+    // Keyless where the attribute reads its key, and the layer left no context.
+    let keyless = Request::post("/by-header").body(Body::from("x")).unwrap();
+    let (status, _, body) = call(&router, keyless).await;
+    assert_eq!(
+        (status.as_u16(), code(&body).as_str()),
+        (400, "IDEMPOTENCY_KEY_REQUIRED")
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the keyless one did not run"
+    );
+}
+
 /// Strict mode: a `require_key` attribute under a layer whose key is optional is refused on the
 /// first request either way, keyed or not (the layer's marker says its key is optional).
 #[tokio::test]
