@@ -99,12 +99,15 @@ impl std::error::Error for KeyError {}
 /// error.
 ///
 /// ```
-/// use idempotent_runtime::key::{parse_header_values, KeyError};
+/// # #[cfg(feature = "testing")] {
+/// use idempotent_runtime::key::KeyError;
+/// use idempotent_runtime::test_helpers::key::parse_header_values;
 ///
 /// let key = parse_header_values([b"\"order-42\"".as_slice()]).unwrap().unwrap();
 /// assert_eq!(key.as_str(), "order-42");
 /// assert_eq!(parse_header_values([b"a, b".as_slice()]), Err(KeyError::Multiple));
 /// assert_eq!(parse_header_values(std::iter::empty::<&[u8]>()), Ok(None));
+/// # }
 /// ```
 pub(crate) fn parse_header_values<'a, I>(values: I) -> Result<Option<IdempotencyKey>, KeyError>
 where

