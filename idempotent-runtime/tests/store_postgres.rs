@@ -1657,3 +1657,95 @@ async fn claims_dropped_while_their_statement_waits_leave_their_keys_free() {
         }
     }
 }
+
+/// Duplicates waiting for a running request (`wait_in_progress`) hold no database connection
+/// while they wait (DESIGN.md §6, "never holding a database connection while it waits"): on a
+/// pool of one connection, eight waiting duplicates leave it free nearly all the time, the
+/// first request completes through it at once, and every waiter gets the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_duplicates_hold_no_connection_while_they_wait() {
+    use idempotent_runtime::Idempotency;
+    use idempotent_runtime::config::EndpointConfig;
+    use idempotent_runtime::fingerprint::FingerprintInput;
+    use idempotent_runtime::key::IdempotencyKey;
+    use idempotent_runtime::scope::{Identity, Scope};
+    use idempotent_runtime::test_helpers::pipeline::{Begin, BeginRequest, begin, effective};
+
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let store = db
+        .builder()
+        .max_connections(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let pool = store.pool().clone();
+    let handle = Idempotency::new(store);
+    let waits = EndpointConfig::REQUIRED.wait_in_progress(Duration::from_secs(20));
+    let endpoint = Arc::new(effective(&waits, handle.config()));
+    let scope = Arc::new(Scope::from_identity(&Identity::subject("acme", "alice"), None).unwrap());
+    let key = IdempotencyKey::new("waited").unwrap();
+    let begin_one = {
+        let (handle, endpoint, scope, key) = (handle.clone(), endpoint.clone(), scope.clone(), key);
+        move || {
+            let (handle, endpoint, scope, key) =
+                (handle.clone(), endpoint.clone(), scope.clone(), key.clone());
+            async move {
+                let req = BeginRequest {
+                    key: &key,
+                    input: FingerprintInput {
+                        method: "POST",
+                        route: Some("/orders"),
+                        path_params: &[],
+                        query: None,
+                        scope: &scope,
+                        content_type: Some(b"application/json"),
+                        body: b"{}",
+                    },
+                    endpoint: &endpoint,
+                };
+                begin(&handle, &req).await
+            }
+        }
+    };
+    let Begin::Run(first) = begin_one().await else {
+        panic!("the first request claims the key")
+    };
+    let waiters: Vec<_> = (0..8).map(|_| tokio::spawn(begin_one())).collect();
+
+    // While they wait: the one connection is checked out only for a poll's statement.
+    let mut samples = Vec::new();
+    for _ in 0..60 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        samples.push(pool.size() as usize - pool.num_idle());
+    }
+    let free = samples.iter().filter(|&&in_use| in_use == 0).count();
+    assert!(
+        free * 4 >= samples.len() * 3,
+        "connections in use while waiting: {samples:?}"
+    );
+    assert!(
+        waiters.iter().all(|w| !w.is_finished()),
+        "they are still waiting"
+    );
+
+    // The first completes through that connection at once, and every waiter replays it.
+    let response = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"created"));
+    let started = Instant::now();
+    tokio::time::timeout(Duration::from_secs(5), first.complete(&response))
+        .await
+        .expect("the completion is not starved of a connection");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    for waiter in waiters {
+        match waiter.await.unwrap() {
+            Begin::Replay(recorded) => assert_eq!(recorded.status, 201),
+            _ => panic!("a waiter is answered with the replay"),
+        }
+    }
+}
