@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 use std::io::Write as _;
 use std::sync::Mutex;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
@@ -29,7 +29,7 @@ use actix_web::{
 use idempotent_examples::admin;
 use idempotent_examples::conformance::{self, Executions, Options, RunLog, identity, init_logging};
 use idempotent_runtime::actix::{CallerScope, IdempotencyMiddleware, idempotent};
-use idempotent_runtime::{EndpointConfig, Idempotency, IdempotencyContext};
+use idempotent_runtime::{Idempotency, IdempotencyContext, config::EndpointConfig};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 #[path = "support/prometheus.rs"]
@@ -142,22 +142,18 @@ async fn verify_delivery(
     let max_body = req
         .app_data::<web::Data<Idempotency>>()
         .map_or(1 << 20, |handle| handle.config().max_body());
-    let body = match conformance::read_delivery(req.take_payload(), max_body).await {
-        Ok(body) => body,
+    let payload = req.take_payload();
+    let headers = req.headers().clone();
+    let header = |name: &str| headers.get(name).map(|v| v.as_bytes());
+    let (body, provider) = match conformance::verify_delivery(payload, max_body, header).await {
+        Ok(verified) => verified,
         Err(status) => {
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
             let response = HttpResponse::build(status).finish();
             return Ok(req.into_response(response).map_into_right_body());
         }
     };
-    let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes());
-    let verified = conformance::webhook_verifier().verify(header, &body, SystemTime::now());
-    if let Err(error) = verified {
-        tracing::debug!(%error, "webhook delivery refused");
-        let response = HttpResponse::Unauthorized().finish();
-        return Ok(req.into_response(response).map_into_right_body());
-    }
-    req.extensions_mut().insert(conformance::webhook_provider());
+    req.extensions_mut().insert(provider);
     req.set_payload(actix_web::dev::Payload::from(body));
     Ok(next.call(req).await?.map_into_left_body())
 }

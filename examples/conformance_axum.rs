@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{FromRef, Path, Query, RawQuery, Request, State};
@@ -31,7 +31,7 @@ use idempotent_examples::conformance::{
     self, Executions, Options, RunLog, identity, init_logging, shutdown_signal,
 };
 use idempotent_runtime::axum::{CallerScope, IdempotencyLayer, idempotent};
-use idempotent_runtime::{EndpointConfig, Idempotency, IdempotencyContext};
+use idempotent_runtime::{Idempotency, IdempotencyContext, config::EndpointConfig};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 #[path = "support/prometheus.rs"]
@@ -295,21 +295,17 @@ async fn standard_webhook(
 /// runs before the handler's extractors and the idempotency step among them).
 async fn verify_delivery(State(max_body): State<usize>, request: Request, next: Next) -> Response {
     let (mut parts, body) = request.into_parts();
-    let body = match conformance::read_delivery(body.into_data_stream(), max_body).await {
-        Ok(body) => body,
+    let header = |name: &str| parts.headers.get(name).map(HeaderValue::as_bytes);
+    let delivery = conformance::verify_delivery(body.into_data_stream(), max_body, header);
+    let (body, provider) = match delivery.await {
+        Ok(verified) => verified,
         Err(status) => {
             return StatusCode::from_u16(status)
                 .unwrap_or(StatusCode::BAD_REQUEST)
                 .into_response();
         }
     };
-    let header = |name: &str| parts.headers.get(name).map(HeaderValue::as_bytes);
-    let verified = conformance::webhook_verifier().verify(header, &body, SystemTime::now());
-    if let Err(error) = verified {
-        tracing::debug!(%error, "webhook delivery refused");
-        return StatusCode::UNAUTHORIZED.into_response();
-    }
-    parts.extensions.insert(conformance::webhook_provider());
+    parts.extensions.insert(provider);
     next.run(Request::from_parts(parts, Body::from(body))).await
 }
 

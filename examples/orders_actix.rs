@@ -18,7 +18,7 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::middleware::{self, Next};
 use actix_web::{App, HttpMessage, HttpResponse, HttpServer, Responder, get, post, web};
 use idempotent_runtime::actix::idempotent;
-use idempotent_runtime::{Idempotency, Identity};
+use idempotent_runtime::{Idempotency, scope::Identity};
 use serde::{Deserialize, Serialize};
 
 #[derive(Default)]

@@ -30,7 +30,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use idempotent_runtime::axum::idempotent;
 use idempotent_runtime::problem::{Problem, RenderedRefusal};
-use idempotent_runtime::{Idempotency, Identity};
+use idempotent_runtime::{Idempotency, scope::Identity};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 

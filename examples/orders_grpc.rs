@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use idempotent_examples::grpc::AuthLayer;
 use idempotent_runtime::tonic::IdempotencyLayer;
-use idempotent_runtime::{EndpointConfig, Idempotency};
+use idempotent_runtime::{Idempotency, config::EndpointConfig};
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};

@@ -90,7 +90,7 @@ mod tests {
     #[test]
     fn scope_hashes_parse_from_hex() {
         let hash = *idempotent_runtime::scope::Scope::from_identity(
-            &idempotent_runtime::Identity::subject("acme", "alice"),
+            &idempotent_runtime::scope::Identity::subject("acme", "alice"),
             None,
         )
         .unwrap()

@@ -567,9 +567,30 @@ pub fn webhook_provider() -> Identity {
     Identity::client(ClientId::OAuth("standard-webhooks".to_owned()))
 }
 
+/// A webhook delivery checked before anything else runs (both servers' route middleware: only
+/// the framework's request and response types differ): its body read under `limit`, its
+/// signature verified against `header` (a lookup by lowercase name), and the provider's
+/// identity to publish. `Err` is the status to answer: 413 past `limit`, 400 for a body broken
+/// mid-read, 401 for a signature that does not verify.
+pub async fn verify_delivery<'h, S, E>(
+    chunks: S,
+    limit: usize,
+    header: impl FnMut(&str) -> Option<&'h [u8]>,
+) -> Result<(bytes::Bytes, Identity), u16>
+where
+    S: futures_util::Stream<Item = Result<bytes::Bytes, E>>,
+{
+    let body = read_delivery(chunks, limit).await?;
+    if let Err(error) = webhook_verifier().verify(header, &body, SystemTime::now()) {
+        tracing::debug!(%error, "webhook delivery refused");
+        return Err(401);
+    }
+    Ok((body, webhook_provider()))
+}
+
 /// Reads at most `limit` bytes of a webhook delivery's body before its signature is checked:
 /// `Err(413)` past it, `Err(400)` for a body broken mid-read.
-pub async fn read_delivery<S, E>(chunks: S, limit: usize) -> Result<bytes::Bytes, u16>
+async fn read_delivery<S, E>(chunks: S, limit: usize) -> Result<bytes::Bytes, u16>
 where
     S: futures_util::Stream<Item = Result<bytes::Bytes, E>>,
 {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use idempotent_runtime::EndpointConfig;
+use idempotent_runtime::config::EndpointConfig;
 use idempotent_runtime::tonic::{IdempotencyLayer, MethodConfig};
 use tonic::codec::CompressionEncoding;
 use tonic::server::{Grpc, NamedService, ServerStreamingService, UnaryService};
@@ -352,7 +352,7 @@ impl tower_service::Service<http::Request<tonic::body::Body>> for Conformance {
 
 /// The conformance identity rules on gRPC metadata, as a tower layer outside the idempotency
 /// layer: `authorization: Bearer <tenant>:<subject>` (with `x-api-key` beside it) publishes an
-/// [`Identity`](idempotent_runtime::Identity); a malformed `authorization` is
+/// [`Identity`](idempotent_runtime::scope::Identity); a malformed `authorization` is
 /// `UNAUTHENTICATED` before any idempotency step; `x-api-key` alone is left to the runtime's
 /// resolver.
 #[derive(Clone, Copy, Debug, Default)]

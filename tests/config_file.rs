@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 use idempotent_runtime::config::grammar::{parse_duration, parse_size};
+use idempotent_runtime::config::{Config, EndpointConfig};
 use idempotent_runtime::config::{FailureMode, Methods, MissingKeyStatus, Oversized, ReuseStatus};
 use idempotent_runtime::scope::Anonymous;
-use idempotent_runtime::{Config, EndpointConfig};
 
 #[derive(serde::Deserialize)]
 struct ServiceConfig {

@@ -13,8 +13,9 @@ use axum::Router;
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use http_body_util::BodyExt;
 use idempotent_benchmarks as bench;
-use idempotent_runtime::fingerprint::{self, FingerprintInput};
+use idempotent_runtime::fingerprint::FingerprintInput;
 use idempotent_runtime::scope::{Identity, Scope};
+use idempotent_runtime::test_helpers::fingerprint;
 use tower::ServiceExt;
 
 static BODY: LazyLock<Vec<u8>> = LazyLock::new(bench::order_body);

@@ -6,7 +6,8 @@
 use std::net::IpAddr;
 
 use arbitrary::Arbitrary;
-use idempotent_runtime::fingerprint::{FingerprintInput, compute, compute_version};
+use idempotent_runtime::fingerprint::FingerprintInput;
+use idempotent_runtime::test_helpers::fingerprint::{compute, compute_version};
 use idempotent_runtime::scope::{ClientId, Identity, Scope};
 use libfuzzer_sys::fuzz_target;
 

@@ -7,7 +7,8 @@
 use std::net::IpAddr;
 
 use arbitrary::Arbitrary;
-use idempotent_runtime::scope::{ScopeError, client_ip};
+use idempotent_runtime::scope::ScopeError;
+use idempotent_runtime::test_helpers::scope::client_ip;
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Arbitrary, Debug)]

@@ -3,9 +3,8 @@
 //! through both the bare and the quoted form.
 #![no_main]
 
-use idempotent_runtime::key::{
-    IdempotencyKey, KeyError, MAX_KEY_LEN, parse_header_values, parse_value,
-};
+use idempotent_runtime::key::{IdempotencyKey, KeyError};
+use idempotent_runtime::test_helpers::key::{MAX_KEY_LEN, parse_header_values, parse_value};
 use libfuzzer_sys::fuzz_target;
 
 fn quote(key: &str) -> Vec<u8> {

@@ -11,11 +11,13 @@ use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use idempotent_runtime::Idempotency;
 use idempotent_runtime::config::EndpointConfig;
-use idempotent_runtime::fingerprint::{self, FingerprintInput};
+use idempotent_runtime::fingerprint::FingerprintInput;
 use idempotent_runtime::key::IdempotencyKey;
 use idempotent_runtime::scope::{Identity, Scope};
 use idempotent_runtime::store::RecordedResponse;
 use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
+use idempotent_runtime::test_helpers;
+use idempotent_runtime::test_helpers::fingerprint;
 use idempotent_runtime::test_helpers::pipeline::{Begin, BeginRequest, begin};
 
 fn input<'a>(scope: &'a Scope, body: &'a [u8]) -> FingerprintInput<'a> {
@@ -61,7 +63,7 @@ fn memory_store(c: &mut Criterion) {
     let handle = rt.block_on(async { Idempotency::new(store) });
     let scope = Scope::from_identity(&Identity::subject("acme", "alice"), None).unwrap();
     let body = vec![b'x'; 1024];
-    let endpoint = EndpointConfig::REQUIRED.resolve(handle.config());
+    let endpoint = test_helpers::pipeline::effective(&EndpointConfig::REQUIRED, handle.config());
     let response = RecordedResponse::new(
         201,
         vec![(

@@ -2,7 +2,7 @@
 //! longest pause a request on the same (single) worker thread sees meanwhile, beside the same
 //! requests without a sweep.
 //!
-//! `cargo run --release -p idempotent-runtime --example sweep_pause [-- TOTAL EXPIRED ANSWER]`
+//! `cargo run --release -p idempotent-runtime --features testing --example sweep_pause [-- TOTAL EXPIRED ANSWER]`
 //!
 //! Fills a store with TOTAL (default 1,000,000) completed records, EXPIRED (default 100,000) of
 //! them past their retention. Then, on a one-thread runtime, a task claims and completes new keys
@@ -21,9 +21,8 @@ use bytes::Bytes;
 use idempotent_runtime::clock::ManualClock;
 use idempotent_runtime::fingerprint::Fingerprint;
 use idempotent_runtime::store::memory::{MemoryLimits, MemoryStore};
-use idempotent_runtime::store::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, Store, spawn_sweeper,
-};
+use idempotent_runtime::store::{Claim, ClaimRequest, FencingToken, RecordedResponse, Store};
+use idempotent_runtime::test_helpers::store::spawn_sweeper;
 
 fn request<'a>(scope: &'a [u8; 32], key: &'a str, retention: Duration) -> ClaimRequest<'a> {
     ClaimRequest {

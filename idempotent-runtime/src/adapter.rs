@@ -33,22 +33,15 @@ use tracing::Instrument as _;
 #[cfg(any(feature = "axum", feature = "tonic"))]
 pub mod http;
 
+use crate::Idempotency;
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
-use crate::handle::Idempotency;
 use crate::pipeline::{self, Detached};
 use crate::problem::Problem;
 use crate::reservation::Reservation;
 use crate::scope::Scope;
 
-pub use crate::pipeline::{Chunks, Ended, Head, REPLAYED_HEADER, Reply, Served};
-
-/// The caller's scope exactly as [`prepare`] resolves it for a keyed request ([the
-/// contract](crate::design) §4), for an operators' route (`inspect`, `forget`): `Err` is the
-/// refusal the sequence would answer (render it with [`refusal`]).
-pub async fn caller_scope<H: Head>(handle: &Idempotency, head: &H) -> Result<Scope, Problem> {
-    pipeline::scope_of(handle, head).await
-}
+pub use crate::pipeline::{Chunks, Ended, Head, Reply, Served};
 
 /// The caller's scope, resolved exactly as the sequence resolves it for a keyed request ([the
 /// contract](crate::design) §4), as a framework's extractor for the operators' routes
@@ -112,7 +105,7 @@ pub fn decode_path_param(segment: &str) -> std::borrow::Cow<'_, str> {
 }
 
 /// A refusal as the adapter's response, rendered by the handle's
-/// [renderer](crate::handle::Builder::refusal_renderer).
+/// [renderer](crate::IdempotencyBuilder::refusal_renderer).
 pub fn refusal<R: Reply>(handle: &Idempotency, problem: &Problem) -> R {
     pipeline::refuse(handle, problem)
 }
@@ -449,7 +442,7 @@ impl<B: Chunks<Error: Unpin>> Chunks for Resumed<B> {
 /// The mark the outermost idempotency step that applies to a request (a router-level layer or
 /// middleware, or the attribute) leaves in the request's extensions, so an inner one steps
 /// aside: the outer decides. An adapter inserts [`OuterStep::of`] when it takes a request on,
-/// and an inner step that finds one asks [`under_outer`].
+/// and an inner step that finds one steps aside ([`entry`]).
 #[derive(Debug, Clone, Copy)]
 pub struct OuterStep {
     require_key: bool,
@@ -469,16 +462,26 @@ impl OuterStep {
 /// any), or the refusal when the attribute requires the key and the outer step does not (the
 /// watch says that setup once; strict mode refuses every request, otherwise a keyless one is
 /// refused as the attribute alone would).
-pub fn under_outer<R: Reply>(
+///
+/// Keyed means keyed where the attribute reads its key, as it would alone: the outer step
+/// left a context, or the request carries the attribute's own key header (its `key =
+/// header(…)`, else the configured one). A key read from the body cannot be seen before the
+/// body is read, so there the outer step's decision stands.
+pub(crate) fn under_outer<R: Reply>(
     outer: OuterStep,
     endpoint: &EndpointConfig,
     handle: Option<&Idempotency>,
     route: &str,
-    keyed: bool,
+    keyed: impl FnOnce(&str) -> bool,
 ) -> Option<R> {
     if !endpoint.require_key || outer.require_key {
         return None;
     }
+    let keyed = match endpoint.key_source() {
+        Some(source) if source.reads_body() => true,
+        Some(source) => keyed(source.header_name().unwrap_or(crate::key::HEADER_NAME)),
+        None => keyed(handle.map_or(crate::key::HEADER_NAME, |h| h.config().key_header())),
+    };
     pipeline::required_under_optional(handle, route, keyed)
 }
 
@@ -510,16 +513,19 @@ pub enum Entry<R> {
 }
 
 /// The attribute's first decision, the same in every framework: under an `outer` step it
-/// steps aside ([`under_outer`]); without a handle a method the endpoint does not apply to
-/// needs none, and anything else is [`handle_missing`] with `fix`. `route` is asked only when
-/// a log line needs it; `keyed` is whether the outer step left a context.
+/// steps aside, or refuses when it requires the key, the outer step does not, and the request
+/// is keyless where the attribute reads its key; without a handle a method the endpoint does
+/// not apply to needs none, and anything else is [`handle_missing`] with `fix`. `route` is
+/// asked only when a log line needs it; `keyed(name)` says whether the outer step left a
+/// context or the request carries header `name` (asked only under an outer step, with the
+/// header the attribute reads its key from).
 pub fn entry<R: Reply, S: AsRef<str>>(
     outer: Option<OuterStep>,
     handle: Option<Idempotency>,
     endpoint: &EndpointConfig,
     method: &str,
     route: impl FnOnce() -> S,
-    keyed: bool,
+    keyed: impl FnOnce(&str) -> bool,
     fix: &str,
 ) -> Entry<R> {
     if let Some(outer) = outer {
@@ -647,7 +653,7 @@ impl RouterLayer {
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub use enlisted::{
-    BufferedTx, ClaimedTx, enlisted_behind_layer, enlisted_entry, front_enlisted, prepare_enlisted,
+    BufferedTx, ClaimedTx, enlisted_entry, front_enlisted, prepare_enlisted,
     prepare_enlisted_extracting,
 };
 
@@ -667,17 +673,11 @@ mod enlisted {
     use tracing::Instrument as _;
 
     use super::{Chunks, Ended, Head, Reply};
+    use crate::Idempotency;
     use crate::config::EndpointConfig;
     use crate::context::IdempotencyContext;
     use crate::enlisted::{Enlistable, EnlistedTx, Held};
-    use crate::handle::Idempotency;
     use crate::pipeline::{self, Enlisted};
-
-    /// The answer for an enlisted handler behind a router-level layer or middleware, which
-    /// already claimed the key outside any transaction: a setup mistake, logged with its fix.
-    pub fn enlisted_behind_layer<R: Reply>(route: &str) -> R {
-        pipeline::enlisted_behind_layer(route)
-    }
 
     /// An enlisted request whose body was read in full, ready to be claimed in its
     /// transaction ([`front_enlisted`]'s answer).
@@ -804,7 +804,7 @@ mod enlisted {
     }
 
     /// The enlisted attribute's first decision: an outer step already claimed the key
-    /// outside any transaction ([`enlisted_behind_layer`]), or there is no handle
+    /// outside any transaction (a setup mistake), or there is no handle
     /// ([`handle_missing`](super::handle_missing) with `fix`); otherwise the handle to run
     /// the sequence with.
     pub fn enlisted_entry<R: Reply>(
@@ -814,7 +814,7 @@ mod enlisted {
         fix: &str,
     ) -> Result<Idempotency, R> {
         match (outer, handle) {
-            (Some(_), _) => Err(enlisted_behind_layer(route)),
+            (Some(_), _) => Err(pipeline::enlisted_behind_layer(route)),
             (None, None) => Err(super::handle_missing(route, fix)),
             (None, Some(handle)) => Ok(handle),
         }
@@ -926,7 +926,8 @@ mod tests {
     /// written outside the crate could do all they do. Their tests may reach further.
     #[test]
     fn the_framework_adapters_use_only_the_public_adapter_api() {
-        const INTERNAL: [&str; 5] = [
+        const INTERNAL: [&str; 6] = [
+            "crate::handle",
             "crate::pipeline",
             "crate::watch",
             "crate::record",

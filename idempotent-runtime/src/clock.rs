@@ -9,25 +9,25 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Milliseconds since the UNIX epoch.
-pub type Millis = u64;
+pub(crate) type Millis = u64;
 
 /// A source of wall-clock time, and of a monotonic one.
 pub trait Clock: Send + Sync + 'static {
     /// Milliseconds since the UNIX epoch.
-    fn now_millis(&self) -> Millis;
+    fn now_millis(&self) -> u64;
 
     /// Milliseconds on a clock that never steps (unlike the wall clock, which NTP or a resumed
     /// VM may move): what a one-process store measures leases on, so that a wall-clock step
     /// never makes a live handler look abandoned. Only differences between two readings mean
     /// anything. The default is the wall clock.
-    fn monotonic_millis(&self) -> Millis {
+    fn monotonic_millis(&self) -> u64 {
         self.now_millis()
     }
 }
 
 /// The system clock.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct SystemClock;
+pub(crate) struct SystemClock;
 
 impl Clock for SystemClock {
     fn now_millis(&self) -> Millis {
@@ -37,7 +37,7 @@ impl Clock for SystemClock {
     }
 
     /// [`Instant`] since the first reading, from the wall time of that reading.
-    fn monotonic_millis(&self) -> Millis {
+    fn monotonic_millis(&self) -> u64 {
         static ANCHOR: OnceLock<(Instant, Millis)> = OnceLock::new();
         let (start, wall) = *ANCHOR.get_or_init(|| (Instant::now(), self.now_millis()));
         wall.saturating_add(millis(start.elapsed()))
@@ -108,7 +108,7 @@ impl Clock for ManualClock {
             .wrapping_add(self.step.load(Ordering::SeqCst))
     }
 
-    fn monotonic_millis(&self) -> Millis {
+    fn monotonic_millis(&self) -> u64 {
         self.monotonic.load(Ordering::SeqCst)
     }
 }

@@ -9,7 +9,10 @@ use crate::fingerprint::BodySubset;
 use crate::key::KeySource;
 use crate::scope::Anonymous;
 
+pub(crate) mod effective;
 pub mod grammar;
+
+pub(crate) use effective::{Effective, Recording};
 
 /// Status for a key reused with a different request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -69,7 +72,7 @@ pub enum FailureMode {
 /// ([the contract](crate::design) §3, "Oversized answers").
 ///
 /// ```
-/// use idempotent_runtime::EndpointConfig;
+/// use idempotent_runtime::config::EndpointConfig;
 /// use idempotent_runtime::config::Oversized;
 ///
 /// // A charge must never run twice, however large its receipt.
@@ -536,7 +539,7 @@ impl ConfigBuilder {
     }
     /// Bound on the bytes of request and response bodies buffered at once across all requests
     /// (default 256 MiB). Past it, new requests get 503 `IDEMPOTENCY_STORE_FULL`. The handle
-    /// builder's [`max_buffered_bytes`](crate::handle::Builder::max_buffered_bytes), where
+    /// builder's [`max_buffered_bytes`](crate::IdempotencyBuilder::max_buffered_bytes), where
     /// given, wins.
     pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
         self.0.max_buffered_bytes = bytes;
@@ -544,7 +547,7 @@ impl ConfigBuilder {
     }
     /// Whether the handle runs the background sweeper, when built inside a Tokio runtime
     /// (default on). Turn it off when another process sweeps the shared store. The handle
-    /// builder's [`sweeper`](crate::handle::Builder::sweeper), where given, wins.
+    /// builder's [`sweeper`](crate::IdempotencyBuilder::sweeper), where given, wins.
     pub fn sweeper(mut self, on: bool) -> Self {
         self.0.sweeper = on;
         self
@@ -567,7 +570,7 @@ impl ConfigBuilder {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idempotent_runtime::EndpointConfig;
+/// use idempotent_runtime::config::EndpointConfig;
 /// use idempotent_runtime::config::{FailureMode, Oversized, ReuseStatus};
 ///
 /// const PAYMENTS: EndpointConfig = EndpointConfig::new()
@@ -915,7 +918,7 @@ impl EndpointConfig {
     }
 
     /// The settings in force for this endpoint.
-    pub fn resolve(&self, config: &Config) -> Effective {
+    pub(crate) fn resolve(&self, config: &Config) -> Effective {
         Effective {
             require_key: self.require_key,
             lease: self.lease.unwrap_or(config.lease),
@@ -954,67 +957,6 @@ pub trait Endpoint: Send + Sync + 'static {
 
 impl Endpoint for () {
     const CONFIG: &'static EndpointConfig = &EndpointConfig::OPTIONAL;
-}
-
-/// Which responses an endpoint records: its overrides of [`Config`]'s lists, `None` meaning
-/// the configured one.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Recording {
-    non_replayable: Option<Statuses>,
-    recorded_headers: Option<HeaderNames>,
-    oversized: Option<Oversized>,
-}
-
-impl Recording {
-    /// Whether a response with this final status may be recorded and replayed.
-    pub fn is_recordable_status(&self, config: &Config, status: u16) -> bool {
-        match &self.non_replayable {
-            Some(list) => (200..500).contains(&status) && !list.as_slice().contains(&status),
-            None => config.is_recordable_status(status),
-        }
-    }
-
-    /// What an answer over `max_response` leaves behind on this endpoint.
-    pub fn oversized(&self, config: &Config) -> Oversized {
-        self.oversized.unwrap_or(config.oversized)
-    }
-
-    /// Whether a response header (lowercase name) is kept in the record.
-    pub fn records_header(&self, config: &Config, lowercase_name: &str) -> bool {
-        match &self.recorded_headers {
-            Some(list) => {
-                !NEVER_RECORDED.contains(&lowercase_name) && list.contains(lowercase_name)
-            }
-            None => config.records_header(lowercase_name),
-        }
-    }
-}
-
-/// Endpoint settings merged with the runtime's [`Config`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Effective {
-    /// Refuse requests without a key.
-    pub require_key: bool,
-    /// Lease.
-    pub lease: Duration,
-    /// Retention.
-    pub retention: Duration,
-    /// Request body cap.
-    pub max_body: usize,
-    /// Recorded response cap.
-    pub max_response: usize,
-    /// Status for a reused key.
-    pub reuse_status: ReuseStatus,
-    /// Fail closed or open.
-    pub failure_mode: FailureMode,
-    /// The methods it applies to.
-    pub methods: Methods,
-    /// What of the body the fingerprint covers: `None` the whole body (version 1).
-    pub fingerprint: Option<BodySubset>,
-    /// How long a duplicate waits for a running request's answer (zero: 409 at once).
-    pub wait_in_progress: Duration,
-    /// Which responses are recorded.
-    pub recording: Recording,
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ impl Encoder<'_> {
 }
 
 /// The first eight bytes of a hash in hex, for log lines.
-pub struct ShortHash<'a>(pub &'a [u8; 32]);
+pub(crate) struct ShortHash<'a>(pub &'a [u8; 32]);
 
 impl fmt::Display for ShortHash<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -12,7 +12,7 @@
 //!
 //! A query pair is a list of one element (`a`) or two (`a=` → name and empty value).
 //!
-//! Version 2 ([`compute_subset`]) covers a list of JSON Pointers into the body instead of the
+//! Version 2 covers a list of JSON Pointers into the body instead of the
 //! whole body; its canonical form is in [`BodySubset`]'s docs.
 
 use std::borrow::Cow;
@@ -24,17 +24,20 @@ use crate::scope::Scope;
 
 // Version 2: the fingerprint over JSON Pointers into the body (issue 31).
 mod subset;
-pub use subset::{BodySubset, SUBSET_VERSION, SubsetError, compute_subset, compute_version_subset};
+pub use subset::BodySubset;
+#[cfg(test)]
+pub(crate) use subset::SUBSET_VERSION;
+pub(crate) use subset::{SubsetError, compute_subset, compute_version_subset};
 
 /// The encoding version new fingerprints are computed with.
-pub const CURRENT_VERSION: u16 = 1;
+pub(crate) const CURRENT_VERSION: u16 = 1;
 
 const TAG_V1: &[u8] = b"idempotent-fingerprint/v1\n";
 
 /// A computed fingerprint and the version of the encoding that produced it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint {
-    /// Encoding version ([`CURRENT_VERSION`] for new fingerprints).
+    /// Encoding version (1 for new fingerprints over the whole body, 2 over a [`BodySubset`]).
     pub version: u16,
     /// SHA-256 digest.
     pub digest: [u8; 32],
@@ -136,7 +139,7 @@ pub trait FingerprintContributor: Send + Sync + 'static {
 }
 
 /// Computes the fingerprint with the current encoding.
-pub fn compute(
+pub(crate) fn compute(
     input: &FingerprintInput<'_>,
     contributor: Option<&dyn FingerprintContributor>,
 ) -> Fingerprint {
@@ -147,7 +150,7 @@ pub fn compute(
 /// Computes the fingerprint with the encoding of `version`, so that a record written by another
 /// release is compared with its own encoder. `None` for a version this release does not know.
 /// Version 2 also needs the endpoint's pointers: [`compute_version_subset`] answers every version.
-pub fn compute_version(
+pub(crate) fn compute_version(
     version: u16,
     input: &FingerprintInput<'_>,
     contributor: Option<&dyn FingerprintContributor>,

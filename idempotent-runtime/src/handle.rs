@@ -17,7 +17,7 @@ use crate::store::{RecordInfo, Store, StoreError};
 use crate::watch::Watch;
 
 /// Rows (or entries) a sweep deletes per statement.
-pub const SWEEP_BATCH: usize = 500;
+pub(crate) const SWEEP_BATCH: usize = 500;
 
 /// The idempotency runtime an application shares with its handlers: a store, the settings, and
 /// the hooks. Cheap to clone. Put it in your application state (axum: implement
@@ -84,7 +84,7 @@ impl std::fmt::Debug for Idempotency {
 
 /// Builds an [`Idempotency`].
 #[must_use]
-pub struct Builder {
+pub struct IdempotencyBuilder {
     store: Arc<dyn DynStore>,
     config: Config,
     audit: Option<Arc<dyn AuditSink>>,
@@ -95,7 +95,7 @@ pub struct Builder {
     max_buffered: Option<usize>,
 }
 
-impl Builder {
+impl IdempotencyBuilder {
     /// Settings (default [`Config::default`]).
     pub fn config(mut self, config: Config) -> Self {
         self.config = config;
@@ -292,13 +292,13 @@ impl Idempotency {
     }
 
     /// A builder over `store`.
-    pub fn builder(store: impl Store) -> Builder {
+    pub fn builder(store: impl Store) -> IdempotencyBuilder {
         Self::builder_arc(Arc::new(store))
     }
 
     /// A builder over a store already behind an `Arc` (to keep a typed handle on it too).
-    pub fn builder_arc<S: Store>(store: Arc<S>) -> Builder {
-        Builder {
+    pub fn builder_arc<S: Store>(store: Arc<S>) -> IdempotencyBuilder {
+        IdempotencyBuilder {
             store,
             config: Config::default(),
             audit: None,
@@ -350,7 +350,7 @@ impl Idempotency {
         self.inner.audit.as_deref()
     }
 
-    /// The body of a refusal: the application's [renderer](Builder::refusal_renderer), or
+    /// The body of a refusal: the application's [renderer](IdempotencyBuilder::refusal_renderer), or
     /// `application/problem+json`.
     pub fn render_refusal(&self, problem: &Problem) -> RenderedRefusal {
         match &self.inner.renderer {

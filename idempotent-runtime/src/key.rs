@@ -5,7 +5,7 @@
 //! characters. Two header lines, or one bare line with a `,` (two lines folded into one), are
 //! refused: the client sent two keys and we cannot know which one it meant.
 //!
-//! An endpoint may instead read its key from a JSON body ([`KeySource`], [`key_from_body`]): a
+//! An endpoint may instead read its key from a JSON body ([`KeySource`]): a
 //! webhook provider's event id, say. The same syntax rules apply to the value found.
 
 use std::fmt;
@@ -17,15 +17,15 @@ pub(crate) mod json;
 mod pointer;
 mod source;
 
-pub use json::{JsonError, JsonErrorReason, MAX_JSON_DEPTH};
 pub use pointer::{JsonPointer, PointerError};
-pub use source::{BodyKeyError, JsonKind, KeySource, KeySourceError, key_from_body};
+pub(crate) use source::{BodyKeyError, key_from_body};
+pub use source::{KeySource, KeySourceError};
 
 /// The longest key accepted, in bytes (after unquoting).
-pub const MAX_KEY_LEN: usize = 255;
+pub(crate) const MAX_KEY_LEN: usize = 255;
 
 /// The header's name, lowercase as HTTP/2 and HTTP/3 carry it.
-pub const HEADER_NAME: &str = "idempotency-key";
+pub(crate) const HEADER_NAME: &str = "idempotency-key";
 
 /// A syntactically valid idempotency key, compared exactly (case-sensitive).
 ///
@@ -59,7 +59,7 @@ impl fmt::Debug for IdempotencyKey {
 pub enum KeyError {
     /// The header was present but empty (or `""`).
     Empty,
-    /// Longer than [`MAX_KEY_LEN`] after unquoting.
+    /// Longer than 255 bytes after unquoting.
     TooLong {
         /// The length in bytes; the key itself is never echoed.
         len: usize,
@@ -99,14 +99,17 @@ impl std::error::Error for KeyError {}
 /// error.
 ///
 /// ```
-/// use idempotent_runtime::key::{parse_header_values, KeyError};
+/// # #[cfg(feature = "testing")] {
+/// use idempotent_runtime::key::KeyError;
+/// use idempotent_runtime::test_helpers::key::parse_header_values;
 ///
 /// let key = parse_header_values([b"\"order-42\"".as_slice()]).unwrap().unwrap();
 /// assert_eq!(key.as_str(), "order-42");
 /// assert_eq!(parse_header_values([b"a, b".as_slice()]), Err(KeyError::Multiple));
 /// assert_eq!(parse_header_values(std::iter::empty::<&[u8]>()), Ok(None));
+/// # }
 /// ```
-pub fn parse_header_values<'a, I>(values: I) -> Result<Option<IdempotencyKey>, KeyError>
+pub(crate) fn parse_header_values<'a, I>(values: I) -> Result<Option<IdempotencyKey>, KeyError>
 where
     I: IntoIterator<Item = &'a [u8]>,
 {
@@ -121,7 +124,7 @@ where
 }
 
 /// Parses one header value.
-pub fn parse_value(raw: &[u8]) -> Result<IdempotencyKey, KeyError> {
+pub(crate) fn parse_value(raw: &[u8]) -> Result<IdempotencyKey, KeyError> {
     let value = trim_ows(raw);
     if value.first() == Some(&b'"') {
         return parse_quoted(value);

@@ -53,7 +53,7 @@
 //!
 //! # Where authentication goes
 //!
-//! Records are scoped by the caller's [`Identity`], which your authentication inserts into the
+//! Records are scoped by the caller's [`Identity`](scope::Identity), which your authentication inserts into the
 //! request extensions. Authentication runs before the idempotency step, an outer layer in tower
 //! terms: on axum a layer added *after* the `axum::IdempotencyLayer` (so it wraps it), on
 //! actix-web a `wrap` registered after the `actix::IdempotencyMiddleware`, or, with the
@@ -64,7 +64,7 @@
 //!
 //! - [`axum`] and [`actix`]: the attribute, the router-level layer / middleware (features
 //!   `axum`, `actix`);
-//! - [`Idempotency`] ([`handle`]): the handle your application shares; [`config`]: settings;
+//! - [`Idempotency`]: the handle your application shares; [`config`]: settings;
 //! - [`store`]: the memory store (default), PostgreSQL, SQLite and Redis (features `postgres`,
 //!   `sqlite`, `redis`), and a cache of completed records in front of shared ones;
 //! - [`enlisted`]: the record committed in the handler's own PostgreSQL, MySQL or SQLite transaction;
@@ -100,7 +100,7 @@ mod digest;
 )]
 pub mod enlisted;
 pub mod fingerprint;
-pub mod handle;
+mod handle;
 pub mod inbox;
 pub mod key;
 pub mod observe;
@@ -130,11 +130,9 @@ mod watch;
 #[cfg_attr(docsrs, doc(cfg(feature = "webhooks")))]
 pub mod webhook;
 
-pub use config::{Config, EndpointConfig, Methods};
 pub use context::IdempotencyContext;
-pub use handle::Idempotency;
+pub use handle::{Idempotency, IdempotencyBuilder};
 pub use pipeline::REPLAYED_HEADER;
-pub use scope::{ClientId, Identity};
 
 #[doc(hidden)]
 pub mod __private;

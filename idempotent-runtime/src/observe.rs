@@ -5,7 +5,7 @@
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
-//! | `idempotent_<decision>_total` (see [`Event`]) | counter | `route` |
+//! | `idempotent_<decision>_total` (the decisions of the contract §7) | counter | `route` |
 //! | `idempotent_store_operation_seconds` | histogram | `op` (claim, reclaim, complete, release, renew, sweep, inspect, forget), `store` (`cache` for claims the process cache answered) |
 //! | `idempotent_running_reservations` | gauge | |
 //! | `idempotent_buffered_bytes` | gauge | |
@@ -19,13 +19,13 @@ use std::future::Future;
 
 use sha2::{Digest, Sha256};
 
-pub use crate::digest::ShortHash;
+pub(crate) use crate::digest::ShortHash;
 use crate::scope::ScopeHash;
 
 /// Each decision the runtime counts. The `metrics` counter is `idempotent_<name>_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum Event {
+pub(crate) enum Event {
     /// A claimed handler ran.
     Executed,
     /// A recorded response was replayed.
@@ -62,7 +62,7 @@ pub enum Event {
 
 impl Event {
     /// The counter's short name.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Self::Executed => "executed",
             Self::Replayed => "replayed",
@@ -228,14 +228,6 @@ pub trait AuditSink: Send + Sync + 'static {
     fn record(&self, event: &AuditEvent<'_>);
 }
 
-/// The default sink: discards everything.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct DiscardAudit;
-
-impl AuditSink for DiscardAudit {
-    fn record(&self, _: &AuditEvent<'_>) {}
-}
-
 impl AuditDecision {
     /// `"executed"`, `"reclaimed"`, `"replayed"`, `"in_progress"` or `"key_reused"`.
     pub fn as_str(self) -> &'static str {
@@ -250,12 +242,12 @@ impl AuditDecision {
 }
 
 /// SHA-256 of a key, the only form in which a key leaves the runtime.
-pub fn key_hash(key: &str) -> [u8; 32] {
+pub(crate) fn key_hash(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
 }
 
 /// A key's short hash for log lines, computed only if the line is actually written.
-pub struct KeyDisplay<'a>(pub &'a str);
+pub(crate) struct KeyDisplay<'a>(pub &'a str);
 
 impl fmt::Display for KeyDisplay<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -64,7 +64,7 @@ use crate::scope::Scope;
 use crate::store::{ClaimRequest, FencingToken, RecordedResponse, StoreError};
 
 /// The fingerprint version of a plain function's input: apart from every request version.
-pub const ONCE_VERSION: u16 = 0x0100;
+pub(crate) const ONCE_VERSION: u16 = 0x0100;
 
 /// The header naming a recorded output's encoding.
 const ENCODING_HEADER: &str = "idempotent-once";

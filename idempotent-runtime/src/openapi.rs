@@ -52,7 +52,7 @@
 //! or below `#[idempotent]`):
 //!
 //! ```
-//! use idempotent_runtime::Config;
+//! use idempotent_runtime::config::Config;
 //! use idempotent_runtime::openapi::{IdempotentOperation, IdempotentPaths, ProblemDetails};
 //! use utoipa::OpenApi;
 //! use utoipa::openapi::path::HttpMethod;
@@ -80,7 +80,7 @@
 //! ```
 //!
 //! A service that renders refusals in its own format
-//! ([`refusal_renderer`](crate::handle::Builder::refusal_renderer)) documents its own envelope:
+//! ([`refusal_renderer`](crate::IdempotencyBuilder::refusal_renderer)) documents its own envelope:
 //! the schema here describes the crate's `application/problem+json`.
 
 use std::borrow::Cow;
@@ -107,12 +107,12 @@ use crate::problem::{self, Problem, ProblemCode};
 ///
 /// Not `ProblemDetails`: services often have a schema of that name for their own errors, with
 /// their own `code`s, and one would silently replace the other.
-pub const PROBLEM_SCHEMA: &str = "IdempotencyProblemDetails";
+pub(crate) const PROBLEM_SCHEMA: &str = "IdempotencyProblemDetails";
 
 /// The schema of a refusal's `application/problem+json` body (RFC 9457): `type`, `title`,
 /// `status`, `detail` and the stable `code`, an enum of every [`ProblemCode`].
 ///
-/// A [`utoipa::ToSchema`] type, named [`PROBLEM_SCHEMA`]: register it with
+/// A [`utoipa::ToSchema`] type, named `IdempotencyProblemDetails`: register it with
 /// `#[openapi(components(schemas(ProblemDetails)))]` or [`register`], and name it in your own
 /// responses with `body = ProblemDetails`. It only names the schema; refusals are built by the
 /// runtime.

@@ -6,7 +6,7 @@ use std::fmt;
 use bytes::Bytes;
 
 /// The media type of every refusal.
-pub const CONTENT_TYPE: &str = "application/problem+json";
+pub(crate) const CONTENT_TYPE: &str = "application/problem+json";
 
 /// [`ProblemCode`] and everything said per code (`ALL`, the `code` member, the title, the
 /// rustdoc anchor), generated from one list: a code added to the list is in every table, and
@@ -123,7 +123,7 @@ problem_codes! {
     /// Enlisted mode: the endpoint needs the PostgreSQL store and another one is configured.
     StoreNotEnlistable => "IDEMPOTENCY_STORE_NOT_ENLISTABLE",
         "Enlisted endpoint without a PostgreSQL store", "variant.StoreNotEnlistable";
-    /// Strict mode ([`Config::strict`](crate::Config::strict)): this request showed a setup
+    /// Strict mode ([`Config::strict`](crate::config::Config::strict)): this request showed a setup
     /// mistake that turns protection off (a router-level layer outside the router, two
     /// in-memory stores serving one route, a `require_key` attribute under a layer whose key is
     /// optional). The log line says the fix; nothing was claimed.
@@ -238,7 +238,7 @@ impl RenderedRefusal {
 }
 
 /// Renders refusals in the application's own format, set with
-/// [`Builder::refusal_renderer`](crate::handle::Builder::refusal_renderer). Any
+/// [`Builder::refusal_renderer`](crate::IdempotencyBuilder::refusal_renderer). Any
 /// `Fn(&Problem) -> RenderedRefusal` is one.
 ///
 /// ```

@@ -509,7 +509,7 @@ mod tests {
                 sent[5].clone()
             ]
         );
-        let route = crate::EndpointConfig::OPTIONAL
+        let route = crate::config::EndpointConfig::OPTIONAL
             .recorded_headers(&["x-secret"])
             .resolve(&config)
             .recording;

@@ -266,7 +266,7 @@ fn peer_segment(ip: IpAddr) -> String {
 
 /// Resolves the scope of a request under the rules of [the contract](crate::design) §4: identity must not silently
 /// degrade to the peer address when the request carries credentials.
-pub fn resolve(
+pub(crate) fn resolve(
     identity: Option<&Identity>,
     carries_credential: bool,
     peer: Option<IpAddr>,
@@ -305,7 +305,9 @@ pub fn resolve(
 /// anonymous client behind it together.
 ///
 /// ```
-/// use idempotent_runtime::scope::{client_ip, ScopeError};
+/// # #[cfg(feature = "testing")] {
+/// use idempotent_runtime::scope::ScopeError;
+/// use idempotent_runtime::test_helpers::scope::client_ip;
 ///
 /// let proxies = ["10.0.0.0/8".parse().unwrap()];
 /// let proxy = "::ffff:10.0.0.1".parse().unwrap();
@@ -325,8 +327,9 @@ pub fn resolve(
 ///     client_ip(proxy, [], [], &proxies),
 ///     Err(ScopeError::ProxyWithoutClientAddress)
 /// );
+/// # }
 /// ```
-pub fn client_ip<'a>(
+pub(crate) fn client_ip<'a>(
     peer: IpAddr,
     x_forwarded_for: impl IntoIterator<Item = &'a [u8]>,
     forwarded: impl IntoIterator<Item = &'a [u8]>,
@@ -419,14 +422,14 @@ fn is_port(s: &str) -> bool {
 
 /// The canonical form of an address: an IPv4-mapped IPv6 address (`::ffff:10.0.0.1`) is its
 /// IPv4 address, for `trusted_proxies` as for the scope.
-pub fn canonical_ip(ip: IpAddr) -> IpAddr {
+pub(crate) fn canonical_ip(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
         v4 => v4,
     }
 }
 
-/// What a [resolver](crate::handle::Builder::resolver) sees of a request: its head, framework-free.
+/// What a [resolver](crate::IdempotencyBuilder::resolver) sees of a request: its head, framework-free.
 pub struct RequestHead<'a> {
     pub(crate) method: &'a str,
     pub(crate) route: Option<&'a str>,
@@ -490,15 +493,15 @@ pub enum Resolution {
 }
 
 /// A function of the request head that establishes the caller's identity, set on the runtime
-/// with [`Builder::resolver`](crate::handle::Builder::resolver). It runs only when the
+/// with [`Builder::resolver`](crate::IdempotencyBuilder::resolver). It runs only when the
 /// application published no [`Identity`] in the request extensions.
-pub type Resolver = std::sync::Arc<dyn Fn(&RequestHead<'_>) -> Resolution + Send + Sync>;
+pub(crate) type Resolver = std::sync::Arc<dyn Fn(&RequestHead<'_>) -> Resolution + Send + Sync>;
 
 /// A resolver that waits for its answer (a token introspection, a session or API-key lookup),
-/// set with [`Builder::resolver_async`](crate::handle::Builder::resolver_async): it reads what it
+/// set with [`Builder::resolver_async`](crate::IdempotencyBuilder::resolver_async): it reads what it
 /// needs from the head at once and returns a future that owns it. Like [`Resolver`], it runs
 /// only when the application published no [`Identity`], and before anything is claimed.
-pub type AsyncResolver = std::sync::Arc<
+pub(crate) type AsyncResolver = std::sync::Arc<
     dyn Fn(&RequestHead<'_>) -> futures_util::future::BoxFuture<'static, Resolution> + Send + Sync,
 >;
 

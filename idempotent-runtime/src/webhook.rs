@@ -27,7 +27,7 @@
 //!   idempotent route buffers the body (within the same `max_body`), calls
 //!   `verify(|name| headers.get(name).map(|v| v.as_bytes()), &body, SystemTime::now())`,
 //!   answers [`WebhookError::status`] (401) on `Err`, and on `Ok` puts the provider's
-//!   [`Identity`](crate::Identity) (say `Identity::subject("webhooks", "acme-payments")`) in
+//!   [`Identity`](crate::scope::Identity) (say `Identity::subject("webhooks", "acme-payments")`) in
 //!   the request extensions and passes the buffered body on: the provider is the scope's
 //!   identity, so two providers' ids never meet;
 //! - an extractor before the handler's last parameter works the same way with the attribute.
@@ -64,13 +64,13 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 /// The header carrying the delivery id.
-pub const ID_HEADER: &str = "webhook-id";
+pub(crate) const ID_HEADER: &str = "webhook-id";
 /// The header carrying the attempt's timestamp.
-pub const TIMESTAMP_HEADER: &str = "webhook-timestamp";
+pub(crate) const TIMESTAMP_HEADER: &str = "webhook-timestamp";
 /// The header carrying the signatures.
-pub const SIGNATURE_HEADER: &str = "webhook-signature";
+pub(crate) const SIGNATURE_HEADER: &str = "webhook-signature";
 /// The spec's default tolerance between the timestamp and now, either way.
-pub const DEFAULT_TOLERANCE: Duration = Duration::from_secs(5 * 60);
+pub(crate) const DEFAULT_TOLERANCE: Duration = Duration::from_secs(5 * 60);
 
 const SECRET_PREFIX: &str = "whsec_";
 

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use idempotent_runtime::adapter::{self, Chunks, Ended, Head, Prepared, Reply, Served};
 use idempotent_runtime::scope::Identity;
 use idempotent_runtime::store::memory::MemoryStore;
-use idempotent_runtime::{EndpointConfig, Idempotency};
+use idempotent_runtime::{Idempotency, config::EndpointConfig};
 use tokio::sync::Notify;
 
 /// A request head: method, route, headers and the peer.
@@ -129,8 +129,10 @@ impl Reply for PlainResponse {
         }
     }
     fn mark_replayed(mut self) -> Self {
-        self.headers
-            .push((adapter::REPLAYED_HEADER.to_owned(), b"true".to_vec()));
+        self.headers.push((
+            idempotent_runtime::REPLAYED_HEADER.to_owned(),
+            b"true".to_vec(),
+        ));
         self
     }
 }

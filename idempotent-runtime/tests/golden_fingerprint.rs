@@ -9,8 +9,9 @@
 //! | bytes | `0x01`, length as u64 big-endian, the bytes |
 //! | list | `0x02`, count as u64 big-endian, each element framed |
 
-use idempotent_runtime::fingerprint::{FingerprintInput, compute};
+use idempotent_runtime::fingerprint::FingerprintInput;
 use idempotent_runtime::scope::{Identity, Scope};
+use idempotent_runtime::test_helpers::fingerprint::compute;
 use sha2::{Digest, Sha256};
 
 const TAG: &[u8] = b"idempotent-fingerprint/v1\n";

@@ -260,7 +260,7 @@ fn token_conditional_writes_survive_connections_the_database_dropped() {
             .await
             .expect("connect");
         store.migrate().await.expect("migrate");
-        let scope = idempotent_runtime::store::contract::fresh_scope();
+        let scope = idempotent_runtime::test_helpers::store::fresh_scope();
         let req = |key: &'static str| ClaimRequest {
             scope: &scope,
             key,

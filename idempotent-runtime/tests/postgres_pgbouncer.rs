@@ -226,7 +226,7 @@ async fn replicas_claiming_the_same_keys_through_pgbouncer_acquire_each_once() {
     let first = Arc::new(replica().await.unwrap());
     first.migrate().await.expect("migrate through PgBouncer");
     let second = Arc::new(replica().await.unwrap());
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let acquired: Arc<std::sync::Mutex<HashMap<String, usize>>> = Arc::default();
     let mut claims = Vec::new();
     for copy in 0..8 {
@@ -329,7 +329,7 @@ async fn a_claim_meeting_an_uncommitted_row_behind_pgbouncer_answers_within_the_
         .await
         .unwrap();
     store.migrate().await.unwrap();
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let mut holder = db.admin.begin().await.unwrap();
     sqlx::query(AssertSqlSafe(format!(
         "INSERT INTO \"{}\".records (scope, key, token, fingerprint, fp_version, state, \
@@ -471,7 +471,7 @@ async fn what_the_setting_costs_a_replay() {
         return;
     };
     db.store().await;
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let stores = [
         (
             "default, direct",

@@ -241,7 +241,7 @@ async fn migrate_is_idempotent_and_safe_from_several_replicas_at_once() {
         (1, 1),
         "the store's connection kept the migration's lock waits"
     );
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     assert_eq!(
         stores[3]
             .claim(&req(&scope, "k", Duration::from_secs(5)))
@@ -341,7 +341,7 @@ async fn a_table_in_another_database_is_created_and_used() {
         .unwrap();
     store.migrate().await.expect("migrate creates the database");
     assert_eq!(store.table(), format!("`{other}`.`r`"));
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let first = req(&scope, "k", Duration::from_secs(5));
     assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
     let rows = db
@@ -388,7 +388,7 @@ async fn first_request_costs_two_round_trips_and_a_replay_two_that_write_nothing
         return;
     };
     let store = db.store().await;
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
 
     let before = store.statements_executed();
     let first = req(&scope, "order-1", Duration::from_secs(30));
@@ -478,7 +478,7 @@ async fn replays_write_no_redo() {
         return;
     };
     let store = db.store().await;
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let first = req(&scope, "k", Duration::from_secs(30));
     assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
     let (l0, b0) = (lsn(&db).await, binlog(&db).await);
@@ -544,7 +544,7 @@ async fn recorded_responses_round_trip_byte_for_byte() {
         return;
     };
     let store = db.store().await;
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let r = req(&scope, "k", Duration::from_secs(30));
     assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired);
     let recorded = RecordedResponse::new(
@@ -615,7 +615,7 @@ async fn a_claim_meeting_an_uncommitted_row_answers_in_progress_instead_of_waiti
         return;
     };
     let store = db.store().await;
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let tx = hold_uncommitted(&db, &scope, "k").await;
 
     let started = Instant::now();
@@ -659,7 +659,7 @@ async fn claims_dropped_while_their_statement_waits_leave_their_keys_free() {
         db.store_with(db.builder().lock_wait_timeout(Duration::from_secs(10)))
             .await,
     );
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let tx = hold_uncommitted(&db, &scope, "k").await;
     let gone = tokio::time::timeout(
         Duration::from_millis(300),
@@ -700,7 +700,7 @@ async fn two_pools_1000_keys_16_duplicates_acquire_each_key_once() {
     };
     let a = Arc::new(db.store().await);
     let b = Arc::new(db.store().await);
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let acquired: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -753,7 +753,7 @@ async fn killed_connections_never_run_a_key_twice_and_the_pool_recovers() {
         )
         .await,
     );
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
     let errors = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -861,7 +861,7 @@ async fn an_unreachable_database_is_unavailable_not_a_hang() {
         .connect("mysql://root@127.0.0.1:1/none")
         .await
         .expect("connecting is lazy");
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let started = Instant::now();
     match store
         .claim(&req(&scope, "k", Duration::from_secs(30)))
@@ -883,7 +883,7 @@ async fn sweep_frees_expired_rows_in_batches_and_keeps_live_ones() {
         return;
     };
     let store = db.store().await;
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     for i in 0..25 {
         let key = format!("old-{i}");
         let mut r = req(&scope, &key, Duration::from_secs(1));
@@ -931,7 +931,7 @@ async fn innodb_groups_the_log_flushes_of_concurrent_claims() {
         }
     };
     for tasks in [1usize, 16] {
-        let scope = contract::fresh_scope();
+        let scope = idempotent_runtime::test_helpers::store::fresh_scope();
         let claims = 2_000;
         let (writes, fsyncs) = (
             status("Innodb_log_writes").await,

@@ -21,6 +21,7 @@ use idempotent_runtime::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store,
     StoreError, contract,
 };
+use idempotent_runtime::test_helpers;
 use idempotent_runtime::test_helpers::record::{self, Verdict};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -187,7 +188,7 @@ async fn a_cache_keeps_a_record_another_replica_completed() {
         return;
     };
     let elsewhere = db.store().await;
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let first = req(&scope, "k", Duration::from_secs(30));
     assert_eq!(elsewhere.claim(&first).await.unwrap(), Claim::Acquired);
     let answer = response(r#"{"id":7}"#);
@@ -292,7 +293,7 @@ async fn migrate_is_idempotent_and_safe_from_several_replicas_at_once() {
         "room on each page for completions"
     );
     // The store works on the migrated table.
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     assert_eq!(
         stores[3]
             .claim(&req(&scope, "k", Duration::from_secs(5)))
@@ -339,7 +340,7 @@ async fn first_request_costs_two_round_trips_and_a_replay_one_that_writes_nothin
         return;
     };
     let store = db.store().await;
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let same = |f: &Fingerprint| *f == fp(1);
 
     let before = store.statements_executed();
@@ -418,7 +419,7 @@ async fn recorded_responses_round_trip_byte_for_byte() {
         return;
     };
     let store = db.store().await;
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let r = req(&scope, "k", Duration::from_secs(30));
     assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired);
     let recorded = RecordedResponse::new(
@@ -461,7 +462,7 @@ async fn a_claim_meeting_an_uncommitted_row_answers_in_progress_instead_of_waiti
         .await
         .unwrap();
     store.migrate().await.unwrap();
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
 
     // Another transaction holds an uncommitted row for the key (an enlisted request, say).
     let tx = db.hold_uncommitted(&scope, "k", fp(9)).await;
@@ -512,7 +513,7 @@ async fn a_row_committed_after_the_claims_snapshot_is_read_back_by_a_rerun() {
             .unwrap(),
     );
     store.migrate().await.unwrap();
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
 
     let tx = db.hold_uncommitted(&scope, "k", fp(1)).await;
 
@@ -577,7 +578,7 @@ async fn terminated_connections_never_run_a_key_twice_and_the_pool_recovers() {
             .unwrap(),
     );
     store.migrate().await.unwrap();
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
     let errors = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -725,7 +726,7 @@ async fn an_unreachable_database_is_unavailable_not_a_hang() {
         .connect("postgres://postgres@127.0.0.1:1/none")
         .await
         .expect("connecting is lazy");
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let started = Instant::now();
     match store
         .claim(&req(&scope, "k", Duration::from_secs(30)))
@@ -794,7 +795,7 @@ async fn sweep_of_100k_expired_rows_while_claims_continue() {
                 let store = Arc::clone(&store);
                 let until = Arc::clone(&until);
                 tokio::spawn(async move {
-                    let scope = contract::fresh_scope();
+                    let scope = test_helpers::store::fresh_scope();
                     let mut lat = Vec::new();
                     let mut i = 0;
                     while !until.load(Ordering::Relaxed) {
@@ -905,7 +906,7 @@ async fn claims_arriving_together_go_out_as_one_statement_each_answered_on_its_o
         .await
         .unwrap();
     store.migrate().await.unwrap();
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let keys: Vec<String> = (0..24).map(|i| format!("k{i:02}")).collect();
     // Every key twice: the first eight duplicates share a statement with their original (32
     // rows a statement), the rest come in the next one.
@@ -1028,7 +1029,7 @@ async fn a_batch_refused_as_a_whole_is_sent_row_by_row_so_one_bad_row_never_fail
         .await
         .unwrap();
     store.migrate().await.unwrap();
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     // Another transaction holds an uncommitted row for one key: the batch carrying it meets the
     // lock and PostgreSQL refuses the whole statement.
     let tx = db.hold_uncommitted(&scope, "locked", fp(9)).await;
@@ -1079,7 +1080,7 @@ async fn completions_are_heap_only_updates() {
         return;
     };
     let store = db.store().await;
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let n = 60;
     let body = "x".repeat(1024);
     for i in 0..n {
@@ -1135,7 +1136,7 @@ async fn claims_and_completions_arriving_together_share_one_round() {
         return;
     };
     let store = db.store().await;
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let held: Vec<String> = (0..4).map(|i| format!("held-{i}")).collect();
     let held_reqs: Vec<ClaimRequest<'_>> = held
         .iter()
@@ -1220,7 +1221,7 @@ async fn rounds_of_two_replicas_sharing_keys_never_deadlock() {
     };
     let (a, b) = (replica().await, replica().await);
     a.migrate().await.unwrap();
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
     let workers: Vec<_> = (0..24)
         .map(|w| {
@@ -1282,7 +1283,7 @@ async fn requests_runnable_together_share_one_statement() {
         return;
     };
     let store = Arc::new(db.store().await);
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     // Warm a connection, so the claims below find one ready.
     let warm = req(&scope, "warm", Duration::from_secs(30));
     assert_eq!(store.claim(&warm).await.unwrap(), Claim::Acquired);
@@ -1332,7 +1333,7 @@ async fn batches_planned_on_a_young_table_never_scan_it_once_it_has_grown() {
             .unwrap(),
     );
     store.migrate().await.unwrap();
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let body = "x".repeat(1024);
     let workers: Vec<_> = (0..24)
         .map(|w| {
@@ -1389,7 +1390,7 @@ async fn migrating_a_table_of_the_previous_shape_keeps_its_records_and_sweeps_th
     let Some(db) = TestDb::new().await else {
         return;
     };
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let table = format!("\"{}\".records", db.schema);
     // The table as versions 1 and 2 left it, with a completed record, a live one and an
     // expired one.
@@ -1472,7 +1473,7 @@ async fn a_statement_waiting_on_a_lock_never_holds_the_queue() {
             .unwrap(),
     );
     store.migrate().await.unwrap();
-    let scope = contract::fresh_scope();
+    let scope = test_helpers::store::fresh_scope();
     let tx = db.hold_uncommitted(&scope, "locked", fp(9)).await;
     let waiting = {
         let store = Arc::clone(&store);
@@ -1566,7 +1567,7 @@ async fn claims_dropped_while_their_statement_waits_leave_their_keys_free() {
         );
         store.migrate().await.unwrap();
         let qualified = format!("\"{}\".\"{table}\"", db.schema);
-        let scope = contract::fresh_scope();
+        let scope = test_helpers::store::fresh_scope();
         let lease = Duration::from_secs(60);
         // An abandoned reservation, for the reclaim.
         let stale = req(&scope, "abandoned", Duration::from_secs(1));
@@ -1653,6 +1654,98 @@ async fn claims_dropped_while_their_statement_waits_leave_their_keys_free() {
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
+        }
+    }
+}
+
+/// Duplicates waiting for a running request (`wait_in_progress`) hold no database connection
+/// while they wait (DESIGN.md §6, "never holding a database connection while it waits"): on a
+/// pool of one connection, eight waiting duplicates leave it free nearly all the time, the
+/// first request completes through it at once, and every waiter gets the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_duplicates_hold_no_connection_while_they_wait() {
+    use idempotent_runtime::Idempotency;
+    use idempotent_runtime::config::EndpointConfig;
+    use idempotent_runtime::fingerprint::FingerprintInput;
+    use idempotent_runtime::key::IdempotencyKey;
+    use idempotent_runtime::scope::{Identity, Scope};
+    use idempotent_runtime::test_helpers::pipeline::{Begin, BeginRequest, begin, effective};
+
+    let Some(db) = TestDb::new().await else {
+        return;
+    };
+    let store = db
+        .builder()
+        .max_connections(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let pool = store.pool().clone();
+    let handle = Idempotency::new(store);
+    let waits = EndpointConfig::REQUIRED.wait_in_progress(Duration::from_secs(20));
+    let endpoint = Arc::new(effective(&waits, handle.config()));
+    let scope = Arc::new(Scope::from_identity(&Identity::subject("acme", "alice"), None).unwrap());
+    let key = IdempotencyKey::new("waited").unwrap();
+    let begin_one = {
+        let (handle, endpoint, scope, key) = (handle.clone(), endpoint.clone(), scope.clone(), key);
+        move || {
+            let (handle, endpoint, scope, key) =
+                (handle.clone(), endpoint.clone(), scope.clone(), key.clone());
+            async move {
+                let req = BeginRequest {
+                    key: &key,
+                    input: FingerprintInput {
+                        method: "POST",
+                        route: Some("/orders"),
+                        path_params: &[],
+                        query: None,
+                        scope: &scope,
+                        content_type: Some(b"application/json"),
+                        body: b"{}",
+                    },
+                    endpoint: &endpoint,
+                };
+                begin(&handle, &req).await
+            }
+        }
+    };
+    let Begin::Run(first) = begin_one().await else {
+        panic!("the first request claims the key")
+    };
+    let waiters: Vec<_> = (0..8).map(|_| tokio::spawn(begin_one())).collect();
+
+    // While they wait: the one connection is checked out only for a poll's statement.
+    let mut samples = Vec::new();
+    for _ in 0..60 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        samples.push(pool.size() as usize - pool.num_idle());
+    }
+    let free = samples.iter().filter(|&&in_use| in_use == 0).count();
+    assert!(
+        free * 4 >= samples.len() * 3,
+        "connections in use while waiting: {samples:?}"
+    );
+    assert!(
+        waiters.iter().all(|w| !w.is_finished()),
+        "they are still waiting"
+    );
+
+    // The first completes through that connection at once, and every waiter replays it.
+    let response = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"created"));
+    let started = Instant::now();
+    tokio::time::timeout(Duration::from_secs(5), first.complete(&response))
+        .await
+        .expect("the completion is not starved of a connection");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    for waiter in waiters {
+        match waiter.await.unwrap() {
+            Begin::Replay(recorded) => assert_eq!(recorded.status, 201),
+            _ => panic!("a waiter is answered with the replay"),
         }
     }
 }

@@ -19,11 +19,12 @@ use std::time::{Duration, Instant};
 use idempotent_runtime::fingerprint::Fingerprint;
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::contract::model::{Op, check_model};
-use idempotent_runtime::store::redis::{RECORD_HEADER_LEN, RedisStore};
+use idempotent_runtime::store::redis::RedisStore;
 use idempotent_runtime::store::{
     Claim, ClaimRequest, FencingToken, RecordedResponse, StandingState, Store, contract,
 };
 use idempotent_runtime::test_helpers::record::{self, Verdict};
+use idempotent_runtime::test_helpers::store::REDIS_RECORD_HEADER_LEN as RECORD_HEADER_LEN;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -184,7 +185,7 @@ async fn a_first_request_is_one_round_trip_and_a_replay_one() {
         .connect(&url)
         .await
         .unwrap();
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let same = |f: &Fingerprint| *f == fp(1);
     let first = req(&scope, "order-1", Duration::from_secs(30));
     let before = store.round_trips();
@@ -233,7 +234,7 @@ async fn records_round_trip_byte_for_byte_in_their_compact_layout_with_a_ttl() {
         .connect(&url)
         .await
         .unwrap();
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let r = req(&scope, "k", Duration::from_secs(30));
     assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired);
     let mut admin = redis::Client::open(url.as_str())
@@ -330,7 +331,7 @@ async fn token_conditional_writes_survive_connections_redis_closed() {
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let (done, renewed, released) = (
         req(&scope, "done", Duration::from_secs(30)),
         req(&scope, "renewed", Duration::from_secs(30)),
@@ -423,7 +424,7 @@ async fn resent_operations_answer_as_their_first_send_did() {
         .connect(&url)
         .await
         .unwrap();
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let r = req(&scope, "k", Duration::from_secs(30));
     assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired);
     assert_eq!(
@@ -709,7 +710,7 @@ async fn at_maxmemory_a_claimed_answer_is_never_refused_and_refusals_come_at_the
         .unwrap();
     // Room for a handful of answers, not thirty.
     server.limit_memory(server.used_memory() + 2_000_000);
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let keys: Vec<String> = (0..KEYS).map(|k| format!("big-{k}")).collect();
     let mut acquired = Vec::new();
     let mut refused = 0;
@@ -879,7 +880,7 @@ async fn a_claim_that_reaches_redis_after_its_release_does_not_stand() {
         .connect(&proxy.url())
         .await
         .unwrap();
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let mut first = req(&scope, "late", Duration::from_secs(30));
     first.route = HELD_ROUTE;
     let claimed = store.claim(&first).await;
@@ -945,7 +946,7 @@ async fn a_claim_refused_for_room_on_its_resend_leaves_no_late_copy_standing() {
         .await
         .unwrap();
     server.limit_memory(server.used_memory() / 2);
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let mut first = req(&scope, "late", Duration::from_secs(30));
     first.route = HELD_ROUTE;
     let claimed = store.claim(&first).await;

@@ -114,7 +114,7 @@ async fn migrate_is_idempotent_and_keeps_its_own_version_table() {
         .await
         .unwrap();
     assert_eq!(mode, "wal");
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     assert_eq!(
         b.claim(&req(&scope, "k", Duration::from_secs(5)))
             .await
@@ -150,7 +150,7 @@ async fn first_request_costs_two_statements_and_a_replay_one() {
     let db = TempDb::new();
     let store = SqliteStore::open(&db.0).await.unwrap();
     store.migrate().await.unwrap();
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let same = |f: &Fingerprint| *f == fp(1);
 
     let before = store.statements_executed();
@@ -199,7 +199,7 @@ async fn recorded_responses_round_trip_byte_for_byte() {
     let db = TempDb::new();
     let store = SqliteStore::open(&db.0).await.unwrap();
     store.migrate().await.unwrap();
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let r = req(&scope, "k", Duration::from_secs(30));
     assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired);
     let recorded = RecordedResponse::new(
@@ -229,7 +229,7 @@ async fn recorded_responses_round_trip_byte_for_byte() {
 #[tokio::test]
 async fn records_survive_reopening_the_file() {
     let db = TempDb::new();
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let token = {
         let store = SqliteStore::open(&db.0).await.unwrap();
         store.migrate().await.unwrap();
@@ -284,7 +284,7 @@ async fn migrating_a_version_1_table_keeps_its_records_and_inspects_them_without
     .execute(store.writer())
     .await
     .unwrap();
-    let scope = contract::fresh_scope();
+    let scope = idempotent_runtime::test_helpers::store::fresh_scope();
     let far = i64::MAX / 2;
     sqlx::query(
         "INSERT INTO idempotency_records (scope, key, token, fingerprint, fp_version, state, \

@@ -16,7 +16,7 @@ use axum::{Json, Router};
 use idempotent_runtime::Idempotency;
 use idempotent_runtime::enlisted::EnlistedTx;
 use idempotent_runtime::store::FencingToken;
-use idempotent_runtime::store::contract::Forwarding;
+use idempotent_runtime::test_helpers::store::Forwarding;
 use serde_json::{Value, json};
 
 #[derive(Clone)]

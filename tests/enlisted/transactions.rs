@@ -24,8 +24,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use idempotent_runtime::enlisted::EnlistedTx;
-use idempotent_runtime::store::contract::Forwarding;
 use idempotent_runtime::store::postgres::PostgresStore;
+use idempotent_runtime::test_helpers::store::Forwarding;
 use idempotent_runtime::{Idempotency, IdempotencyContext};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -819,7 +819,11 @@ async fn enlisted_handlers_apply_to_their_methods_only() {
     let Some(schema) = Schema::new("methods").await else {
         return;
     };
-    let strict = |on| idempotent_runtime::Config::builder().strict(on).build();
+    let strict = |on| {
+        idempotent_runtime::config::Config::builder()
+            .strict(on)
+            .build()
+    };
     let store = postgres_store(&schema, 4).await;
     let handle = Idempotency::builder(store).config(strict(true)).build();
     let server = serve(handle, Duration::ZERO).await;

@@ -14,8 +14,9 @@ use idempotent_examples::grpc::{
     BigReply, BigRequest, Client, Empty, ExecutionReply, NoteRequest, OrderReply, OrderRequest,
     SlowRequest, StatusRequest, WatchRequest, keyed,
 };
-use idempotent_runtime::EndpointConfig;
-use idempotent_runtime::tonic::{IdempotencyLayer, RpcStatus};
+use idempotent_runtime::config::EndpointConfig;
+use idempotent_runtime::test_helpers::tonic::RpcStatus;
+use idempotent_runtime::tonic::IdempotencyLayer;
 use prost::Message as _;
 use tonic::{Code, Request};
 
@@ -262,7 +263,7 @@ async fn a_missing_or_invalid_key_is_invalid_argument_and_an_optional_one_passes
 
 #[tokio::test]
 async fn a_message_over_max_body_is_resource_exhausted() {
-    let config = idempotent_runtime::Config::builder()
+    let config = idempotent_runtime::config::Config::builder()
         .strict(false)
         .max_body(64)
         .build();
@@ -469,7 +470,7 @@ async fn two_callers_with_one_key_are_two_scopes() {
 
 #[tokio::test]
 async fn an_answer_over_max_response_is_sent_whole_and_runs_again() {
-    let config = idempotent_runtime::Config::builder()
+    let config = idempotent_runtime::config::Config::builder()
         .strict(false)
         .max_response(1000)
         .build();
@@ -595,7 +596,7 @@ async fn a_listed_method_whose_client_streams_is_refused_and_never_runs() {
 
 #[tokio::test]
 async fn the_key_header_setting_names_the_metadata_entry() {
-    let config = idempotent_runtime::Config::builder()
+    let config = idempotent_runtime::config::Config::builder()
         .strict(false)
         .key_header("X-Request-Key")
         .build();

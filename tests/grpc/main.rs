@@ -25,8 +25,9 @@ use bytes::Bytes;
 use http_body::Body as _;
 use idempotent_examples::grpc::{AuthLayer, Client, Conformance};
 use idempotent_runtime::store::memory::MemoryStore;
-use idempotent_runtime::tonic::{IdempotencyLayer, RpcStatus};
-use idempotent_runtime::{Config, Idempotency};
+use idempotent_runtime::test_helpers::tonic::RpcStatus;
+use idempotent_runtime::tonic::IdempotencyLayer;
+use idempotent_runtime::{Idempotency, config::Config};
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 

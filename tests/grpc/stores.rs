@@ -2,7 +2,7 @@
 //! statuses, then two replicas sharing the store, 1,000 keys × 8 duplicates → 1,000 runs.
 
 use idempotent_examples::grpc::{ExecutionReply, SlowRequest, StatusRequest, keyed};
-use idempotent_runtime::{Config, Idempotency};
+use idempotent_runtime::{Idempotency, config::Config};
 use tonic::Code;
 
 use crate::{assert_refusal, conformance, replayed, runs};

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use idempotent_benchmarks::{order_body, postgres_store, unbounded_memory_store};
 use idempotent_runtime::tonic::IdempotencyLayer;
-use idempotent_runtime::{EndpointConfig, Idempotency};
+use idempotent_runtime::{Idempotency, config::EndpointConfig};
 use tonic::server::{Grpc, NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 use tonic_prost::ProstCodec;

@@ -14,9 +14,10 @@ use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
 use bytes::Bytes;
 use futures_util::Stream;
 
-use crate::adapter::{Chunks, Head, REPLAYED_HEADER, Reply, Resumed};
+use crate::Idempotency;
+use crate::REPLAYED_HEADER;
+use crate::adapter::{Chunks, Head, Reply, Resumed};
 use crate::context::IdempotencyContext;
-use crate::handle::Idempotency;
 use crate::scope::Identity;
 
 /// A request head as the pipeline reads it: the request, with its matched route and decoded

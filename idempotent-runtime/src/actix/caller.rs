@@ -11,7 +11,7 @@ use crate::adapter::{self, Head as _};
 /// The caller's scope, resolved exactly as the request pipeline resolves it for a keyed
 /// request ([the contract](crate::design) §4): the [`Identity`](crate::scope::Identity) the
 /// application published in the request extensions, else the runtime's
-/// [resolver](crate::handle::Builder::resolver), else — for a request that carries no
+/// [resolver](crate::IdempotencyBuilder::resolver), else — for a request that carries no
 /// credential header — the peer address, read past the runtime's `trusted_proxies`, under its
 /// `anonymous` setting. It is what [`Idempotency::inspect`](crate::Idempotency::inspect) and
 /// [`Idempotency::forget`](crate::Idempotency::forget) take, so an operators' route only ever

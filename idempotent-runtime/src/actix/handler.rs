@@ -32,7 +32,8 @@ where
     // Under an outer middleware, the context (if any) is the one it left.
     let context = outer.and_then(|_| req.extensions().get::<IdempotencyContext>().cloned());
     let route = || req.match_pattern().unwrap_or_default();
-    let (method, keyed) = (req.method().as_str(), context.is_some());
+    let method = req.method().as_str();
+    let keyed = |name: &str| context.is_some() || req.headers().contains_key(name);
     let handle = handle_of(&req);
     let handle = match adapter::entry(outer, handle, endpoint, method, route, keyed, FIX) {
         Entry::Answer(answer) => return answer,

@@ -32,7 +32,7 @@ use crate::config::EndpointConfig;
 ///
 /// ```
 /// use actix_web::{App, HttpResponse, web};
-/// use idempotent_runtime::{EndpointConfig, Idempotency};
+/// use idempotent_runtime::{Idempotency, config::EndpointConfig};
 /// use idempotent_runtime::actix::IdempotencyMiddleware;
 ///
 /// # #[actix_web::main] async fn main() {

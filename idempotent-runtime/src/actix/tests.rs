@@ -30,7 +30,7 @@ impl Runs {
 
 /// A memory-store handle with strict mode on or off (its default follows the build).
 fn strict(on: bool) -> Idempotency {
-    let config = crate::Config::builder().strict(on).build();
+    let config = crate::config::Config::builder().strict(on).build();
     Idempotency::builder(crate::store::memory::MemoryStore::default())
         .config(config)
         .build()
@@ -80,7 +80,10 @@ async fn middleware_passes_other_methods_and_unmatched_routes_through() {
             .app_data(runs.clone())
             .service(
                 web::scope("/api")
-                    .wrap(IdempotencyMiddleware::new().endpoint(crate::EndpointConfig::REQUIRED))
+                    .wrap(
+                        IdempotencyMiddleware::new()
+                            .endpoint(crate::config::EndpointConfig::REQUIRED),
+                    )
                     .route("/x", web::post().to(counted))
                     .route("/x", web::get().to(counted))
                     .default_service(web::to(HttpResponse::NotFound)),
@@ -118,7 +121,7 @@ async fn middleware_applies_to_the_methods_it_is_given() {
             .service(
                 web::resource("/x")
                     .wrap(IdempotencyMiddleware::new().endpoint(
-                        crate::EndpointConfig::new().methods(crate::config::Methods::PUT),
+                        crate::config::EndpointConfig::new().methods(crate::config::Methods::PUT),
                     ))
                     .route(web::put().to(counted))
                     .route(web::post().to(counted)),
@@ -175,7 +178,10 @@ async fn nested_middlewares_let_the_outer_one_decide() {
             .wrap(IdempotencyMiddleware::new())
             .service(
                 web::scope("/api")
-                    .wrap(IdempotencyMiddleware::new().endpoint(crate::EndpointConfig::REQUIRED))
+                    .wrap(
+                        IdempotencyMiddleware::new()
+                            .endpoint(crate::config::EndpointConfig::REQUIRED),
+                    )
                     .route("/x", web::post().to(counted)),
             ),
     )
@@ -439,7 +445,9 @@ async fn extractors_run_before_the_claim_and_on_replays() {
 fn middleware_can_be_built_outside_the_server_factory() {
     // HttpServer::new needs a Send factory: a middleware built once outside it moves in.
     fn send_sync_clone<T: Send + Sync + Clone + 'static>(_: &T) {}
-    send_sync_clone(&IdempotencyMiddleware::new().endpoint(crate::EndpointConfig::REQUIRED));
+    send_sync_clone(
+        &IdempotencyMiddleware::new().endpoint(crate::config::EndpointConfig::REQUIRED),
+    );
 }
 
 // Setups that would silently turn protection off are said once, with their fix (#19).

@@ -14,7 +14,8 @@ use futures_util::StreamExt as _;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, request};
 use http_body::{Frame, SizeHint};
 
-use super::{Chunks, Head, REPLAYED_HEADER, Reply};
+use super::{Chunks, Head, Reply};
+use crate::REPLAYED_HEADER;
 use crate::scope::Identity;
 
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(crate::key::HEADER_NAME);

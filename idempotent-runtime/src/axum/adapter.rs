@@ -12,11 +12,11 @@ use bytes::Bytes;
 use futures_util::FutureExt as _;
 use http::request::Parts;
 
+use crate::Idempotency;
 use crate::adapter;
 use crate::adapter::http::{HttpBody, HttpHead};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
-use crate::handle::Idempotency;
 
 impl HttpBody for Body {
     fn wrap<T>(body: T) -> Self

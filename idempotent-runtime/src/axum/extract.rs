@@ -8,10 +8,10 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 
 use super::adapter::{HANDLE_MISSING_FIX as FIX, prepare, route_of};
+use crate::Idempotency;
 use crate::adapter::{self, Claimed, Entry, OuterStep, Served};
 use crate::config::{Endpoint, EndpointConfig};
 use crate::context::IdempotencyContext;
-use crate::handle::Idempotency;
 
 /// Where the extractor finds the [`Idempotency`].
 pub trait HandleSource<S>: Send + Sync + 'static {
@@ -111,7 +111,8 @@ where
         let handle = Src::handle(extensions, state);
         let route = || route_of(extensions);
         let method = request.method().as_str();
-        let keyed = context.is_some();
+        let headers = request.headers();
+        let keyed = |name: &str| context.is_some() || headers.contains_key(name);
         let entry = adapter::entry(outer, handle, Self::ENDPOINT, method, route, keyed, FIX);
         let (request, claimed) = match entry {
             Entry::Answer(answer) => return Err(answer),

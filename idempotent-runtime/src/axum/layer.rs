@@ -10,9 +10,9 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::adapter::{HANDLE_MISSING_FIX, prepare};
+use crate::Idempotency;
 use crate::adapter::{LayerStep, OuterStep, RouterLayer, Served};
 use crate::config::EndpointConfig;
-use crate::handle::Idempotency;
 
 /// Makes every route of a router idempotent, with the semantics of `#[idempotent]` (runtime
 /// checks only). It applies to the [`methods`](EndpointConfig::methods) of its endpoint
@@ -22,12 +22,12 @@ use crate::handle::Idempotency;
 ///
 /// Add it with `Router::layer` or `Router::route_layer` (it reads the matched route, which only
 /// exists inside the router). Put around a finished `Router` it could protect nothing: it says
-/// so on the first request it would apply to, and in [strict mode](crate::Config::strict)
+/// so on the first request it would apply to, and in [strict mode](crate::config::Config::strict)
 /// refuses each of them with 500 `IDEMPOTENCY_MISCONFIGURED`.
 ///
 /// ```
 /// use axum::{Router, routing::post};
-/// use idempotent_runtime::{EndpointConfig, Idempotency};
+/// use idempotent_runtime::{Idempotency, config::EndpointConfig};
 /// use idempotent_runtime::axum::IdempotencyLayer;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {

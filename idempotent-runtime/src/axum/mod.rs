@@ -4,7 +4,7 @@
 //! The store comes from the application state (`Idempotency: FromRef<AppState>`, checked
 //! at compile time), or from the request extensions when the handler takes an
 //! `Extension<Idempotency>` parameter. The caller's identity is an
-//! [`Identity`](crate::Identity) the application's authentication inserts into the request
+//! [`Identity`](crate::scope::Identity) the application's authentication inserts into the request
 //! extensions. Authentication runs before the idempotency step, an outer layer in tower terms: a
 //! layer added *after* the [`IdempotencyLayer`] (`.route_layer(idempotency).layer(auth)`, so it
 //! wraps it; any router layer around an attributed handler), or an extractor before the
@@ -50,7 +50,6 @@ mod extract;
 mod layer;
 mod probe;
 
-pub use crate::adapter::REPLAYED_HEADER;
 pub use caller::CallerScope;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 #[cfg_attr(
@@ -58,7 +57,7 @@ pub use caller::CallerScope;
     doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite")))
 )]
 pub use enlisted::EnlistedIdempotent;
-pub use extract::{FromExtension, FromState, HandleSource, Idempotent, Via, context_missing};
+pub use extract::Idempotent;
 pub use layer::{IdempotencyLayer, IdempotencyService};
 pub use probe::ProvidesIdempotency;
 
@@ -72,7 +71,9 @@ pub use idempotent_macros::idempotent_axum as idempotent;
 pub mod __private {
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     pub use super::enlisted::EnlistedIdempotent;
-    pub use super::extract::{FromExtension, FromState, Idempotent, context_missing};
+    pub use super::extract::{
+        FromExtension, FromState, HandleSource, Idempotent, Via, context_missing,
+    };
     pub use super::probe::ProvidesIdempotency;
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     pub use crate::enlisted::{EnlistedTx, TxDatabase};

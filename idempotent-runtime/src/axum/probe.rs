@@ -3,7 +3,7 @@
 
 use axum::extract::FromRef;
 
-use crate::handle::Idempotency;
+use crate::Idempotency;
 
 /// A state a `#[idempotent]` handler can find its [`Idempotency`] in: every `S` with
 /// `Idempotency: FromRef<S>`. Implement [`FromRef`] for the handle (or derive it on the state),

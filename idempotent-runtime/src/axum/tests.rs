@@ -55,7 +55,7 @@ fn app(store: Idempotency) -> (Router, Arc<AtomicUsize>) {
 
 /// A memory-store handle with strict mode on or off (its default follows the build).
 fn strict(on: bool) -> Idempotency {
-    let config = crate::Config::builder().strict(on).build();
+    let config = crate::config::Config::builder().strict(on).build();
     Idempotency::builder(crate::store::memory::MemoryStore::default())
         .config(config)
         .build()
@@ -152,7 +152,9 @@ async fn the_layer_applies_to_post_and_passes_other_requests_through() {
         .route("/plain", get(plain).post(plain).put(plain))
         .route("/create", post(create))
         .fallback(plain)
-        .layer(IdempotencyLayer::new(store.clone()).endpoint(crate::EndpointConfig::REQUIRED))
+        .layer(
+            IdempotencyLayer::new(store.clone()).endpoint(crate::config::EndpointConfig::REQUIRED),
+        )
         .layer(peer())
         .with_state(App {
             store,
@@ -320,7 +322,7 @@ async fn the_layer_applies_its_own_reuse_status_recording_rules_and_failure_mode
     let store = Idempotency::builder_arc(flaky.clone()).build();
     let runs = Arc::new(AtomicUsize::new(0));
     let layer = IdempotencyLayer::new(store.clone()).endpoint(
-        crate::EndpointConfig::REQUIRED
+        crate::config::EndpointConfig::REQUIRED
             .reuse_status(crate::config::ReuseStatus::Conflict)
             .non_replayable(&[404])
             .recorded_headers(&["x-trace"])
@@ -583,7 +585,8 @@ async fn strict_a_layer_around_the_finished_router_refuses_the_first_request() {
         .with_state(app)
         .layer(peer());
     let (logs, _guard) = crate::testlog::Logs::capture();
-    let layer = IdempotencyLayer::new(strict(true)).endpoint(crate::EndpointConfig::REQUIRED);
+    let layer =
+        IdempotencyLayer::new(strict(true)).endpoint(crate::config::EndpointConfig::REQUIRED);
     let mut outside = tower_layer::Layer::layer(&layer, routes);
     for key in ["k", "k"] {
         let request = post_with_key("/strict-outside", key, "x");
@@ -646,12 +649,68 @@ async fn a_required_key_under_an_optional_layer_is_still_required_and_said() {
     let store = Idempotency::memory();
     let (router, _) = app(store.clone());
     let router = router
-        .layer(IdempotencyLayer::new(store).endpoint(crate::EndpointConfig::REQUIRED))
+        .layer(IdempotencyLayer::new(store).endpoint(crate::config::EndpointConfig::REQUIRED))
         .layer(peer());
     let request = Request::post("/create").body(Body::from("x")).unwrap();
     let (status, _, _) = call(&router, request).await;
     assert_eq!(status, 400);
     assert!(logs.errors().is_empty(), "{:?}", logs.errors());
+}
+
+#[idempotent(crate = crate, require_key, key = header("X-Request-Key"))]
+async fn create_by_header(State(app): State<App>, body: String) -> String {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    body
+}
+
+#[idempotent(crate = crate, require_key, key = body("/id"))]
+async fn create_by_body(State(app): State<App>, body: String) -> String {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    body
+}
+
+/// Under an optional layer (strict mode off), a `require_key` attribute judges "keyless" where
+/// it reads its own key, as it would alone: its own header, not the configured one; a key in
+/// the body is not refused as missing before the body is read.
+#[tokio::test]
+async fn a_required_key_under_an_optional_layer_is_looked_for_where_the_attribute_reads_it() {
+    let store = strict(false);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = Router::new()
+        .route("/by-header", post(create_by_header))
+        .route("/by-body", post(create_by_body))
+        .with_state(App {
+            store: store.clone(),
+            runs: Arc::clone(&runs),
+        })
+        .layer(IdempotencyLayer::new(store))
+        .layer(peer());
+    let by_header = Request::post("/by-header")
+        .header("x-request-key", "k1")
+        .body(Body::from("x"))
+        .unwrap();
+    let (status, _, body) = call(&router, by_header).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "x"));
+    let by_body = Request::post("/by-body")
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"id":"k2"}"#))
+        .unwrap();
+    let (status, _, body) = call(&router, by_body).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, r#"{"id":"k2"}"#));
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "both ran under the layer");
+
+    // Keyless where the attribute reads its key, and the layer left no context.
+    let keyless = Request::post("/by-header").body(Body::from("x")).unwrap();
+    let (status, _, body) = call(&router, keyless).await;
+    assert_eq!(
+        (status.as_u16(), code(&body).as_str()),
+        (400, "IDEMPOTENCY_KEY_REQUIRED")
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the keyless one did not run"
+    );
 }
 
 /// Strict mode: a `require_key` attribute under a layer whose key is optional is refused on the
@@ -950,7 +1009,7 @@ async fn trailed_by_attribute(state: State<App>) -> Response {
 /// A handle whose allowlist keeps `x-checksum` and whose answers may record `max_response`
 /// bytes.
 fn trailers_handle(max_response: usize) -> Idempotency {
-    let config = crate::Config::builder()
+    let config = crate::config::Config::builder()
         .recorded_headers(["content-type", "x-checksum"])
         .max_response(max_response)
         .build();
@@ -972,7 +1031,9 @@ fn trailed_routers(store: &Idempotency) -> [(&'static str, Router, Arc<AtomicUsi
         .layer(peer());
     let layer = Router::new()
         .route("/t", post(trailed))
-        .route_layer(IdempotencyLayer::new(store.clone()).endpoint(crate::EndpointConfig::REQUIRED))
+        .route_layer(
+            IdempotencyLayer::new(store.clone()).endpoint(crate::config::EndpointConfig::REQUIRED),
+        )
         .with_state(state(&b))
         .layer(peer());
     [("attribute", attribute, a), ("layer", layer, b)]

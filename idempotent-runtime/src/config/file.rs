@@ -165,7 +165,7 @@ struct File {
 /// ```
 /// # fn main() -> Result<(), serde_json::Error> {
 /// use std::time::Duration;
-/// use idempotent_runtime::Config;
+/// use idempotent_runtime::config::Config;
 ///
 /// let config: Config = serde_json::from_str(r#"{"lease": "30s", "max_body": "64KiB"}"#)?;
 /// assert_eq!(config.lease(), Duration::from_secs(30));
@@ -297,7 +297,7 @@ struct EndpointFile {
 /// ```
 /// # fn main() -> Result<(), serde_json::Error> {
 /// use std::time::Duration;
-/// use idempotent_runtime::EndpointConfig;
+/// use idempotent_runtime::config::EndpointConfig;
 /// use idempotent_runtime::config::ReuseStatus;
 ///
 /// let payments: EndpointConfig = serde_json::from_str(

@@ -19,7 +19,7 @@ use crate::key::json::{self, JsonError, Value};
 use crate::problem::{Problem, ProblemCode};
 
 /// The encoding version of fingerprints over a [`BodySubset`].
-pub const SUBSET_VERSION: u16 = 2;
+pub(crate) const SUBSET_VERSION: u16 = 2;
 
 const TAG_V2: &[u8] = b"idempotent-fingerprint/v2\n";
 
@@ -53,7 +53,7 @@ const TAG_V2: &[u8] = b"idempotent-fingerprint/v2\n";
 /// of `serde_json` that another crate turns on (`arbitrary_precision`, `preserve_order`) can
 /// change a fingerprint. A body that is not JSON (or not I-JSON: a repeated member name, an
 /// escaped lone surrogate, a number beyond the double range) is refused, 400
-/// `IDEMPOTENCY_BODY_INVALID` ([`SubsetError::problem`]).
+/// `IDEMPOTENCY_BODY_INVALID`.
 ///
 /// # How the pipeline calls it
 ///
@@ -64,9 +64,9 @@ const TAG_V2: &[u8] = b"idempotent-fingerprint/v2\n";
 /// compute_subset(input: &FingerprintInput, subset: &BodySubset, contributor) -> Result<Fingerprint, SubsetError>
 /// ```
 ///
-/// instead of [`compute`](crate::fingerprint::compute), and answers `Err` with its problem before claiming.
+/// instead of the whole body, and answers `Err` with its problem before claiming.
 /// A stored record is compared through
-/// [`compute_version_subset`]`(stored.version, input, endpoint's subset, contributor)`: a
+/// `compute_version_subset(stored.version, input, endpoint's subset, contributor)`: a
 /// version 1 record (written before the endpoint had a subset, or by an older release) is
 /// recomputed over the whole body as version 1 does, so that upgrade never turns retries into
 /// 422s; a version 2 record is recomputed with the endpoint's current pointers. Changing the
@@ -84,9 +84,10 @@ const TAG_V2: &[u8] = b"idempotent-fingerprint/v2\n";
 ///     JsonPointer::from_static("/currency"),
 /// ];
 /// const PAYMENT: BodySubset = BodySubset::from_static(PAYMENT_FIELDS);
-/// let a = PAYMENT.canonical(br#"{"amount": 100, "currency": "EUR", "sent_at": "12:00:00"}"#).unwrap();
-/// let b = PAYMENT.canonical(br#"{"sent_at":"12:00:05","currency":"EUR","amount":1e2}"#).unwrap();
-/// assert_eq!(a, b);
+/// // `{"amount": 100, "currency": "EUR", "sent_at": "12:00:00"}` and
+/// // `{"sent_at":"12:00:05","currency":"EUR","amount":1e2}` are then the same request.
+/// let endpoint = idempotent_runtime::config::EndpointConfig::REQUIRED.fingerprint(PAYMENT);
+/// # let _ = endpoint;
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct BodySubset(Cow<'static, [JsonPointer]>);
@@ -109,7 +110,7 @@ impl BodySubset {
 
     /// The framed canonical selection of `body` (see the module docs); its SHA-256 is
     /// segment 9 of a version 2 fingerprint.
-    pub fn canonical(&self, body: &[u8]) -> Result<Vec<u8>, SubsetError> {
+    pub(crate) fn canonical(&self, body: &[u8]) -> Result<Vec<u8>, SubsetError> {
         let doc = json::parse(body).map_err(SubsetError)?;
         self.canonical_document(&doc)
     }
@@ -171,16 +172,17 @@ fn frame_list(out: &mut Vec<u8>, count: usize) {
 
 /// A body that a subset fingerprint cannot cover: not JSON, or not I-JSON.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SubsetError(JsonError);
+pub(crate) struct SubsetError(JsonError);
 
 impl SubsetError {
     /// Where and why the body could not be read.
-    pub fn json_error(&self) -> JsonError {
+    #[cfg(test)]
+    pub(crate) fn json_error(&self) -> JsonError {
         self.0
     }
 
     /// The refusal: 400 `IDEMPOTENCY_BODY_INVALID`, nothing claimed.
-    pub fn problem(&self) -> Problem {
+    pub(crate) fn problem(&self) -> Problem {
         Problem::new(400, ProblemCode::BodyInvalid, self.to_string())
     }
 }
@@ -198,7 +200,7 @@ impl fmt::Display for SubsetError {
 impl std::error::Error for SubsetError {}
 
 /// Computes a version 2 fingerprint: segment 9 covers what `subset` selects of the body.
-pub fn compute_subset(
+pub(crate) fn compute_subset(
     input: &FingerprintInput<'_>,
     subset: &BodySubset,
     contributor: Option<&dyn FingerprintContributor>,
@@ -223,7 +225,7 @@ pub(crate) fn compute_subset_document(
 /// setting is `subset`: version 1 over the whole body whatever the setting, version 2 over
 /// `subset`. `None` when the request cannot have that fingerprint: an unknown version, or
 /// version 2 on an endpoint that no longer has a subset (both are a different request).
-pub fn compute_version_subset(
+pub(crate) fn compute_version_subset(
     version: u16,
     input: &FingerprintInput<'_>,
     subset: Option<&BodySubset>,

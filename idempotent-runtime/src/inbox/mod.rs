@@ -48,21 +48,23 @@ pub use postgres::{PgInbox, PgInboxBuilder};
 pub use sqlite::{SqliteInbox, SqliteInboxBuilder};
 
 /// The inbox table's default name, on every database.
-pub const DEFAULT_TABLE: &str = "processed_messages";
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) const DEFAULT_TABLE: &str = "processed_messages";
 
 /// How long the marker's insert waits for a concurrent copy's uncommitted marker by default
 /// before the message is [`Busy`](Processed::Busy): 5 s.
-pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A boxed, `Send` future borrowing for `'a`: what a [`PgInbox`](crate::inbox) handler returns
 /// (write `Box::pin(async move { … })`). Re-exported so callers need no `futures` dependency.
 pub use futures_util::future::BoxFuture;
 
 /// How long markers are kept by default before the sweeper deletes them: 7 days.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Markers a sweep deletes per statement.
-pub const DEFAULT_SWEEP_BATCH: usize = 500;
+pub(crate) const DEFAULT_SWEEP_BATCH: usize = 500;
 
 /// What became of a delivered message.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -19,7 +19,7 @@ use std::fmt;
 use super::pointer::{JsonPointer, array_index};
 
 /// The deepest nesting of arrays and objects read (as `serde_json`'s default recursion limit).
-pub const MAX_JSON_DEPTH: usize = 128;
+pub(crate) const MAX_JSON_DEPTH: usize = 128;
 
 /// Objects up to this many members are checked for a repeated name without a hash set.
 const SCAN_LIMIT: usize = 16;
@@ -41,7 +41,7 @@ pub(crate) enum Value<'a> {
 /// Why a body is not JSON the crate can read (or, for a number, canonicalize). Never shows the
 /// body's content, only where it went wrong.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct JsonError {
+pub(crate) struct JsonError {
     offset: usize,
     reason: JsonErrorReason,
 }
@@ -49,7 +49,7 @@ pub struct JsonError {
 /// The kind of [`JsonError`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum JsonErrorReason {
+pub(crate) enum JsonErrorReason {
     /// The body is not UTF-8.
     NotUtf8,
     /// Not RFC 8259 JSON at this offset (includes an empty body and trailing content).
@@ -70,12 +70,14 @@ impl JsonError {
     }
 
     /// The byte offset in the body where reading stopped.
-    pub fn offset(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn offset(&self) -> usize {
         self.offset
     }
 
     /// What was wrong.
-    pub fn reason(&self) -> JsonErrorReason {
+    #[cfg(test)]
+    pub(crate) fn reason(&self) -> JsonErrorReason {
         self.reason
     }
 }

@@ -22,7 +22,7 @@ use crate::problem::{Problem, ProblemCode};
 /// # How the pipeline calls it
 ///
 /// With a header source the pipeline reads the key where it does today, first of all checks
-/// ([`parse_header_values`](crate::key::parse_header_values) on the values of
+/// (the header parser on the values of
 /// [`KeySource::header_name`]). With a body source it cannot: the key is known only once the
 /// body has been read within its bounds (`max_body`, `body_timeout`), so the order of checks
 /// becomes body → key syntax → key presence → scope → claim. After the body step it calls
@@ -32,7 +32,7 @@ use crate::problem::{Problem, ProblemCode};
 /// ```
 ///
 /// and answers `Ok(None)` as a missing key (400/428 `IDEMPOTENCY_KEY_REQUIRED` on `require_key`,
-/// untouched otherwise) and `Err(e)` with [`BodyKeyError::problem`] (400
+/// untouched otherwise) and `Err(e)` with its problem (400
 /// `IDEMPOTENCY_KEY_INVALID`).
 ///
 /// # Example
@@ -276,7 +276,7 @@ impl<'de> serde::Deserialize<'de> for KeySource {
 /// What a body-sourced key's pointer found instead of a string or a number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum JsonKind {
+pub(crate) enum JsonKind {
     /// `null`
     Null,
     /// `true` or `false`
@@ -302,7 +302,7 @@ impl fmt::Display for JsonKind {
 /// ([`problem`](Self::problem)); none shows the key or the body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum BodyKeyError {
+pub(crate) enum BodyKeyError {
     /// The body is not JSON (or not I-JSON: a repeated member name, an escaped lone
     /// surrogate), so it carries no key the server can trust.
     NotJson(JsonError),
@@ -314,7 +314,7 @@ pub enum BodyKeyError {
 
 impl BodyKeyError {
     /// The refusal: 400 `IDEMPOTENCY_KEY_INVALID` with this error as its `detail`.
-    pub fn problem(&self) -> Problem {
+    pub(crate) fn problem(&self) -> Problem {
         Problem::new(400, ProblemCode::KeyInvalid, self.to_string())
     }
 }
@@ -351,7 +351,7 @@ impl std::error::Error for BodyKeyError {}
 /// Nothing selected is `Ok(None)`, the missing answer; an object, array, boolean or `null`, or a
 /// body that is not JSON, is the invalid answer.
 ///
-/// ```
+/// ```ignore
 /// use idempotent_runtime::key::{key_from_body, BodyKeyError, JsonKind, JsonPointer};
 ///
 /// const ID: JsonPointer = JsonPointer::from_static("/id");
@@ -361,7 +361,7 @@ impl std::error::Error for BodyKeyError {}
 /// assert_eq!(key_from_body(&ID, br#"{"type": "charge"}"#), Ok(None));
 /// assert_eq!(key_from_body(&ID, br#"{"id": {}}"#), Err(BodyKeyError::NotAScalar(JsonKind::Object)));
 /// ```
-pub fn key_from_body(
+pub(crate) fn key_from_body(
     pointer: &JsonPointer,
     body: &[u8],
 ) -> Result<Option<IdempotencyKey>, BodyKeyError> {

@@ -203,6 +203,13 @@ pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
 /// `wait_in_progress`, or a plain function's wait): woken when a request of this process
 /// settles, else at growing intervals. Between two tries nothing is held (no connection, no
 /// lock); the caller counts and audits only the last outcome.
+///
+/// A waiting request keeps its body's charge on the buffer budget: its bytes stay in memory
+/// (the handler runs on them if the first request is released), and the budget bounds the
+/// bytes held at once, not the bytes of running requests. Releasing the charge while waiting
+/// would let a duplicate storm hold `max_body` each uncounted; keeping it means the storm is
+/// refused 503 at the body step, before anything is claimed, once the budget is spent. The
+/// wait is bounded by `wait_in_progress` (an opt-in).
 pub(crate) async fn claim_waiting(
     handle: &Idempotency,
     claim: &ClaimRequest<'_>,

@@ -521,7 +521,7 @@ impl<S: Store> Store for CachedStore<S> {
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
-    use crate::store::contract::{self, Forwarding};
+    use crate::store::contract::{self, forwarding::Forwarding};
     use crate::store::memory::MemoryStore;
 
     fn cached(clock: &ManualClock) -> CachedStore<MemoryStore> {

@@ -18,17 +18,26 @@
 //! other data, but it must run alone on that clock.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 
 use super::{
-    Claim, ClaimRequest, Enlisting, FencingToken, ProcessLocal, RecordInfo, RecordState,
-    RecordedResponse, StandingState, Store, StoreError, StoreGauges, header_bytes,
+    Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, StandingState,
+    Store, header_bytes,
 };
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
+
+// A user's own wrapper as a test double, public only through `test_helpers`.
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
+pub(crate) mod forwarding;
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -73,7 +82,7 @@ async fn run_shared_cases<S: Store + ?Sized>(
 }
 
 /// A fresh scope per case, so cases never see each other's records.
-pub fn fresh_scope() -> ScopeHash {
+pub(crate) fn fresh_scope() -> ScopeHash {
     let mut scope = [0u8; 32];
     for chunk in scope.chunks_mut(8) {
         chunk.copy_from_slice(&FencingToken::mint().0.to_be_bytes());
@@ -643,174 +652,6 @@ async fn expired_records_are_free_without_a_sweep<S: Store + ?Sized>(
     );
 }
 
-/// A wrapper that forwards every method and every capability to the store it wraps, and
-/// counts the calls: a user's own wrapper (metrics, retries) as the [`Store`] docs write it,
-/// for tests that a wrapper keeps what its store can do (replays, enlisting, gauges, being
-/// process-local) and for tests that count what reaches a store.
-///
-/// ```
-/// use idempotent_runtime::store::{Store, contract::Forwarding, memory::MemoryStore};
-///
-/// let store = Forwarding::new(MemoryStore::default());
-/// let calls = store.calls(); // shared: still readable once the store is in a handle
-/// assert_eq!(store.kind(), "memory");
-/// assert!(store.process_local().is_some());
-/// assert_eq!(calls.request_path(), 0);
-/// ```
-pub struct Forwarding<S> {
-    inner: S,
-    calls: Arc<Calls>,
-}
-
-/// What a [`Forwarding`] store was asked, method by method.
-#[derive(Debug, Default)]
-#[non_exhaustive]
-pub struct Calls {
-    /// [`Store::claim`] and [`Store::claim_timed`].
-    pub claim: AtomicUsize,
-    /// [`Store::reclaim`].
-    pub reclaim: AtomicUsize,
-    /// [`Store::complete`].
-    pub complete: AtomicUsize,
-    /// [`Store::release`].
-    pub release: AtomicUsize,
-    /// [`Store::renew`].
-    pub renew: AtomicUsize,
-    /// [`Store::sweep`].
-    pub sweep: AtomicUsize,
-    /// [`Store::inspect`].
-    pub inspect: AtomicUsize,
-    /// [`Store::forget`].
-    pub forget: AtomicUsize,
-    /// [`Store::enlisting`]: asked by each enlisted request.
-    pub enlisting: AtomicUsize,
-}
-
-impl Calls {
-    /// Calls of the methods a detached (not enlisted) request goes through: claim, reclaim,
-    /// complete, release, renew.
-    pub fn request_path(&self) -> usize {
-        [
-            &self.claim,
-            &self.reclaim,
-            &self.complete,
-            &self.release,
-            &self.renew,
-        ]
-        .iter()
-        .map(|n| n.load(Ordering::Relaxed))
-        .sum()
-    }
-}
-
-impl<S> Forwarding<S> {
-    /// `inner`, wrapped, with every count at 0.
-    pub fn new(inner: S) -> Self {
-        Self {
-            inner,
-            calls: Arc::default(),
-        }
-    }
-
-    /// The wrapped store.
-    pub fn inner(&self) -> &S {
-        &self.inner
-    }
-
-    /// The counts, shared with the wrapper (they go on counting).
-    pub fn calls(&self) -> Arc<Calls> {
-        Arc::clone(&self.calls)
-    }
-
-    fn count(&self, n: &AtomicUsize) {
-        n.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-impl<S: Store> Store for Forwarding<S> {
-    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.count(&self.calls.claim);
-        self.inner.claim(req).await
-    }
-    async fn claim_timed(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.count(&self.calls.claim);
-        self.inner.claim_timed(req).await
-    }
-    async fn reclaim(
-        &self,
-        req: &ClaimRequest<'_>,
-        stale: FencingToken,
-    ) -> Result<Claim, StoreError> {
-        self.count(&self.calls.reclaim);
-        self.inner.reclaim(req, stale).await
-    }
-    async fn complete(
-        &self,
-        scope: &ScopeHash,
-        key: &str,
-        token: FencingToken,
-        response: &RecordedResponse,
-        retention: Duration,
-    ) -> Result<bool, StoreError> {
-        self.count(&self.calls.complete);
-        self.inner
-            .complete(scope, key, token, response, retention)
-            .await
-    }
-    async fn release(
-        &self,
-        scope: &ScopeHash,
-        key: &str,
-        token: FencingToken,
-    ) -> Result<bool, StoreError> {
-        self.count(&self.calls.release);
-        self.inner.release(scope, key, token).await
-    }
-    async fn renew(
-        &self,
-        scope: &ScopeHash,
-        key: &str,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.count(&self.calls.renew);
-        self.inner.renew(scope, key, token, lease).await
-    }
-    async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
-        self.count(&self.calls.sweep);
-        self.inner.sweep(batch).await
-    }
-    async fn inspect(
-        &self,
-        scope: &ScopeHash,
-        key: &str,
-        with_response: bool,
-    ) -> Result<Option<RecordInfo>, StoreError> {
-        self.count(&self.calls.inspect);
-        self.inner.inspect(scope, key, with_response).await
-    }
-    async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
-        self.count(&self.calls.forget);
-        self.inner.forget(scope, key).await
-    }
-    fn kind(&self) -> &'static str {
-        self.inner.kind()
-    }
-    fn expires_by_itself(&self) -> bool {
-        self.inner.expires_by_itself()
-    }
-    fn enlisting(&self) -> Option<Enlisting<'_>> {
-        self.count(&self.calls.enlisting);
-        self.inner.enlisting()
-    }
-    fn gauges(&self) -> Option<StoreGauges> {
-        self.inner.gauges()
-    }
-    fn process_local(&self) -> Option<ProcessLocal> {
-        self.inner.process_local()
-    }
-}
-
 /// Model-based checking: random sequences of operations run against a store and against a
 /// simple reference model, comparing every answer. Generate [`Op`](model::Op) sequences with any
 /// property-testing tool and call [`check_model`](model::check_model) for each.
@@ -825,7 +666,7 @@ pub mod model {
     use crate::store::{Claim, ClaimRequest, FencingToken, RecordedResponse, StandingState, Store};
 
     /// Keys a sequence works on.
-    pub const KEYS: u8 = 3;
+    pub(crate) const KEYS: u8 = 3;
 
     /// One operation. Durations are whole seconds so that a store judging time by the database
     /// clock (which moves a little on its own while the test runs) never lands on a boundary.

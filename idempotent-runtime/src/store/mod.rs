@@ -757,7 +757,8 @@ impl ProcessLocal {
 /// suspends, like the in-memory one, would otherwise hold a worker thread until the last batch).
 /// The task holds the store weakly and ends when the store is dropped (or when the returned
 /// handle is aborted). Must be called inside a Tokio runtime.
-pub fn spawn_sweeper<S: Store>(
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn spawn_sweeper<S: Store>(
     store: std::sync::Weak<S>,
     retention: Duration,
     batch: usize,

@@ -92,7 +92,7 @@ const MIGRATIONS: &[Step] = &[Step {
 }];
 
 /// The default table name.
-pub const DEFAULT_TABLE: &str = "idempotency_records";
+pub(crate) const DEFAULT_TABLE: &str = "idempotency_records";
 
 /// How often a claim is sent again when its read-back finds nothing (the standing row was
 /// deleted in between) or it was chosen as a deadlock victim.
@@ -859,6 +859,7 @@ impl MySqlStore {
 
     /// Moves the store's clock forward by `by` (an offset added to the database's clock in
     /// every statement), so the contract suite can test leases and retention without sleeping.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn advance_clock_for_tests(&self, by: Duration) {
         self.core
@@ -867,6 +868,7 @@ impl MySqlStore {
     }
 
     /// Statements sent to the database so far (each one round trip).
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn statements_executed(&self) -> u64 {
         self.core.statements.load(Ordering::Relaxed)

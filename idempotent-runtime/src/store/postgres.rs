@@ -149,7 +149,7 @@ const LOCK_NOT_AVAILABLE: &str = "55P03";
 const MAX_RERUNS: usize = 8;
 
 /// The default table name.
-pub const DEFAULT_TABLE: &str = "idempotency_records";
+pub(crate) const DEFAULT_TABLE: &str = "idempotency_records";
 
 /// Group commit's defaults: up to 32 requests a statement, one statement out at once (more only
 /// while it is stalled). Measured in `scripts/bench`'s pinned setup, one statement out made the

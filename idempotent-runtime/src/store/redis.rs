@@ -18,7 +18,7 @@
 //! token so that a copy of the claim reaching Redis later writes nothing.
 //!
 //! A claim sets its answer's room aside in Redis (the request's
-//! [`response_room`](super::ClaimRequest::response_room) plus [`HEADER_ROOM`]), so over
+//! [`response_room`](super::ClaimRequest::response_room) plus 4 KiB of header room), so over
 //! `maxmemory` a claim is refused before its handler runs, never its completion.
 //!
 //! ```no_run
@@ -122,10 +122,10 @@ use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 
 /// The default key prefix.
-pub const DEFAULT_PREFIX: &str = "idem";
+pub(crate) const DEFAULT_PREFIX: &str = "idem";
 
 /// Bytes of a record before its headers and body (see `redis.lua` for the layout).
-pub const RECORD_HEADER_LEN: usize = 66;
+pub(crate) const RECORD_HEADER_LEN: usize = 66;
 
 /// The record format of reservations, tombstones and completed records without trailers
 /// (byte 0 of every value; see `redis.lua` for the layout).
@@ -146,7 +146,7 @@ const MAX_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
 /// Bytes set aside at a claim beyond the body's bound, for the status and the recorded
 /// headers (the allowlisted ones, typically a few hundred bytes). An answer whose headers take
 /// more is still recorded; Redis is then over `maxmemory` by the excess.
-pub const HEADER_ROOM: usize = 4 << 10;
+pub(crate) const HEADER_ROOM: usize = 4 << 10;
 
 /// The most bytes of room one claim sets aside: Redis's largest string (`proto-max-bulk-len`'s
 /// default, 512 MiB), which no recorded answer can outgrow either.

@@ -67,7 +67,7 @@ const MIGRATIONS: &[Step] = &[
 const MAX_RERUNS: usize = 8;
 
 /// The default table name.
-pub const DEFAULT_TABLE: &str = "idempotency_records";
+pub(crate) const DEFAULT_TABLE: &str = "idempotency_records";
 
 /// Builds a [`SqliteStore`].
 #[must_use]

@@ -17,6 +17,13 @@ const RETRY_INFO_URL: &str = "type.googleapis.com/google.rpc.RetryInfo";
 
 /// `google.rpc.Status`: what `grpc-status-details-bin` holds.
 #[derive(Clone, PartialEq, prost::Message)]
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub struct RpcStatus {
     /// The status code (`google.rpc.Code`, the same numbers as `grpc-status`).
     #[prost(int32, tag = "1")]
@@ -31,6 +38,13 @@ pub struct RpcStatus {
 
 /// `google.protobuf.Any`: a message and the URL of its type.
 #[derive(Clone, PartialEq, prost::Message)]
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub struct Any {
     /// `type.googleapis.com/<full message name>`.
     #[prost(string, tag = "1")]
@@ -43,6 +57,13 @@ pub struct Any {
 /// `google.rpc.ErrorInfo`: why a call was refused, as a stable machine-readable `reason` (the
 /// crate's code, e.g. `IDEMPOTENCY_IN_PROGRESS`) within `domain` ([`ERROR_DOMAIN`]).
 #[derive(Clone, PartialEq, prost::Message)]
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub struct ErrorInfo {
     /// The stable code ([`ProblemCode::as_str`](crate::problem::ProblemCode::as_str)).
     #[prost(string, tag = "1")]
@@ -58,6 +79,13 @@ pub struct ErrorInfo {
 /// `google.rpc.RetryInfo`: how long to wait before retrying (a call in progress, a store
 /// unavailable): the HTTP answer's `Retry-After`.
 #[derive(Clone, PartialEq, prost::Message)]
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub struct RetryInfo {
     /// The delay.
     #[prost(message, optional, tag = "1")]
@@ -66,6 +94,13 @@ pub struct RetryInfo {
 
 /// `google.protobuf.Duration`.
 #[derive(Clone, Copy, PartialEq, prost::Message)]
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
 pub struct ProtoDuration {
     /// Whole seconds.
     #[prost(int64, tag = "1")]
@@ -75,6 +110,17 @@ pub struct ProtoDuration {
     pub nanos: i32,
 }
 
+#[cfg_attr(
+    not(feature = "testing"),
+    allow(
+        unreachable_pub,
+        reason = "public through test_helpers under the testing feature"
+    )
+)]
+#[cfg_attr(
+    not(any(test, feature = "testing")),
+    allow(dead_code, reason = "decoding is for the tests, through test_helpers")
+)]
 impl RpcStatus {
     /// The status a `tonic::Status`'s details hold; `None` when it has none or they are not a
     /// `google.rpc.Status`.

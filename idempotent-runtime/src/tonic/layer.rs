@@ -14,14 +14,14 @@ use tower_service::Service;
 
 use super::reply::{GrpcReply, Partial, read_answer};
 use super::request::{MessageBody, framed};
+use crate::Idempotency;
 use crate::adapter::http::HttpHead;
 use crate::adapter::{Ended, Prepared, Served, prepare};
 use crate::config::EndpointConfig;
-use crate::handle::Idempotency;
 
 /// The gRPC statuses recorded by default: `OK` and the caller's own mistakes that would be
 /// answered the same again ([the contract](crate::design) §1, gRPC).
-pub const RECORDED_CODES: [::tonic::Code; 6] = [
+pub(crate) const RECORDED_CODES: [::tonic::Code; 6] = [
     ::tonic::Code::Ok,
     ::tonic::Code::InvalidArgument,
     ::tonic::Code::NotFound,
@@ -40,7 +40,8 @@ pub struct MethodConfig {
 }
 
 impl MethodConfig {
-    /// `endpoint`, recording [`RECORDED_CODES`].
+    /// `endpoint`, recording `OK`, `INVALID_ARGUMENT`, `NOT_FOUND`, `ALREADY_EXISTS`,
+    /// `FAILED_PRECONDITION` and `OUT_OF_RANGE`.
     pub fn new(endpoint: EndpointConfig) -> Self {
         Self {
             endpoint,
@@ -132,7 +133,7 @@ impl Methods {
 ///
 /// A call it applies to reads its key from the `idempotency-key` metadata entry (the
 /// [key header](crate::config::ConfigBuilder::key_header) setting applies), its scope from the
-/// [`Identity`](crate::Identity) a tower layer outside this one put in the request extensions,
+/// [`Identity`](crate::scope::Identity) a tower layer outside this one put in the request extensions,
 /// else the peer address; its fingerprint covers the method path (as the route), the
 /// `content-type`, and the request message with its gRPC frame undone (decompressed when the
 /// client sent it gzip-compressed, so a message sent compressed and uncompressed is the same
@@ -140,11 +141,11 @@ impl Methods {
 /// allowlist, its message and its trailers, plus `idempotency-replayed: true` metadata.
 /// Refusals are gRPC statuses whose `grpc-message` starts with the crate's stable code, with
 /// `google.rpc.ErrorInfo` (and for a call in progress `google.rpc.RetryInfo`) in their details
-/// ([`RpcStatus`](super::RpcStatus)).
+/// (`google.rpc.Status`).
 ///
 /// ```
 /// use idempotent_runtime::tonic::{IdempotencyLayer, MethodConfig};
-/// use idempotent_runtime::{EndpointConfig, Idempotency};
+/// use idempotent_runtime::{Idempotency, config::EndpointConfig};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let layer = IdempotencyLayer::new(Idempotency::memory())

@@ -4,7 +4,7 @@
 //! What changes from HTTP is only the wire ([the contract](crate::design) §1, gRPC):
 //!
 //! - **Key**: the `idempotency-key` metadata entry (the key header setting applies).
-//! - **Scope**: the [`Identity`](crate::Identity) a tower layer outside this one put in the
+//! - **Scope**: the [`Identity`](crate::scope::Identity) a tower layer outside this one put in the
 //!   request extensions (an auth layer added to the server *before* this one), else the peer
 //!   address of the connection (`TcpConnectInfo`).
 //! - **Fingerprint**: `POST`, the method path `/package.Service/Method` as the route, the
@@ -13,7 +13,7 @@
 //!   `grpc-encoding: gzip`, inflated. The same message sent compressed and uncompressed is
 //!   the same request. `max_body` counts the same bytes. A message compressed in another
 //!   encoding is refused (`INVALID_ARGUMENT`, `IDEMPOTENCY_BODY_INVALID`).
-//! - **Recorded**: an answer whose gRPC status the method records ([`RECORDED_CODES`] by
+//! - **Recorded**: an answer whose gRPC status the method records (by
 //!   default: `OK`, `INVALID_ARGUMENT`, `NOT_FOUND`, `ALREADY_EXISTS`, `FAILED_PRECONDITION`,
 //!   `OUT_OF_RANGE`; [`MethodConfig::recorded_codes`] changes it) and whose message fits
 //!   `max_response`: its metadata through the allowlist (`recorded_headers`), the message
@@ -23,8 +23,8 @@
 //!   releases the key, whatever `oversized` says: a gRPC answer without its message is no
 //!   answer. A replay carries `idempotency-replayed: true` in its metadata.
 //! - **Refusals** are trailers-only gRPC statuses whose `grpc-message` is
-//!   `<CODE>: <detail>` and whose details are a `google.rpc.Status` ([`RpcStatus`]) holding a
-//!   `google.rpc.ErrorInfo` (`reason` = the code, `domain` = [`ERROR_DOMAIN`]):
+//!   `<CODE>: <detail>` and whose details are a `google.rpc.Status` (read it with
+//!   `tonic-types`' `StatusExt`) holding a `google.rpc.ErrorInfo` (`reason` = the code, `domain` = [`ERROR_DOMAIN`]):
 //!
 //!   | refusal | gRPC status |
 //!   |---|---|
@@ -45,10 +45,10 @@
 //! Enlisted mode is not offered on gRPC: a tonic handler has no parameter the runtime could
 //! hand a transaction through.
 
-mod details;
+pub(crate) mod details;
 mod layer;
 mod reply;
 mod request;
 
-pub use details::{Any, ERROR_DOMAIN, ErrorInfo, ProtoDuration, RetryInfo, RpcStatus};
-pub use layer::{IdempotencyLayer, IdempotencyService, MethodConfig, RECORDED_CODES};
+pub use details::ERROR_DOMAIN;
+pub use layer::{IdempotencyLayer, IdempotencyService, MethodConfig};

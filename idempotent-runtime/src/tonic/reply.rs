@@ -20,7 +20,8 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use http_body::{Body as _, Frame};
 
 use super::request::{FRAME_HEADER, frame};
-use crate::adapter::{Chunks, REPLAYED_HEADER, Reply};
+use crate::REPLAYED_HEADER;
+use crate::adapter::{Chunks, Reply};
 use crate::problem::{Problem, ProblemCode, RenderedRefusal};
 
 const GRPC_STATUS: &str = "grpc-status";
@@ -547,7 +548,7 @@ mod tests {
             assert_eq!(status.code(), code, "{problem_code:?}");
             assert_eq!(status.message(), format!("{}: why", problem_code.as_str()));
             assert_eq!(headers["content-type"], "application/grpc");
-            let details = super::super::RpcStatus::from_status(&status).expect("details");
+            let details = super::super::details::RpcStatus::from_status(&status).expect("details");
             assert_eq!(details.code, code as i32);
             let info = details.error_info().expect("ErrorInfo");
             assert_eq!(info.reason, problem_code.as_str());

@@ -4,7 +4,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::fingerprint::compute;
-use crate::key::JsonErrorReason;
+use crate::key::json::JsonErrorReason;
 use crate::scope::{Identity, Scope};
 
 const PAYMENT_FIELDS: &[JsonPointer] = &[

@@ -4,7 +4,7 @@ use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::routing::post;
 use idempotent_runtime::axum::idempotent;
-use idempotent_runtime::{Idempotency, Identity};
+use idempotent_runtime::{Idempotency, scope::Identity};
 
 /// An auth extractor that runs before the last parameter and publishes the caller's identity.
 struct User(String);

@@ -2,7 +2,7 @@ use axum::Router;
 use axum::routing::post;
 use idempotent_runtime::axum::{IdempotencyLayer, idempotent};
 use idempotent_runtime::config::Methods;
-use idempotent_runtime::{EndpointConfig, IdempotencyContext, Idempotency};
+use idempotent_runtime::{IdempotencyContext, Idempotency, config::EndpointConfig};
 
 async fn plain(context: IdempotencyContext) -> String {
     context.derived_key("plain")
