@@ -108,8 +108,8 @@ struct Slot {
 }
 
 enum Place {
-    /// A request in flight.
-    Reserved(Box<Reserved>),
+    /// A request in flight: its entry in the shard's [`Reservations`].
+    Reserved(u32),
     /// A completed record, in a segment.
     Completed(Loc),
 }
@@ -118,7 +118,7 @@ enum Place {
 struct Reserved {
     scope: ScopeHash,
     /// The key, then the route it was claimed on (for [`Store::inspect`]).
-    key_route: Box<str>,
+    key_route: String,
     key_len: usize,
     fingerprint: Fingerprint,
     quota_bucket: u64,
@@ -129,6 +129,22 @@ struct Reserved {
 }
 
 impl Reserved {
+    /// Makes this entry the reservation of `req`, reusing its key buffer; returns its expiry.
+    fn fill(&mut self, req: &ClaimRequest<'_>, now: Millis, weight: usize) -> Millis {
+        self.lease_until = now.saturating_add(millis(req.lease));
+        self.retention = millis(req.retention);
+        self.key_route.clear();
+        self.key_route.push_str(req.key);
+        self.key_route.push_str(req.route);
+        self.key_len = req.key.len();
+        self.scope = *req.scope;
+        self.fingerprint = req.fingerprint;
+        self.quota_bucket = req.quota_bucket;
+        self.created_at = now;
+        self.weight = weight;
+        self.lease_until.saturating_add(self.retention)
+    }
+
     fn key(&self) -> &str {
         &self.key_route[..self.key_len]
     }
@@ -138,7 +154,63 @@ impl Reserved {
     }
 }
 
-/// A shard: its index, its segments, and a queue of when its reservations expire.
+/// A shard's reservations: a slab whose entries, key buffers included, are reused, so that a
+/// claim allocates nothing once the shard has held as many requests in flight at once.
+#[derive(Default)]
+struct Reservations {
+    slab: Vec<Reserved>,
+    free: Vec<u32>,
+}
+
+impl Reservations {
+    fn len(&self) -> usize {
+        self.slab.len() - self.free.len()
+    }
+
+    /// A new reservation for `req`: its entry and its expiry.
+    fn add(&mut self, req: &ClaimRequest<'_>, now: Millis, weight: usize) -> (u32, Millis) {
+        let idx = match self.free.pop() {
+            Some(idx) => idx,
+            None => {
+                self.slab.push(Reserved {
+                    scope: [0; 32],
+                    key_route: String::new(),
+                    key_len: 0,
+                    fingerprint: req.fingerprint,
+                    quota_bucket: 0,
+                    lease_until: 0,
+                    retention: 0,
+                    created_at: 0,
+                    weight: 0,
+                });
+                u32::try_from(self.slab.len() - 1).expect("fewer than 2^32 requests in flight")
+            }
+        };
+        (idx, self.slab[idx as usize].fill(req, now, weight))
+    }
+
+    /// Frees entry `idx`; returns its charge and quota bucket.
+    fn remove(&mut self, idx: u32) -> (usize, u64) {
+        let r = &self.slab[idx as usize];
+        self.free.push(idx);
+        (r.weight, r.quota_bucket)
+    }
+}
+
+impl std::ops::Index<u32> for Reservations {
+    type Output = Reserved;
+    fn index(&self, idx: u32) -> &Reserved {
+        &self.slab[idx as usize]
+    }
+}
+
+impl std::ops::IndexMut<u32> for Reservations {
+    fn index_mut(&mut self, idx: u32) -> &mut Reserved {
+        &mut self.slab[idx as usize]
+    }
+}
+
+/// A shard: its index, its segments, its reservations and a queue of when they expire.
 ///
 /// The queue holds `(expires_at, hash)` for every reservation's current expiry (pushed on every
 /// change of it) and stale pairs left by earlier changes, completions and removals; a popped
@@ -150,7 +222,7 @@ impl Reserved {
 struct Shard {
     table: HashTable<Slot>,
     reserved_expiry: BinaryHeap<Reverse<(Millis, u64)>>,
-    reservations: usize,
+    reserved: Reservations,
     segments: Segments,
     /// Bytes of segments that hold no record any more (forgotten, taken over), until the sweep
     /// passes them.
@@ -161,7 +233,7 @@ impl Shard {
     /// Records that the reservation at `hash` now expires at `expires_at`.
     fn queue(&mut self, hash: u64, expires_at: Millis) {
         self.reserved_expiry.push(Reverse((expires_at, hash)));
-        if self.reserved_expiry.len() > 2 * self.reservations + 64 {
+        if self.reserved_expiry.len() > 2 * self.reserved.len() + 64 {
             // Filtered in the queue's own buffer: no allocation with the shard locked.
             let mut pairs = std::mem::take(&mut self.reserved_expiry).into_vec();
             let table = &self.table;
@@ -288,21 +360,32 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// Whether `slot` is the record of `(scope, key)`.
-fn is_record(slot: &Slot, segments: &Segments, hash: u64, scope: &ScopeHash, key: &str) -> bool {
+fn is_record(
+    slot: &Slot,
+    (segments, reserved): (&Segments, &Reservations),
+    hash: u64,
+    scope: &ScopeHash,
+    key: &str,
+) -> bool {
     slot.hash == hash
-        && match &slot.place {
-            Place::Reserved(r) => r.scope == *scope && r.key() == key,
+        && match slot.place {
+            Place::Reserved(r) => reserved[r].scope == *scope && reserved[r].key() == key,
             Place::Completed(loc) => {
-                let rec = segments.get(*loc);
+                let rec = segments.get(loc);
                 rec.scope() == scope && rec.key() == key.as_bytes()
             }
         }
 }
 
 /// What stands in `slot` by `now`.
-fn standing(slot: &Slot, segments: &Segments, now: Millis) -> Standing {
-    let (fingerprint, state) = match &slot.place {
+fn standing(
+    slot: &Slot,
+    (segments, reserved): (&Segments, &Reservations),
+    now: Millis,
+) -> Standing {
+    let (fingerprint, state) = match slot.place {
         Place::Reserved(r) => {
+            let r = &reserved[r];
             let state = if now >= slot.expires_at {
                 StandingState::Expired
             } else if now < r.lease_until {
@@ -315,7 +398,7 @@ fn standing(slot: &Slot, segments: &Segments, now: Millis) -> Standing {
             (r.fingerprint, state)
         }
         Place::Completed(loc) => {
-            let rec = segments.get(*loc);
+            let rec = segments.get(loc);
             let state = if now >= slot.expires_at {
                 StandingState::Expired
             } else {
@@ -335,8 +418,9 @@ fn standing(slot: &Slot, segments: &Segments, now: Millis) -> Standing {
 }
 
 /// Whether a reclaim may take `slot` over by `now`: expired, or a reservation whose lease lapsed.
-fn takeable(slot: &Slot, now: Millis) -> bool {
-    now >= slot.expires_at || matches!(&slot.place, Place::Reserved(r) if now >= r.lease_until)
+fn takeable(slot: &Slot, reserved: &Reservations, now: Millis) -> bool {
+    now >= slot.expires_at
+        || matches!(slot.place, Place::Reserved(r) if now >= reserved[r].lease_until)
 }
 
 impl MemoryStore {
@@ -451,27 +535,6 @@ impl MemoryStore {
         ENTRY_OVERHEAD + req.key.len() + req.route.len() + self.limits.response_headroom
     }
 
-    /// A fresh reservation for `req` (its slot's expiry, its part).
-    fn reserved(&self, req: &ClaimRequest<'_>, now: Millis, weight: usize) -> (Millis, Reserved) {
-        let lease_until = now.saturating_add(millis(req.lease));
-        let retention = millis(req.retention);
-        let mut key_route = String::with_capacity(req.key.len() + req.route.len());
-        key_route.push_str(req.key);
-        key_route.push_str(req.route);
-        let reserved = Reserved {
-            scope: *req.scope,
-            key_route: key_route.into_boxed_str(),
-            key_len: req.key.len(),
-            fingerprint: req.fingerprint,
-            quota_bucket: req.quota_bucket,
-            lease_until,
-            retention,
-            created_at: now,
-            weight,
-        };
-        (lease_until.saturating_add(retention), reserved)
-    }
-
     /// Inserts a fresh reservation into an empty slot, charging the bounds. When a bound is hit,
     /// frees this shard's expired records once and tries again.
     fn insert_new(
@@ -488,8 +551,7 @@ impl MemoryStore {
             }
             self.charge(weight, req.quota_bucket)?;
         }
-        let (expires_at, reserved) = self.reserved(req, now, weight);
-        shard.reservations += 1;
+        let (idx, expires_at) = shard.reserved.add(req, now, weight);
         shard.queue(hash, expires_at);
         shard.table.insert_unique(
             hash,
@@ -497,7 +559,7 @@ impl MemoryStore {
                 hash,
                 token: req.token,
                 expires_at,
-                place: Place::Reserved(Box::new(reserved)),
+                place: Place::Reserved(idx),
             },
             |s| s.hash,
         );
@@ -514,28 +576,35 @@ impl MemoryStore {
     ) -> Result<Claim, StoreError> {
         let weight = self.reservation_weight(req);
         let Shard {
-            table, segments, ..
+            table,
+            segments,
+            reserved,
+            hole_bytes,
+            ..
         } = shard;
         let slot = table
-            .find_mut(hash, |s| is_record(s, segments, hash, req.scope, req.key))
+            .find_mut(hash, |s| {
+                is_record(s, (segments, reserved), hash, req.scope, req.key)
+            })
             .expect("the record to take over");
         // Same key, same scope, so the same quota bucket: only the byte charge changes (a
         // reservation with its headroom may outweigh the small record it replaces).
-        let (expires_at, reserved) = self.reserved(req, now, weight);
-        match &mut slot.place {
-            Place::Reserved(old) => {
+        let expires_at = match slot.place {
+            Place::Reserved(idx) => {
+                let old = &mut reserved[idx];
                 self.recharge(old.quota_bucket, old.weight, weight, 0)?;
-                **old = reserved;
+                old.fill(req, now, weight)
             }
             Place::Completed(loc) => {
-                let rec = segments.get(*loc);
+                let rec = segments.get(loc);
                 let hole = rec.len();
                 self.recharge(rec.bucket(), rec.weight(), weight, hole)?;
-                shard.hole_bytes += hole;
-                shard.reservations += 1;
-                slot.place = Place::Reserved(Box::new(reserved));
+                *hole_bytes += hole;
+                let (idx, expires_at) = reserved.add(req, now, weight);
+                slot.place = Place::Reserved(idx);
+                expires_at
             }
-        }
+        };
         slot.token = req.token;
         slot.expires_at = expires_at;
         shard.queue(hash, expires_at);
@@ -569,11 +638,11 @@ impl MemoryStore {
                     break;
                 };
                 let (slot, _) = found.remove();
-                let Place::Reserved(r) = slot.place else {
+                let Place::Reserved(idx) = slot.place else {
                     unreachable!("found as a reservation")
                 };
-                shard.reservations -= 1;
-                self.discharge(r.weight, r.quota_bucket, 0);
+                let (weight, bucket) = shard.reserved.remove(idx);
+                self.discharge(weight, bucket, 0);
                 freed += 1;
             }
         }
@@ -642,12 +711,16 @@ impl Store for MemoryStore {
         let (hash, shard) = self.locate(req.scope, req.key);
         let mut shard = lock(shard);
         let Shard {
-            table, segments, ..
+            table,
+            segments,
+            reserved,
+            ..
         } = &mut *shard;
-        let found = table.find(hash, |s| is_record(s, segments, hash, req.scope, req.key));
+        let parts = (&*segments, &*reserved);
+        let found = table.find(hash, |s| is_record(s, parts, hash, req.scope, req.key));
         match found {
             Some(slot) if now >= slot.expires_at => self.take_over(&mut shard, hash, req, now),
-            Some(slot) => Ok(Claim::Standing(standing(slot, segments, now))),
+            Some(slot) => Ok(Claim::Standing(standing(slot, parts, now))),
             None => self.insert_new(&mut shard, hash, req, now),
         }
     }
@@ -661,16 +734,21 @@ impl Store for MemoryStore {
         let (hash, shard) = self.locate(req.scope, req.key);
         let mut shard = lock(shard);
         let Shard {
-            table, segments, ..
+            table,
+            segments,
+            reserved,
+            ..
         } = &mut *shard;
-        let found = table.find(hash, |s| is_record(s, segments, hash, req.scope, req.key));
+        let parts = (&*segments, &*reserved);
+        let found = table.find(hash, |s| is_record(s, parts, hash, req.scope, req.key));
         match found {
             Some(slot)
-                if now >= slot.expires_at || (slot.token == stale && takeable(slot, now)) =>
+                if now >= slot.expires_at
+                    || (slot.token == stale && takeable(slot, parts.1, now)) =>
             {
                 self.take_over(&mut shard, hash, req, now)
             }
-            Some(slot) => Ok(Claim::Standing(standing(slot, segments, now))),
+            Some(slot) => Ok(Claim::Standing(standing(slot, parts, now))),
             None => self.insert_new(&mut shard, hash, req, now),
         }
     }
@@ -689,20 +767,23 @@ impl Store for MemoryStore {
         let Shard {
             table,
             segments,
-            reservations,
+            reserved,
             ..
         } = &mut *shard;
-        let Some(slot) = table.find_mut(hash, |s| is_record(s, segments, hash, scope, key)) else {
+        let Some(slot) = table.find_mut(hash, |s| {
+            is_record(s, (segments, reserved), hash, scope, key)
+        }) else {
             return Ok(false);
         };
         if slot.token != token {
             return Ok(false);
         }
-        let r = match &slot.place {
+        let idx = match slot.place {
             // A resent completion that finds its own record: it is done.
-            Place::Completed(loc) => return Ok(segments.get(*loc).holds(response)),
-            Place::Reserved(r) => r,
+            Place::Completed(loc) => return Ok(segments.get(loc).holds(response)),
+            Place::Reserved(idx) => idx,
         };
+        let r = &reserved[idx];
         let parts = Parts {
             hash,
             bucket: r.quota_bucket,
@@ -724,7 +805,7 @@ impl Store for MemoryStore {
         let loc = segments.append(retention, &parts, lens, total, weight32);
         slot.place = Place::Completed(loc);
         slot.expires_at = now.saturating_add(retention);
-        *reservations -= 1;
+        reserved.remove(idx);
         Ok(true)
     }
 
@@ -739,20 +820,22 @@ impl Store for MemoryStore {
         let Shard {
             table,
             segments,
-            reservations,
+            reserved,
             ..
         } = &mut *shard;
-        match table.find_entry(hash, |s| is_record(s, segments, hash, scope, key)) {
+        match table.find_entry(hash, |s| {
+            is_record(s, (segments, reserved), hash, scope, key)
+        }) {
             Ok(found)
                 if found.get().token == token
                     && matches!(found.get().place, Place::Reserved(_)) =>
             {
                 let (slot, _) = found.remove();
-                let Place::Reserved(r) = slot.place else {
+                let Place::Reserved(idx) = slot.place else {
                     unreachable!("checked above")
                 };
-                *reservations -= 1;
-                self.discharge(r.weight, r.quota_bucket, 0);
+                let (weight, bucket) = reserved.remove(idx);
+                self.discharge(weight, bucket, 0);
                 Ok(true)
             }
             _ => Ok(false),
@@ -770,17 +853,23 @@ impl Store for MemoryStore {
         let (hash, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
         let Shard {
-            table, segments, ..
+            table,
+            segments,
+            reserved,
+            ..
         } = &mut *shard;
-        let Some(slot) = table.find_mut(hash, |s| is_record(s, segments, hash, scope, key)) else {
+        let Some(slot) = table.find_mut(hash, |s| {
+            is_record(s, (segments, reserved), hash, scope, key)
+        }) else {
             return Ok(false);
         };
         if slot.token != token {
             return Ok(false);
         }
-        let Place::Reserved(r) = &mut slot.place else {
+        let Place::Reserved(idx) = slot.place else {
             return Ok(false);
         };
+        let r = &mut reserved[idx];
         r.lease_until = now.saturating_add(millis(lease));
         slot.expires_at = r.lease_until.saturating_add(r.retention);
         let expires_at = slot.expires_at;
@@ -829,14 +918,16 @@ impl Store for MemoryStore {
         let wall = |t: Millis| time_from_millis(wall_now - (now as i64 - t as i64));
         let (hash, shard) = self.locate(scope, key);
         let shard = lock(shard);
+        let parts = (&shard.segments, &shard.reserved);
         let Some(slot) = shard
             .table
-            .find(hash, |s| is_record(s, &shard.segments, hash, scope, key))
+            .find(hash, |s| is_record(s, parts, hash, scope, key))
         else {
             return Ok(None);
         };
-        let mut info = match &slot.place {
-            Place::Reserved(r) => {
+        let mut info = match slot.place {
+            Place::Reserved(idx) => {
+                let r = &shard.reserved[idx];
                 let mut info = RecordInfo::new(
                     RecordState::judge(
                         false,
@@ -852,7 +943,7 @@ impl Store for MemoryStore {
                 info
             }
             Place::Completed(loc) => {
-                let rec = shard.segments.get(*loc);
+                let rec = shard.segments.get(loc);
                 let mut info = RecordInfo::new(
                     RecordState::judge(true, wall(now), wall(0), wall(slot.expires_at)),
                     wall(slot.expires_at),
@@ -877,18 +968,20 @@ impl Store for MemoryStore {
         let Shard {
             table,
             segments,
-            reservations,
+            reserved,
             hole_bytes,
             ..
         } = &mut *shard;
-        let Ok(found) = table.find_entry(hash, |s| is_record(s, segments, hash, scope, key)) else {
+        let Ok(found) = table.find_entry(hash, |s| {
+            is_record(s, (segments, reserved), hash, scope, key)
+        }) else {
             return Ok(false);
         };
         let (slot, _) = found.remove();
         match slot.place {
-            Place::Reserved(r) => {
-                *reservations -= 1;
-                self.discharge(r.weight, r.quota_bucket, 0);
+            Place::Reserved(idx) => {
+                let (weight, bucket) = reserved.remove(idx);
+                self.discharge(weight, bucket, 0);
             }
             Place::Completed(loc) => {
                 let rec = segments.get(loc);
@@ -1647,6 +1740,30 @@ mod segment_tests {
     fn charge(key: &str, body: usize) -> usize {
         let a = answer(body);
         SLOT_OVERHEAD + HEADER_BYTES + key.len() + "/test".len() + header_bytes(&a.headers) + body
+    }
+
+    #[tokio::test]
+    async fn a_claim_reuses_the_entry_of_a_finished_reservation() {
+        let clock = ManualClock::new();
+        let store = store(&clock, 4 << 10);
+        let scope = [6; 32];
+        for i in 0..100 {
+            let key = format!("key-{i}");
+            if i % 2 == 0 {
+                record(&store, &scope, &key, 10, 60).await;
+            } else {
+                let req = claim_req(&scope, &key);
+                assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+                assert!(store.release(&scope, &key, req.token).await.unwrap());
+            }
+        }
+        let shard = lock(&store.shards[0]);
+        assert_eq!(
+            shard.reserved.slab.len(),
+            1,
+            "one request in flight at a time"
+        );
+        assert_eq!(shard.reserved.len(), 0);
     }
 
     #[tokio::test]
