@@ -238,7 +238,8 @@ pub(super) struct Segments {
     queues: Vec<Queue>,
     /// Segments in use.
     in_use: usize,
-    /// Answers too large for a segment that were given one of their own.
+    /// Answers too large for a segment that were given one of their own (reported by the
+    /// store's `Debug`).
     pub(super) own_allocations: usize,
 }
 
