@@ -705,17 +705,6 @@ impl MemoryStore {
 /// Records evicted between two yields of a sweep: about 100 µs of work.
 const SWEEP_SLICE: usize = 64;
 
-/// Makes the allocator take in, now, the small allocations a sweep batch just freed (the
-/// key and route of each expired reservation). glibc keeps freed small chunks aside and merges
-/// all of them at the next allocation above its small sizes, whoever makes it: after a sweep of
-/// many records with none in between, that was one pause of 30–60 ms in a request
-/// (`examples/sweep_pause.rs` with small answers, when every record was allocated on its own).
-/// One such allocation per batch merges a batch's worth in the sweeper, outside every shard
-/// lock; for other allocators it is a 4 KiB allocation and free per batch.
-fn settle_freed_memory() {
-    drop(std::hint::black_box(Vec::<u8>::with_capacity(4 << 10)));
-}
-
 impl Store for MemoryStore {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let now = self.clock.monotonic_millis();
@@ -901,9 +890,6 @@ impl Store for MemoryStore {
                     break;
                 }
                 freed += self.evict_expired(&mut lock(shard), now, slice - freed);
-            }
-            if freed > 0 {
-                settle_freed_memory();
             }
             deleted += freed;
             if freed < slice {

@@ -218,6 +218,8 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 
 struct Segment {
     buf: Vec<u8>,
+    /// Given to one answer too large for a segment: never appended to, never reused.
+    own: bool,
     /// Bytes from the start that the sweep has passed: every record there is gone.
     swept: usize,
 }
@@ -274,12 +276,13 @@ impl Segments {
         };
         let open = self.queues[q].segments.back().copied().filter(|&id| {
             let seg = self.by_id[id as usize].as_ref().expect("a queued segment");
-            seg.buf.capacity() == SEGMENT_BYTES && seg.buf.len() + total <= SEGMENT_BYTES
+            !seg.own && seg.buf.len() + total <= SEGMENT_BYTES
         });
         let id = match open {
             Some(id) => id,
             None => {
-                let buf = if total > SEGMENT_BYTES {
+                let own = total > SEGMENT_BYTES;
+                let buf = if own {
                     self.own_allocations += 1;
                     Vec::with_capacity(total)
                 } else {
@@ -287,16 +290,16 @@ impl Segments {
                         .pop()
                         .unwrap_or_else(|| Vec::with_capacity(SEGMENT_BYTES))
                 };
-                let id = self.add(Segment { buf, swept: 0 });
+                let id = self.add(Segment { buf, own, swept: 0 });
                 self.queues[q].segments.push_back(id);
                 id
             }
         };
         let seg = self.by_id[id as usize].as_mut().expect("a queued segment");
-        let off = seg.buf.len();
+        let (off, capacity) = (seg.buf.len(), seg.buf.capacity());
         parts.write(lens, weight, &mut seg.buf);
         debug_assert_eq!(seg.buf.len(), off + total);
-        debug_assert!(seg.buf.len() <= seg.buf.capacity().max(SEGMENT_BYTES));
+        debug_assert_eq!(seg.buf.capacity(), capacity, "a segment grew");
         Loc {
             seg: id,
             off: off as u32,
@@ -374,7 +377,7 @@ impl Segments {
         self.free_ids.push(id);
         self.in_use -= 1;
         // Keep enough spares for a shard's churn between two sweeps, not a burst's worth.
-        if seg.buf.capacity() == SEGMENT_BYTES && self.spare.len() < 2 + self.in_use / 4 {
+        if !seg.own && self.spare.len() < 2 + self.in_use / 4 {
             let mut buf = seg.buf;
             buf.clear();
             self.spare.push(buf);
