@@ -15,8 +15,11 @@
 //! completed record is allocated or freed on its own, so records that live for the retention do
 //! not mix with a request's short-lived allocations in the allocator. A forget or a takeover
 //! leaves a hole, still charged against `max_bytes` (it is memory the store holds) but no longer
-//! against its scope, until the walk passes it. A reservation (a request in flight) keeps its key
-//! and route in an allocation of its own, freed when it completes or is released.
+//! against its scope, until the walk passes it. A reservation (a request in flight) is an entry in
+//! its shard's slab, reused once it completes or is released, so a claim allocates nothing either.
+//! What the store holds beyond its charge: the spare segments kept for reuse (at most two a shard
+//! and a quarter of those in use) and the slab's free entries (as many as the most requests a
+//! shard held in flight at once, each of which was charged its headroom while it ran).
 //!
 //! # Limits, headroom and sweeping
 //!
