@@ -1894,3 +1894,138 @@ mod segment_tests {
         );
     }
 }
+
+#[cfg(test)]
+mod accounting_tests {
+    use std::collections::HashMap as Map;
+
+    use bytes::Bytes;
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::clock::ManualClock;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Claim { key: u8, secs: u8 },
+        Complete { key: u8, body: u16, secs: u8 },
+        Release { key: u8 },
+        Forget { key: u8 },
+        Advance { secs: u8 },
+        Sweep,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (0u8..12, 1u8..4).prop_map(|(key, secs)| Op::Claim { key, secs }),
+            3 => (0u8..12, 0u16..3_000, 1u8..4)
+                .prop_map(|(key, body, secs)| Op::Complete { key, body, secs }),
+            1 => (0u8..12).prop_map(|key| Op::Release { key }),
+            1 => (0u8..12).prop_map(|key| Op::Forget { key }),
+            2 => (0u8..3).prop_map(|secs| Op::Advance { secs }),
+            1 => Just(Op::Sweep),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+        /// Whatever happens to records (completed into segments of several retentions, some
+        /// larger than a segment, released, forgotten into holes, taken over), once everything
+        /// has expired and been swept the store holds nothing and charges nothing: no record,
+        /// no byte, no hole, no scope's share, no segment in use.
+        #[test]
+        fn every_charge_and_segment_comes_back_once_all_has_expired(
+            ops in proptest::collection::vec(op(), 1..80)
+        ) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let clock = ManualClock::new();
+            let store = MemoryStore::builder()
+                .clock(clock.clone())
+                .shards(2)
+                .limits(MemoryLimits {
+                    response_headroom: 80 << 10,
+                    max_bytes_per_scope: usize::MAX,
+                    ..MemoryLimits::default()
+                })
+                .build();
+            rt.block_on(async {
+                let scope = [9; 32];
+                let keys: Vec<String> = (0..12).map(|k| format!("key-{k}")).collect();
+                let mut tokens: Map<u8, FencingToken> = Map::new();
+                for op in &ops {
+                    match *op {
+                        Op::Claim { key, secs } => {
+                            let req = ClaimRequest {
+                                scope: &scope,
+                                key: &keys[key as usize],
+                                quota_bucket: 3,
+                                fingerprint: Fingerprint { version: 1, digest: [1; 32] },
+                                token: FencingToken::mint(),
+                                lease: Duration::from_secs(u64::from(secs)),
+                                retention: Duration::from_secs(u64::from(secs)),
+                                route: "/r",
+                                response_room: 0,
+                            };
+                            let mut got = store.claim(&req).await.unwrap();
+                            if let Claim::Standing(st) = &got
+                                && matches!(st.state, StandingState::Abandoned)
+                            {
+                                got = store.reclaim(&req, st.token).await.unwrap();
+                            }
+                            if got == Claim::Acquired {
+                                tokens.insert(key, req.token);
+                            }
+                        }
+                        Op::Complete { key, body, secs } => {
+                            if let Some(&token) = tokens.get(&key) {
+                                // Every fourth answer is larger than a segment.
+                                let body = if body % 4 == 0 {
+                                    segment::SEGMENT_BYTES + usize::from(body)
+                                } else {
+                                    usize::from(body)
+                                };
+                                let answer = RecordedResponse::new(
+                                    200,
+                                    vec![("etag".into(), Bytes::from_static(b"x"))],
+                                    Bytes::from(vec![7; body]),
+                                );
+                                let retention = Duration::from_secs(u64::from(secs));
+                                let _ = store
+                                    .complete(&scope, &keys[key as usize], token, &answer, retention)
+                                    .await;
+                            }
+                        }
+                        Op::Release { key } => {
+                            if let Some(&token) = tokens.get(&key) {
+                                let _ = store.release(&scope, &keys[key as usize], token).await;
+                            }
+                        }
+                        Op::Forget { key } => {
+                            store.forget(&scope, &keys[key as usize]).await.unwrap();
+                        }
+                        Op::Advance { secs } => clock.advance(Duration::from_secs(u64::from(secs))),
+                        Op::Sweep => {
+                            store.sweep(500).await.unwrap();
+                        }
+                    }
+                    let holes: usize = store.shards.iter().map(|s| lock(s).hole_bytes).sum();
+                    let share = lock(store.quota_shard(3)).get(&3).copied().unwrap_or_default();
+                    // The store's charge is its scope's share and its holes, at every step.
+                    assert_eq!(store.bytes(), share.bytes + holes, "after {op:?}");
+                    assert_eq!(store.len(), share.records, "after {op:?}");
+                }
+                clock.advance(Duration::from_secs(60));
+                while store.sweep(500).await.unwrap() > 0 {}
+                assert_eq!((store.len(), store.bytes()), (0, 0));
+                for shard in store.shards.iter() {
+                    let shard = lock(shard);
+                    assert_eq!(shard.hole_bytes, 0);
+                    assert_eq!(shard.reserved.len(), 0);
+                    assert_eq!(shard.segments.counts().0, 0, "a segment still in use");
+                    assert!(shard.table.is_empty());
+                }
+                assert!(store.quotas.iter().all(|q| lock(q).is_empty()));
+            });
+        }
+    }
+}
