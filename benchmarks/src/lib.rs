@@ -164,6 +164,17 @@ pub async fn sqlite_store(path: &str) -> Idempotency {
     Idempotency::new(store)
 }
 
+/// Our MySQL/MariaDB store at `url`, migrated, with a pool of `connections` (#33).
+pub async fn mysql_store(url: &str, connections: u32) -> Idempotency {
+    let store = idempotent_runtime::store::mysql::MySqlStore::builder()
+        .max_connections(connections)
+        .connect(url)
+        .await
+        .expect("connect to MySQL");
+    store.migrate().await.expect("migrate");
+    Idempotency::new(store)
+}
+
 /// Our Redis store at `url`, under a key prefix of this run's own (records of earlier runs
 /// never meet it).
 pub async fn redis_store(url: &str) -> Idempotency {

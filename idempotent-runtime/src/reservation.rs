@@ -288,6 +288,17 @@ impl Reservation {
                 self.release_now().await;
                 return;
             }
+            Err(error @ StoreError::NotReplicated { .. }) => {
+                // Recorded on the primary, so replayed while it serves; only a failover before
+                // the replicas catch up loses it. The answer goes out: the handler ran.
+                observe::count(Event::StoreError, &self.route);
+                tracing::warn!(
+                    route = %self.route,
+                    key_hash = %KeyDisplay(guard.key.as_str()),
+                    %error,
+                    "response recorded but not replicated in time: check the store's replicas"
+                );
+            }
             Err(error) => {
                 observe::count(Event::NotRecorded, &self.route);
                 observe::count(Event::StoreError, &self.route);
@@ -449,13 +460,15 @@ pub(crate) mod tests {
 
     /// The memory store behind switches: `down` fails every call as an unreachable database
     /// would, `hang_claims` writes a claim and then never answers (the connection stalls with
-    /// the statement applied), `full` refuses completions for room.
+    /// the statement applied), `full` refuses completions for room, `unreplicated` writes a
+    /// completion and reports that no replica acknowledged it.
     #[derive(Default)]
     pub(crate) struct Outage {
         pub(crate) inner: MemoryStore,
         pub(crate) down: AtomicBool,
         pub(crate) hang_claims: AtomicBool,
         pub(crate) full: AtomicBool,
+        pub(crate) unreplicated: AtomicBool,
         pub(crate) renewals: AtomicUsize,
     }
 
@@ -501,9 +514,17 @@ pub(crate) mod tests {
             if self.full.load(Ordering::SeqCst) {
                 return Err(StoreError::Full);
             }
-            self.inner
+            let done = self
+                .inner
                 .complete(scope, key, token, response, retention)
-                .await
+                .await;
+            if self.unreplicated.load(Ordering::SeqCst) && matches!(done, Ok(true)) {
+                return Err(StoreError::NotReplicated {
+                    acknowledged: 0,
+                    wanted: 1,
+                });
+            }
+            done
         }
         async fn release(
             &self,
@@ -646,5 +667,27 @@ pub(crate) mod tests {
         // Not a 409 for a whole lease after the answer was sent: the retry may run.
         let retry = request(&scope, "k", Duration::from_secs(60));
         assert_eq!(store.inner.claim(&retry).await.unwrap(), Claim::Acquired);
+    }
+
+    #[tokio::test]
+    async fn a_completion_not_replicated_in_time_stands_and_is_replayed() {
+        let store = Arc::new(Outage::default());
+        let scope = [3; 32];
+        let req = request(&scope, "k", Duration::from_secs(60));
+        store.claim(&req).await.unwrap();
+        store.unreplicated.store(true, Ordering::SeqCst);
+        let answer = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"done"));
+        held(&store, &req).complete(&answer).await;
+        // Recorded on the primary: neither released (the retry would run again) nor left
+        // reserved (409 for a whole lease); the retry replays it.
+        let retry = request(&scope, "k", Duration::from_secs(60));
+        let Claim::Standing(Standing { state, .. }) = store.inner.claim(&retry).await.unwrap()
+        else {
+            panic!("the key was released");
+        };
+        let StandingState::Completed(recorded) = state else {
+            panic!("the retry saw {state:?}, not the recorded answer");
+        };
+        assert_eq!(recorded.body, bytes::Bytes::from_static(b"done"));
     }
 }

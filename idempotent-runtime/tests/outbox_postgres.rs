@@ -609,7 +609,12 @@ async fn a_running_relay_delivers_what_committed_while_none_ran_and_wakes_on_com
     let Some(db) = Db::connect().await else {
         return;
     };
-    let outbox = db.outbox().await;
+    let outbox = PgOutbox::builder(db.pool.clone())
+        .schema(&db.schema)
+        .notify(true)
+        .build()
+        .unwrap();
+    outbox.migrate().await.unwrap();
     // Committed while no relay runs.
     db.commit_order(&outbox, 1, Message::new("early", "orders", "x"))
         .await;

@@ -145,6 +145,38 @@ impl Server {
         }
     }
 
+    /// Starts `name` with `wrapper` before its command line (`ip netns exec NS`), listening on
+    /// `addr`, its stderr kept (see [`log`](Self::log)) at `IDEMPOTENT_LOG=log_filter`; the
+    /// store options are the caller's.
+    pub fn start_via(
+        wrapper: &[&str],
+        name: &'static str,
+        addr: &str,
+        options: &[&str],
+        log_filter: &str,
+    ) -> Self {
+        let (process, addr) = super::start_server_via(
+            wrapper,
+            name,
+            addr,
+            options,
+            &[("IDEMPOTENT_LOG", log_filter)],
+            true,
+        );
+        Self {
+            name,
+            addr,
+            process,
+            client: reqwest::Client::new(),
+            _store: None,
+        }
+    }
+
+    /// What the server wrote to stderr (only when started with [`start_via`](Self::start_via)).
+    pub fn log(&self) -> String {
+        self.process.log()
+    }
+
     fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }

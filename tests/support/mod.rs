@@ -91,6 +91,23 @@ where
     I: IntoIterator,
     I::Item: AsRef<OsStr>,
 {
+    start_server_via(&[], name, addr, options, env, log_stderr)
+}
+
+/// [`start_server`] with the example's command line after `wrapper` (e.g. `ip netns exec NS`,
+/// to run it in a network namespace of the test's own).
+pub fn start_server_via<I>(
+    wrapper: &[&str],
+    name: &str,
+    addr: &str,
+    options: I,
+    env: &[(&str, &str)],
+    log_stderr: bool,
+) -> (Process, SocketAddr)
+where
+    I: IntoIterator,
+    I::Item: AsRef<OsStr>,
+{
     let stderr = log_stderr.then(|| {
         std::env::temp_dir().join(format!(
             "idempotent-{name}-{}-{:016x}.stderr",
@@ -98,7 +115,16 @@ where
             idempotent_runtime::store::FencingToken::mint().0
         ))
     });
-    let mut child = Command::new(example_binary(name))
+    let binary = example_binary(name);
+    let mut command = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut c = Command::new(program);
+            c.args(args).arg(&binary);
+            c
+        }
+        None => Command::new(&binary),
+    };
+    let mut child = command
         .args(["--addr", addr])
         .args(options)
         .env_remove("IDEMPOTENT_LOG")

@@ -2,13 +2,13 @@
 //!
 //! ```text
 //! bench_server <variant> [--addr 127.0.0.1:0] [--database-url URL] [--sqlite PATH]
-//!              [--redis-url URL] [--workers N] [--pg-connections N]
+//!              [--redis-url URL] [--mysql-url URL] [--workers N] [--pg-connections N]
 //! ```
 //!
 //! Variants: `axum-bare`, `axum-memory`, `axum-memory-steady` (a 2 s retention, sweeper on, so
 //! the store stops growing), `axum-memory-nosweep` (the same retention, sweeper off),
 //! `axum-postgres`, `axum-postgres-cached` (the same store behind `CachedStore`), `axum-sqlite`,
-//! `axum-redis`, `actix-bare`, `actix-memory` (ours), `peer-cratestack` (cratestack-axum +
+//! `axum-redis`, `axum-mysql` (MySQL/MariaDB, its pool the PostgreSQL variants' size), `actix-bare`, `actix-memory` (ours), `peer-cratestack` (cratestack-axum +
 //! cratestack-sqlx on PostgreSQL, its pool set like ours), `peer-cratestack-default-pool` (the
 //! same on sqlx's default pool), `peer-axum-idempotent` (axum-idempotent on a moka memory
 //! store). It prints `listening on ADDR` once bound and serves until killed
@@ -42,6 +42,7 @@ fn main() {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idempotent_bench".into());
     let mut sqlite = "target/bench-sqlite.db".to_owned();
     let mut redis_url = "redis://127.0.0.1:6379/0".to_owned();
+    let mut mysql_url = "mysql://root@127.0.0.1:3306/idempotent_bench".to_owned();
     let mut workers = WORKERS;
     let mut pg_connections = PG_CONNECTIONS;
     while let Some(flag) = args.next() {
@@ -51,6 +52,7 @@ fn main() {
             "--database-url" => database_url = value,
             "--sqlite" => sqlite = value,
             "--redis-url" => redis_url = value,
+            "--mysql-url" => mysql_url = value,
             "--workers" => {
                 workers = value
                     .parse()
@@ -94,6 +96,9 @@ fn main() {
             ),
             "axum-sqlite" => bench::idempotent_router(bench::sqlite_store(&sqlite).await),
             "axum-redis" => bench::idempotent_router(bench::redis_store(&redis_url).await),
+            "axum-mysql" => bench::idempotent_router(
+                bench::mysql_store(&mysql_url, pg_connections).await,
+            ),
             "peer-cratestack" => {
                 bench::cratestack_router(&database_url, pg_connections, false).await
             }

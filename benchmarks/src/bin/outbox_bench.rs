@@ -90,6 +90,15 @@ async fn fresh_schema(pool: &PgPool) -> (String, PgOutbox) {
     (schema, outbox)
 }
 
+/// The outbox of `schema`, notifying relays at commit.
+async fn notifying(pool: &PgPool, schema: &str) -> PgOutbox {
+    PgOutbox::builder(pool.clone())
+        .schema(schema)
+        .notify(true)
+        .build()
+        .expect("outbox")
+}
+
 async fn drop_schema(pool: &PgPool, schema: &str) {
     let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(pool)
@@ -185,6 +194,54 @@ async fn create_order(
         outbox.enqueue(tx.conn(), placed).await.expect("enqueue");
     }
     (StatusCode::CREATED, Json(order))
+}
+
+/// CPU time (user + system) of every PostgreSQL process of this machine, and of this process,
+/// in clock ticks: each process's own, plus the postmaster's reaped children's (so a backend
+/// that exits during a run still counts).
+fn cpu_ticks() -> (u64, u64) {
+    let stat = |pid: &str| -> Option<Vec<String>> {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let (_, rest) = text.rsplit_once(')')?;
+        Some(rest.split_whitespace().map(str::to_owned).collect())
+    };
+    let ticks = |f: &[String], at: usize| f.get(at).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let mut postgres = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let pid = entry.file_name().to_string_lossy().into_owned();
+        if pid.bytes().all(|b| b.is_ascii_digit())
+            && std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "postgres")
+        {
+            postgres.push(pid);
+        }
+    }
+    let mut pg = 0;
+    for pid in &postgres {
+        let Some(f) = stat(pid) else { continue };
+        // f[0] is field 3 (state): utime is field 14, stime 15, cutime 16, cstime 17.
+        pg += ticks(&f, 11) + ticks(&f, 12);
+        if !postgres.contains(&f[1]) {
+            pg += ticks(&f, 13) + ticks(&f, 14);
+        }
+    }
+    let own = stat("self").map_or(0, |f| ticks(&f, 11) + ticks(&f, 12));
+    (pg, own)
+}
+
+/// CPU per request in microseconds (PostgreSQL's, this process's) between two readings.
+fn per_request(before: (u64, u64), after: (u64, u64), requests: f64) -> (f64, f64) {
+    let hz = 100.0; // USER_HZ on Linux
+    let us = |t: u64| t as f64 * 1e6 / hz / requests.max(1.0);
+    (us(after.0 - before.0), us(after.1 - before.1))
+}
+
+/// First requests (a fresh key each) from 16 concurrent callers for `seconds`; requests/s,
+/// and CPU per request (PostgreSQL's, this process's) in µs.
+async fn measured(app: App, seconds: u64) -> (f64, f64, f64) {
+    let before = cpu_ticks();
+    let rate = first_requests(app, seconds).await;
+    let (pg, own) = per_request(before, cpu_ticks(), rate * seconds as f64);
+    (rate, pg, own)
 }
 
 /// First requests (a fresh key each) from 16 concurrent callers for `seconds`; requests/s.
@@ -332,7 +389,7 @@ async fn run(args: Args) {
     store.migrate().await.expect("migrate store");
     let idempotency = Idempotency::new(store);
     let (schema_a, _) = fresh_schema(&pool).await;
-    let without = first_requests(
+    let (without, without_pg, without_own) = measured(
         App {
             idempotency: idempotency.clone(),
             outbox: None,
@@ -341,8 +398,42 @@ async fn run(args: Args) {
         args.seconds,
     )
     .await;
-    let (schema_b, outbox) = fresh_schema(&pool).await;
-    // A relay publishing to NATS while the requests run: the lag under load.
+    // The message alone (the default outbox: relays poll), no relay running.
+    let (schema_q, quiet) = fresh_schema(&pool).await;
+    let (with_quiet, quiet_pg, quiet_own) = measured(
+        App {
+            idempotency: idempotency.clone(),
+            outbox: Some(quiet),
+            schema: schema_q.clone().into(),
+        },
+        args.seconds,
+    )
+    .await;
+    // With the commit's NOTIFY, no relay running.
+    let (schema_n, _) = fresh_schema(&pool).await;
+    let notified = notifying(&pool, &schema_n).await;
+    let (with_notify, notify_pg, notify_own) = measured(
+        App {
+            idempotency: idempotency.clone(),
+            outbox: Some(notified),
+            schema: schema_n.clone().into(),
+        },
+        args.seconds,
+    )
+    .await;
+    println!("| variant | requests/s | / order only | PostgreSQL CPU µs/req | this process CPU µs/req |");
+    println!("|---|---:|---:|---:|---:|");
+    println!("| enlisted, order only | {without:.0} | 1.00 | {without_pg:.0} | {without_own:.0} |");
+    println!(
+        "| + outbox message (default: relays poll), no relay | {with_quiet:.0} | {:.2} | {quiet_pg:.0} | {quiet_own:.0} |",
+        with_quiet / without
+    );
+    println!(
+        "| + outbox message with NOTIFY, no relay | {with_notify:.0} | {:.2} | {notify_pg:.0} | {notify_own:.0} |",
+        with_notify / without
+    );
+    // A relay publishing to NATS while the requests run: the lag under load, polling and
+    // listening.
     let subject = "orders.placed";
     let stream = format!("BENCH_OUTBOX_LAG_{}", unique());
     js.create_stream(async_nats::jetstream::stream::Config {
@@ -352,36 +443,46 @@ async fn run(args: Args) {
     })
     .await
     .expect("create stream");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let relay = tokio::spawn(
-        Relay::new(outbox.clone(), NatsPublisher::new(js.clone())).run_until(async move {
-            let _ = stopped.await;
-        }),
-    );
-    let with = first_requests(
-        App {
-            idempotency,
-            outbox: Some(outbox.clone()),
-            schema: schema_b.clone().into(),
-        },
-        args.seconds,
-    )
-    .await;
-    while outbox.stats().await.expect("stats").pending > 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    for notify in [false, true] {
+        let (schema_r, polled) = fresh_schema(&pool).await;
+        let outbox = if notify {
+            notifying(&pool, &schema_r).await
+        } else {
+            polled
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let relay = tokio::spawn(
+            Relay::new(outbox.clone(), NatsPublisher::new(js.clone())).run_until(async move {
+                let _ = stopped.await;
+            }),
+        );
+        let (with, with_pg, with_own) = measured(
+            App {
+                idempotency: idempotency.clone(),
+                outbox: Some(outbox.clone()),
+                schema: schema_r.clone().into(),
+            },
+            args.seconds,
+        )
+        .await;
+        while outbox.stats().await.expect("stats").pending > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let _ = stop.send(());
+        relay.await.expect("relay");
+        let (p50, p99, delivered) = lag_percentiles(&pool, &outbox).await;
+        let how = if notify { "with NOTIFY, the relay listening" } else { "the relay polling every 100 ms" };
+        println!(
+            "| + outbox message, {how}, publishing to NATS | {with:.0} | {:.2} | {with_pg:.0} | {with_own:.0} |",
+            with / without
+        );
+        println!(
+            "|   lag enqueued → delivered ({delivered} messages): p50 {p50:.1} ms, p99 {p99:.1} ms | | | | |"
+        );
+        drop_schema(&pool, &schema_r).await;
     }
-    let _ = stop.send(());
-    relay.await.expect("relay");
-    let (p50, p99, delivered) = lag_percentiles(&pool, &outbox).await;
-    println!("| variant | requests/s |");
-    println!("|---|---|");
-    println!("| enlisted, order only | {without:.0} |");
-    println!("| enlisted, order + outbox message | {with:.0} |");
-    println!("ratio with/without: {:.2}", with / without);
-    println!(
-        "lag enqueued → delivered to NATS under that load (one relay, {delivered} messages): p50 {p50:.1} ms, p99 {p99:.1} ms"
-    );
+    drop_schema(&pool, &schema_q).await;
+    drop_schema(&pool, &schema_n).await;
     let _ = js.delete_stream(&stream).await;
     drop_schema(&pool, &schema_a).await;
-    drop_schema(&pool, &schema_b).await;
 }

@@ -22,8 +22,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     last_error    text,
     enqueued_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
     delivered_at  timestamptz,
-    CONSTRAINT "{name}_pkey" PRIMARY KEY (id),
-    CONSTRAINT "{name}_seq_key" UNIQUE (seq)
+    CONSTRAINT "{name}_pkey" PRIMARY KEY (id)
 );
 -- The relay's claim: pending messages in insertion order.
 CREATE INDEX IF NOT EXISTS "{name}_pending_idx" ON {table} (seq) WHERE state = 'pending';

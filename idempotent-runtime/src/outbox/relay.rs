@@ -21,8 +21,8 @@ use super::{PublishError, Publisher};
 const DEFAULT_BATCH: usize = 64;
 /// How long a claim holds its messages by default: 30 s.
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
-/// How often an idle relay looks for messages by default when no notification woke it: 1 s.
-const DEFAULT_POLL: Duration = Duration::from_secs(1);
+/// How often an idle relay looks for messages by default when no notification woke it: 100 ms.
+const DEFAULT_POLL: Duration = Duration::from_millis(100);
 /// Tries before a message is dead-lettered by default.
 const DEFAULT_MAX_ATTEMPTS: u32 = 12;
 /// The first retry's delay by default (doubling each try): 1 s.
@@ -42,8 +42,8 @@ const STATS_EVERY: Duration = Duration::from_secs(10);
 /// Run as many relays as you like, in one process or several: they claim disjoint messages.
 /// Each claims a batch (the head of every ordering key, and messages without one) under a
 /// lease, publishes them concurrently, gives up a publish still running when the lease nears its
-/// end, and records each outcome under its claim's token. An idle relay sleeps until a commit
-/// notifies it (`LISTEN`) or its poll interval passes.
+/// end, and records each outcome under its claim's token. An idle relay sleeps until its poll
+/// interval passes, or a commit notifies it (`LISTEN`) when the outbox notifies.
 ///
 /// ```no_run
 /// use idempotent_runtime::outbox::{Delivery, PgOutbox, PublishError, Publisher, Relay};
@@ -121,9 +121,9 @@ impl<P: Publisher> RelayBuilder<P> {
         self
     }
 
-    /// How often an idle relay looks for due messages without being notified (default 1 s):
-    /// the delay of retries after their backoff, and of every message when notifications are
-    /// off or lost.
+    /// How often an idle relay looks for due messages without being notified (default 100 ms:
+    /// one indexed query a tick): the longest an idle relay takes to see a message when the
+    /// outbox does not notify, and the delay of retries after their backoff.
     pub fn poll_interval(mut self, poll: Duration) -> Self {
         self.s.poll = poll.max(Duration::from_millis(10));
         self

@@ -321,9 +321,9 @@ async fn claim_failed(
         StoreError::Full | StoreError::QuotaExceeded => (ProblemCode::StoreFull, Event::StoreFull),
         // A claim is required of every store; a wrapper that reports it unsupported is a
         // store that cannot serve, which the client sees as unavailable.
-        StoreError::Unavailable(_) | StoreError::Unsupported { .. } => {
-            (ProblemCode::StoreUnavailable, Event::StoreError)
-        }
+        StoreError::Unavailable(_)
+        | StoreError::Unsupported { .. }
+        | StoreError::NotReplicated { .. } => (ProblemCode::StoreUnavailable, Event::StoreError),
     };
     observe::count(event, route);
     observe::decided(event.name());

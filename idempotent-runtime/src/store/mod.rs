@@ -444,6 +444,16 @@ pub enum StoreError {
         /// The [`Store`] method's name.
         operation: &'static str,
     },
+    /// The write was applied by the store's primary but acknowledged by fewer replicas than
+    /// the store was told to wait for, within its timeout (the Redis store's
+    /// `wait_for_replicas`). It stands on the primary; a failover before the replicas catch
+    /// up loses it.
+    NotReplicated {
+        /// Replicas that acknowledged the write.
+        acknowledged: u32,
+        /// Replicas the store waits for.
+        wanted: u32,
+    },
 }
 
 impl StoreError {
@@ -464,6 +474,14 @@ impl fmt::Display for StoreError {
             Self::Unsupported { operation } => {
                 write!(f, "this idempotency store does not support `{operation}`")
             }
+            Self::NotReplicated {
+                acknowledged,
+                wanted,
+            } => write!(
+                f,
+                "written to the idempotency store's primary but acknowledged by {acknowledged} \
+                 of {wanted} replicas in time: a failover now would lose it"
+            ),
         }
     }
 }

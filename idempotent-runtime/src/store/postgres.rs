@@ -176,6 +176,7 @@ pub struct PostgresStoreBuilder {
     reserved_connections: u32,
     batch: batch::Limits,
     transaction_pooler: bool,
+    operation_timeout: Option<Duration>,
 }
 
 impl PostgresStoreBuilder {
@@ -214,6 +215,23 @@ impl PostgresStoreBuilder {
     pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
         self.acquire_timeout = timeout;
         self
+    }
+
+    /// How long a store operation (claim, completion, release, renewal, inspect, forget,
+    /// sweep) waits for PostgreSQL's answer before it fails with [`StoreError::Unavailable`]
+    /// (default: [`statement_timeout`](Self::statement_timeout) + 1 s, when the server would
+    /// have cancelled the statement itself). Across a network partition nothing comes back,
+    /// not even an error (TCP keeps resending for about 15 minutes): without this bound a claim
+    /// would hang there instead of answering 503, and a renewal could not see its lease lapse.
+    /// The outcome of an operation cut off is unknown, as after a dropped connection.
+    pub fn operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = Some(timeout);
+        self
+    }
+
+    fn effective_operation_timeout(&self) -> Duration {
+        self.operation_timeout
+            .unwrap_or(self.statement_timeout + Duration::from_secs(1))
     }
 
     /// Size of the pool the store opens (default 10).
@@ -341,6 +359,7 @@ impl PostgresStoreBuilder {
             self.reserved_connections,
             self.batch,
             session,
+            self.effective_operation_timeout(),
         ))
     }
 
@@ -360,6 +379,7 @@ impl PostgresStoreBuilder {
             self.reserved_connections,
             self.batch,
             session,
+            self.effective_operation_timeout(),
         ))
     }
 
@@ -708,6 +728,8 @@ pub struct PostgresStore {
     rounds: Arc<batch::Batcher<Rounds>>,
     /// The enlisted mode's read before any transaction, on connections of its own.
     glance: enlisted::Glance,
+    /// How long a detached operation waits for PostgreSQL.
+    operation_timeout: Duration,
 }
 
 /// What every statement needs, shared with the tasks that send batches.
@@ -1182,6 +1204,7 @@ impl PostgresStore {
             reserved_connections: enlisted::RESERVED_CONNECTIONS,
             batch: DEFAULT_BATCH,
             transaction_pooler: false,
+            operation_timeout: None,
         }
     }
 
@@ -1212,6 +1235,7 @@ impl PostgresStore {
             Session::Direct {
                 lock_timeout_ms: None,
             },
+            Self::builder().effective_operation_timeout(),
         )
     }
 
@@ -1221,6 +1245,7 @@ impl PostgresStore {
         reserved: u32,
         batch: batch::Limits,
         session: Session,
+        operation_timeout: Duration,
     ) -> Self {
         let core = Arc::new(Core {
             sql: Statements::new(&table.qualified, batch.rows),
@@ -1234,6 +1259,24 @@ impl PostgresStore {
             glance: enlisted::Glance::new(&table.qualified, reserved),
             core,
             table,
+            operation_timeout,
+        }
+    }
+
+    /// `operation` bounded by the store's [`operation_timeout`]: past it, unavailable.
+    ///
+    /// [`operation_timeout`]: PostgresStoreBuilder::operation_timeout
+    async fn bounded<T>(
+        &self,
+        operation: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.operation_timeout, operation).await {
+            Ok(answer) => answer,
+            Err(_) => Err(StoreError::unavailable(format!(
+                "PostgreSQL did not answer within {:?} (the store's operation_timeout): the \
+                 network or the server is down, and the operation's outcome is unknown",
+                self.operation_timeout
+            ))),
         }
     }
 
@@ -1567,7 +1610,7 @@ fn still_running(req: &ClaimRequest<'_>) -> Claim {
 
 impl Store for PostgresStore {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.claim_on(&mut On::Pool, req).await
+        self.bounded(self.claim_on(&mut On::Pool, req)).await
     }
 
     async fn reclaim(
@@ -1575,7 +1618,8 @@ impl Store for PostgresStore {
         req: &ClaimRequest<'_>,
         stale: FencingToken,
     ) -> Result<Claim, StoreError> {
-        self.reclaim_on(&mut On::Pool, req, stale).await
+        self.bounded(self.reclaim_on(&mut On::Pool, req, stale))
+            .await
     }
 
     async fn complete(
@@ -1596,7 +1640,7 @@ impl Store for PostgresStore {
             retention,
             trailers: encoded_trailers(response),
         };
-        match self.rounds.submit(Op::Complete(row)).await? {
+        match self.bounded(self.rounds.submit(Op::Complete(row))).await? {
             Done::Completed(done) => Ok(done),
             Done::Claimed(_) => unreachable!("a completion is answered as a completion"),
         }
@@ -1608,7 +1652,7 @@ impl Store for PostgresStore {
         key: &str,
         token: FencingToken,
     ) -> Result<bool, StoreError> {
-        self.core.release(scope, key, token).await
+        self.bounded(self.core.release(scope, key, token)).await
     }
 
     async fn renew(
@@ -1619,15 +1663,14 @@ impl Store for PostgresStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let rows = self
-            .core
-            .conditional_write(|| {
+            .bounded(self.core.conditional_write(|| {
                 sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.renew)))
                     .bind(&scope[..])
                     .bind(key)
                     .bind(token.as_i64())
                     .bind(millis_i64(lease))
                     .bind(self.offset())
-            })
+            }))
             .await?;
         Ok(rows == 1)
     }
@@ -1637,9 +1680,13 @@ impl Store for PostgresStore {
         let query = sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.sweep)))
             .bind(i64::try_from(batch).unwrap_or(i64::MAX))
             .bind(self.offset());
-        let done = on_pool!(self.core, &self.core.pool, query, execute)
-            .await
-            .map_err(unavailable)?;
+        let done = self
+            .bounded(async {
+                on_pool!(self.core, &self.core.pool, query, execute)
+                    .await
+                    .map_err(unavailable)
+            })
+            .await?;
         Ok(done.rows_affected() as usize)
     }
 
@@ -1655,20 +1702,23 @@ impl Store for PostgresStore {
             .bind(key)
             .bind(with_response)
             .bind(self.offset());
-        let row = on_pool!(self.core, &self.core.pool, query, fetch_optional)
-            .await
-            .map_err(unavailable)?;
+        let row = self
+            .bounded(async {
+                on_pool!(self.core, &self.core.pool, query, fetch_optional)
+                    .await
+                    .map_err(unavailable)
+            })
+            .await?;
         row.map(|row| record_info(&row)).transpose()
     }
 
     async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
         let rows = self
-            .core
-            .conditional_write(|| {
+            .bounded(self.core.conditional_write(|| {
                 sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.forget)))
                     .bind(&scope[..])
                     .bind(key)
-            })
+            }))
             .await?;
         Ok(rows == 1)
     }

@@ -93,14 +93,15 @@
 //! runs the handler again. Three failures lose acknowledged records: a restart of a Redis that
 //! persists nothing (the default of many installs, and of this project's test machines) loses all of
 //! them; with `appendonly yes` and the default `appendfsync everysec`, a crash of the machine loses up
-//! to about a second of writes; and a failover to a replica (Sentinel, Cluster) loses whatever the
-//! replica had not received yet, because replication is asynchronous. `appendonly yes` with
-//! `appendfsync always` closes the first two at the cost of an fsync per write (every claim and
-//! completion waits on the disk). The failover window is narrowed, not closed, by `WAIT 1 <ms>` after
-//! a write or by `min-replicas-to-write 1` with `min-replicas-max-lag`, which make the primary refuse
-//! writes (503 here) when no replica keeps up; Redis still does not guarantee that an acknowledged
-//! write survives a failover. If a retry must never run twice across such failures, use PostgreSQL,
-//! and its enlisted mode.
+//! to about a second of writes; and a failover to a replica (Sentinel) loses whatever the replica had
+//! not received yet, because replication is asynchronous. `appendonly yes` with `appendfsync always`
+//! closes the first two at the cost of an fsync per write. The failover window is closed for what
+//! the store acknowledges by [`RedisStoreBuilder::wait_for_replicas`]: a completion counts as
+//! recorded only once that many replicas acknowledged it (`WAIT`), and one they did not acknowledge
+//! in time is reported ([`StoreError::NotReplicated`]), logged and counted, its answer still sent.
+//! Tested with a replica of the test's own promoted after its primary was killed: without the
+//! option every completion acknowledged after the replica fell behind was lost; with it, none was.
+//! If a retry must never run twice across such failures, use PostgreSQL, and its enlisted mode.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -111,6 +112,7 @@ use ::redis::cluster::ClusterClient;
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::{ErrorKind, RedisError, Script, ScriptInvocation, ServerErrorKind, Value};
 use bytes::Bytes;
+use tokio::sync::oneshot;
 
 use super::{
     Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, Standing,
@@ -423,6 +425,130 @@ pub struct RedisStoreBuilder {
     prefix: String,
     response_timeout: Duration,
     connection_timeout: Duration,
+    wait_for_replicas: Option<WaitForReplicas>,
+}
+
+/// What a completion waits for before it counts as recorded: `WAIT replicas timeout`.
+#[derive(Debug, Clone, Copy)]
+struct WaitForReplicas {
+    replicas: u32,
+    timeout: Duration,
+}
+
+/// The completions that wait for replicas, sent together on a connection of their own: every
+/// completion that arrives while a batch is out goes in the next one, one pipeline of their
+/// scripts followed by a single `WAIT`, which covers every write sent before it on its
+/// connection. Claims and replays, on the store's other connection, never queue behind a
+/// `WAIT`, and concurrent completions share one instead of waiting in turn.
+struct Waiting {
+    wait: WaitForReplicas,
+    conn: ConnectionManager,
+    queue: std::sync::Mutex<WaitQueue>,
+}
+
+#[derive(Default)]
+struct WaitQueue {
+    pending: Vec<(::redis::Cmd, WaitAnswer)>,
+    /// Whether a task is sending batches.
+    out: bool,
+}
+
+/// The most completions in one batch.
+const MAX_WAIT_BATCH: usize = 128;
+
+/// Dropped with the task that sends batches: when its runtime shut down under it, the
+/// completions still queued are answered "outcome unknown" (their senders dropped, so they
+/// resend alone) and the next completion starts a task again, rather than waiting for ever.
+struct Sending<'a> {
+    waiting: &'a Waiting,
+    done: bool,
+}
+
+impl Drop for Sending<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut queue = self.waiting.queue.lock().unwrap_or_else(|p| p.into_inner());
+            queue.pending.clear();
+            queue.out = false;
+        }
+    }
+}
+
+/// A completion's script reply and the replicas its batch's `WAIT` counted.
+type WaitAnswer = oneshot::Sender<Result<(Value, i64), RedisError>>;
+
+impl Waiting {
+    /// Sends `completion` with the next batch; `None` when the batch's task was gone before it
+    /// answered (the outcome is unknown).
+    async fn submit(
+        self: &Arc<Self>,
+        completion: ::redis::Cmd,
+    ) -> Option<Result<(Value, i64), RedisError>> {
+        let (answer, reply) = oneshot::channel();
+        let start = {
+            let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            queue.pending.push((completion, answer));
+            !std::mem::replace(&mut queue.out, true)
+        };
+        if start {
+            // Its own task: a request that gives up must not take its neighbours' batch along.
+            tokio::spawn(Arc::clone(self).send_batches());
+        }
+        reply.await.ok()
+    }
+
+    async fn send_batches(self: Arc<Self>) {
+        let mut conn = self.conn.clone();
+        let mut sending = Sending {
+            waiting: &self,
+            done: false,
+        };
+        loop {
+            let batch: Vec<_> = {
+                let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                if queue.pending.is_empty() {
+                    queue.out = false;
+                    sending.done = true;
+                    return;
+                }
+                let n = queue.pending.len().min(MAX_WAIT_BATCH);
+                queue.pending.drain(..n).collect()
+            };
+            let mut pipe = ::redis::pipe();
+            pipe.ignore_errors();
+            let mut answers = Vec::with_capacity(batch.len());
+            for (completion, answer) in batch {
+                pipe.add_command(completion);
+                answers.push(answer);
+            }
+            pipe.cmd("WAIT")
+                .arg(self.wait.replicas)
+                .arg(millis(self.wait.timeout));
+            let replies: Result<Vec<Result<Value, RedisError>>, RedisError> =
+                pipe.query_async(&mut conn).await;
+            match replies {
+                Ok(mut replies) => {
+                    let acknowledged = match replies.pop() {
+                        Some(Ok(Value::Int(n))) => Ok(n),
+                        Some(Err(e)) => Err(e),
+                        _ => Err(RedisError::from((
+                            ErrorKind::UnexpectedReturnType,
+                            "WAIT answered something other than a count",
+                        ))),
+                    };
+                    for (answer, reply) in answers.into_iter().zip(replies) {
+                        let _ =
+                            answer.send(reply.and_then(|v| acknowledged.clone().map(|n| (v, n))));
+                    }
+                }
+                Err(e) => {
+                    for answer in answers {
+                        let _ = answer.send(Err(e.clone()));
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl RedisStoreBuilder {
@@ -443,6 +569,40 @@ impl RedisStoreBuilder {
     pub fn connection_timeout(mut self, timeout: Duration) -> Self {
         self.connection_timeout = timeout;
         self
+    }
+
+    /// Makes every completion wait until `replicas` replicas have acknowledged it, for at most
+    /// `timeout` (Redis's `WAIT`), so an answer is reported recorded only once a failover to one
+    /// of those replicas keeps it. Off by default: replication is asynchronous, and a failover
+    /// loses the completions a replica had not received, letting their retries run again.
+    ///
+    /// Completions that wait go out on a connection of their own ([`connect`](Self::connect)
+    /// opens it; [`build`](Self::build) uses the manager it is given, whose response timeout
+    /// should then exceed `timeout`): the completions that arrive while one batch waits go out
+    /// together as the next, their scripts and one `WAIT` in one pipeline. Claims and replays
+    /// never queue behind a `WAIT`.
+    ///
+    /// When fewer replicas answer within `timeout`, the completion stands on the primary (and
+    /// is replayed while it serves), the response is still sent, and the shortfall is an error
+    /// ([`StoreError::NotReplicated`]), logged with the key's hash and counted `store_error`.
+    /// The handler has run: a 503 would tell the client it had not, and send its retry into the
+    /// very failover this guards against. Claims are not waited for: a claim lost by a
+    /// failover lets a retry run while the first handler still runs, whose completion then
+    /// finds no reservation and is counted `lease_lost`. Standalone connections only: a cluster
+    /// build is refused. `replicas` 0 turns it off.
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait_for_replicas = (replicas > 0).then_some(WaitForReplicas { replicas, timeout });
+        self
+    }
+
+    fn check_no_wait(&self) -> Result<(), RedisError> {
+        if self.wait_for_replicas.is_some() {
+            return Err(RedisError::from((
+                ErrorKind::InvalidClientConfig,
+                "wait_for_replicas is not supported on a Redis Cluster connection",
+            )));
+        }
+        Ok(())
     }
 
     fn check_prefix(&self) -> Result<(), RedisError> {
@@ -473,8 +633,15 @@ impl RedisStoreBuilder {
             .set_connection_timeout(Some(self.connection_timeout))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(500));
-        let manager = ConnectionManager::new_with_config(client, config).await?;
-        self.finish(Connection::Single(manager)).await
+        let manager = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+        let mut waiting = None;
+        if let Some(wait) = self.wait_for_replicas {
+            // A WAIT answers after its timeout at the latest: only past that has Redis failed.
+            let config = config
+                .set_response_timeout(Some(self.response_timeout.saturating_add(wait.timeout)));
+            waiting = Some(ConnectionManager::new_with_config(client, config).await?);
+        }
+        self.finish(Connection::Single(manager), waiting).await
     }
 
     /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` each) and
@@ -485,34 +652,50 @@ impl RedisStoreBuilder {
         S: AsRef<str>,
     {
         self.check_prefix()?;
+        self.check_no_wait()?;
         let nodes: Vec<String> = nodes.into_iter().map(|n| n.as_ref().to_owned()).collect();
         let client = ClusterClient::builder(nodes)
             .response_timeout(self.response_timeout)
             .connection_timeout(self.connection_timeout)
             .build()?;
         let conn = client.get_async_connection().await?;
-        self.finish(Connection::Cluster(conn)).await
+        self.finish(Connection::Cluster(conn), None).await
     }
 
-    /// Builds the store over an existing connection manager and loads the scripts.
+    /// Builds the store over an existing connection manager and loads the scripts. With
+    /// [`wait_for_replicas`](Self::wait_for_replicas), completions wait on this manager too
+    /// (holding it while replicas answer): give it a response timeout longer than the wait's.
     pub async fn build(self, manager: ConnectionManager) -> Result<RedisStore, RedisError> {
         self.check_prefix()?;
-        self.finish(Connection::Single(manager)).await
+        let waiting = self.wait_for_replicas.map(|_| manager.clone());
+        self.finish(Connection::Single(manager), waiting).await
     }
 
     /// Builds the store over an existing cluster connection and loads the scripts.
     pub async fn build_cluster(self, conn: ClusterConnection) -> Result<RedisStore, RedisError> {
         self.check_prefix()?;
-        self.finish(Connection::Cluster(conn)).await
+        self.check_no_wait()?;
+        self.finish(Connection::Cluster(conn), None).await
     }
 
-    async fn finish(self, conn: Connection) -> Result<RedisStore, RedisError> {
+    async fn finish(
+        self,
+        conn: Connection,
+        waiting: Option<ConnectionManager>,
+    ) -> Result<RedisStore, RedisError> {
         let scripts = Scripts::new();
         for script in scripts.all() {
             conn.load(script).await?;
         }
         Ok(RedisStore {
             conn,
+            waiting: self.wait_for_replicas.zip(waiting).map(|(wait, conn)| {
+                Arc::new(Waiting {
+                    wait,
+                    conn,
+                    queue: Default::default(),
+                })
+            }),
             prefix: self.prefix,
             scripts,
             clock_offset_ms: AtomicI64::new(0),
@@ -526,6 +709,7 @@ impl RedisStoreBuilder {
 /// `Arc`; build it with [`RedisStore::connect`] or [`RedisStore::builder`].
 pub struct RedisStore {
     conn: Connection,
+    waiting: Option<Arc<Waiting>>,
     prefix: String,
     scripts: Scripts,
     clock_offset_ms: AtomicI64,
@@ -537,6 +721,13 @@ impl std::fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
             .field("cluster", &matches!(self.conn, Connection::Cluster(_)))
+            .field(
+                "wait_for_replicas",
+                &self
+                    .waiting
+                    .as_ref()
+                    .map(|w| (w.wait.replicas, w.wait.timeout)),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -702,6 +893,7 @@ impl RedisStore {
             prefix: DEFAULT_PREFIX.to_owned(),
             response_timeout: Duration::from_secs(2),
             connection_timeout: Duration::from_secs(1),
+            wait_for_replicas: None,
         }
     }
 
@@ -776,6 +968,97 @@ impl RedisStore {
                     tokio::time::sleep(Duration::from_millis(25 * u64::from(attempt))).await;
                 }
                 Err(e) => return (Err(store_error(e)), attempt > 0),
+            }
+        }
+    }
+
+    /// The completion sent with the next batch of completions that wait for replicas (see
+    /// [`Waiting`]); when its batch failed, or Redis had lost the script (a promoted replica
+    /// has no script cache), sent again alone with its own `WAIT`, like [`run`](Self::run).
+    #[allow(clippy::too_many_arguments)]
+    async fn complete_waited(
+        &self,
+        waiting: &Arc<Waiting>,
+        scope: &ScopeHash,
+        key: &str,
+        token: &[u8; 8],
+        tail: &[u8],
+        format: u8,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let redis_key = self.redis_key(scope, key);
+        let completion = |resent: bool| {
+            let mut eval = ::redis::cmd("EVALSHA");
+            eval.arg(self.scripts.complete.get_hash())
+                .arg(1)
+                .arg(&redis_key)
+                .arg(self.clock_offset_ms.load(Ordering::SeqCst))
+                .arg(&token[..])
+                .arg(millis(retention).max(1))
+                .arg(tail)
+                .arg(if resent { "1" } else { "" })
+                .arg(&[format][..]);
+            eval
+        };
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let answered = match waiting.submit(completion(false)).await {
+            Some(Ok(answer)) => answer,
+            Some(Err(e))
+                if !(resendable(&e)
+                    || e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)) =>
+            {
+                return Err(store_error(e));
+            }
+            // Outcome unknown (or not run, for NOSCRIPT): the completion is safe to resend.
+            _ => self.complete_alone(waiting, &completion).await?,
+        };
+        let (reply, acknowledged) = answered;
+        let done = flag(&reply)?;
+        let acknowledged = u32::try_from(acknowledged.max(0)).unwrap_or(u32::MAX);
+        if done && acknowledged < waiting.wait.replicas {
+            return Err(StoreError::NotReplicated {
+                acknowledged,
+                wanted: waiting.wait.replicas,
+            });
+        }
+        Ok(done)
+    }
+
+    /// A waited completion resent alone: the script and `WAIT` in one pipeline, loading the
+    /// script where Redis lost it, resent while the connection fails.
+    async fn complete_alone(
+        &self,
+        waiting: &Waiting,
+        completion: &(dyn Fn(bool) -> ::redis::Cmd + Sync),
+    ) -> Result<(Value, i64), StoreError> {
+        let mut conn = waiting.conn.clone();
+        let mut attempt = 1;
+        let mut loaded = false;
+        loop {
+            let mut pipe = ::redis::pipe();
+            pipe.add_command(completion(true))
+                .cmd("WAIT")
+                .arg(waiting.wait.replicas)
+                .arg(millis(waiting.wait.timeout));
+            self.round_trips.fetch_add(1, Ordering::Relaxed);
+            let sent: Result<(Value, i64), RedisError> = pipe.query_async(&mut conn).await;
+            match sent {
+                Ok(answer) => return Ok(answer),
+                Err(e) if !loaded && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    loaded = true;
+                    self.scripts
+                        .complete
+                        .prepare_invoke()
+                        .load_async(&mut conn)
+                        .await
+                        .map_err(store_error)?;
+                }
+                Err(e) if attempt < ATTEMPTS && resendable(&e) => {
+                    attempt += 1;
+                    tracing::debug!(error = %e, attempt, "idempotency store: resending a completion");
+                    tokio::time::sleep(Duration::from_millis(25 * u64::from(attempt))).await;
+                }
+                Err(e) => return Err(store_error(e)),
             }
         }
     }
@@ -888,6 +1171,11 @@ impl Store for RedisStore {
     ) -> Result<bool, StoreError> {
         let token = token.0.to_be_bytes();
         let (format, tail) = encode_response(response);
+        if let Some(waiting) = &self.waiting {
+            return self
+                .complete_waited(waiting, scope, key, &token, &tail, format, retention)
+                .await;
+        }
         let reply = self
             .run(&self.scripts.complete, scope, key, |inv, resent| {
                 inv.arg(&token[..])
