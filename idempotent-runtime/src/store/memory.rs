@@ -1,9 +1,25 @@
 //! The embedded default store: one process, sharded, expiring, bounded ([the contract](crate::design) §5).
 //!
-//! Every operation takes one shard's mutex for a few hash-map operations and never across an
+//! Every operation takes one shard's mutex for a few hash-table operations and never across an
 //! `.await`. The store is bounded in records, in bytes and per scope; when a bound is reached,
 //! new claims are refused (503 `IDEMPOTENCY_STORE_FULL`) rather than evicting a live record,
 //! since evicting one would let its retry run the handler again.
+//!
+//! # Segments
+//!
+//! Completed answers live in append-only segments grouped by retention, so each group is in
+//! expiry order (the Segcache design): a shard's index maps `(scope, key)` to a small fixed-size
+//! slot (its token, its expiry and where the record is), a completed record is one run of bytes
+//! in a segment, and expiring walks a group's oldest segment from its front, dropping index
+//! slots, until it meets a record that is not due; a segment walked entirely is reused. No
+//! completed record is allocated or freed on its own, so records that live for the retention do
+//! not mix with a request's short-lived allocations in the allocator. A forget or a takeover
+//! leaves a hole, still charged against `max_bytes` (it is memory the store holds) but no longer
+//! against its scope, until the walk passes it. A reservation (a request in flight) is an entry in
+//! its shard's slab, reused once it completes or is released, so a claim allocates nothing either.
+//! What the store holds beyond its charge: the spare segments kept for reuse (at most two a shard
+//! and a quarter of those in use) and the slab's free entries (as many as the most requests a
+//! shard held in flight at once, each of which was charged its headroom while it ran).
 //!
 //! # Limits, headroom and sweeping
 //!
@@ -18,9 +34,8 @@
 //! evicted, since evicting one would let its retry run twice. Leases are measured on a monotonic
 //! clock, so a wall-clock step never makes a live handler look abandoned. A background sweeper
 //! frees expired records; expiry itself is enforced at claim time.
-//! Each shard keeps its records' expiry times in order, so a sweep visits only what expires (never
-//! the whole shard), no batch holds a shard's lock for more than its 500 records, and the sweeper
-//! yields to the runtime between batches.
+//! A sweep visits only what expires (never the whole shard), no batch holds a shard's lock for
+//! more than its 500 records, and the sweeper yields to the runtime between batches.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -29,23 +44,34 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bytes::Bytes;
 use hashbrown::{HashMap, HashTable};
 
 use super::{
     Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, Standing,
-    StandingState, Store, StoreError, header_bytes, time_from_millis,
+    StandingState, Store, StoreError, time_from_millis,
 };
 use crate::clock::{Clock, Millis, SystemClock, millis};
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 
-/// Bytes charged per record beyond its key and response weight: the record, its table slot and
-/// the table's slack, the allocator's headers, the expiry queue's pairs. Measured with
+mod segment;
+
+use segment::{Front, HEADER_BYTES, Loc, Parts, Segments};
+
+/// Bytes charged per completed record beside its bytes in a segment: its index slot (40 bytes
+/// and a control byte) with the table's slack (a table grows when 7/8 full, so its slots run
+/// between 44 % and 88 % full), and its share of the segments' unused tails. Measured with
 /// `cargo run --release -p idempotent-runtime --example memory_footprint` (1,000,000 completed
-/// records of 200-byte bodies: 596 B resident each, of which 285 B are key, route and response
-/// weight; 605 B charged), so that the byte bound tracks resident memory.
-const ENTRY_OVERHEAD: usize = 320;
+/// records of 200-byte bodies: 492 B resident each, of which 401 B in segments), so that the
+/// byte bound tracks resident memory.
+const SLOT_OVERHEAD: usize = 96;
+
+/// Bytes charged per reservation beyond its key, route and headroom: its slot, its allocation
+/// and the expiry queue's pairs. At least [`SLOT_OVERHEAD`] and a record's header, so that an
+/// answer within the headroom always weighs less completed than it did reserved.
+const ENTRY_OVERHEAD: usize = 256;
+
+const _: () = assert!(SLOT_OVERHEAD + HEADER_BYTES <= ENTRY_OVERHEAD);
 
 /// Bounds of a [`MemoryStore`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,23 +105,52 @@ impl Default for MemoryLimits {
     }
 }
 
-/// A table slot: the record's hash beside a pointer to it. Probing rejects other keys by hash
-/// without touching their allocation, growing the table never rehashes, and the table's slack
-/// (hash tables run at most 7/8 full, often half) costs 16 bytes a slot rather than a record.
+/// An index slot: fixed size whatever the record holds.
 struct Slot {
     hash: u64,
-    record: Box<Record>,
+    token: FencingToken,
+    expires_at: Millis,
+    place: Place,
 }
 
-struct Record {
+enum Place {
+    /// A request in flight: its entry in the shard's [`Reservations`].
+    Reserved(u32),
+    /// A completed record, in a segment.
+    Completed(Loc),
+}
+
+/// What a reservation keeps until it completes or is released.
+struct Reserved {
     scope: ScopeHash,
-    /// The key, then the route it was claimed on (for [`Store::inspect`]), in one allocation.
-    key_route: Box<str>,
+    /// The key, then the route it was claimed on (for [`Store::inspect`]).
+    key_route: String,
     key_len: usize,
-    entry: Entry,
+    fingerprint: Fingerprint,
+    quota_bucket: u64,
+    lease_until: Millis,
+    retention: Millis,
+    created_at: Millis,
+    weight: usize,
 }
 
-impl Record {
+impl Reserved {
+    /// Makes this entry the reservation of `req`, reusing its key buffer; returns its expiry.
+    fn fill(&mut self, req: &ClaimRequest<'_>, now: Millis, weight: usize) -> Millis {
+        self.lease_until = now.saturating_add(millis(req.lease));
+        self.retention = millis(req.retention);
+        self.key_route.clear();
+        self.key_route.push_str(req.key);
+        self.key_route.push_str(req.route);
+        self.key_len = req.key.len();
+        self.scope = *req.scope;
+        self.fingerprint = req.fingerprint;
+        self.quota_bucket = req.quota_bucket;
+        self.created_at = now;
+        self.weight = weight;
+        self.lease_until.saturating_add(self.retention)
+    }
+
     fn key(&self) -> &str {
         &self.key_route[..self.key_len]
     }
@@ -103,193 +158,108 @@ impl Record {
     fn route(&self) -> &str {
         &self.key_route[self.key_len..]
     }
-
-    /// Gives a record taken over by the claim `req` (same key) that claim's route.
-    fn rename(&mut self, req: &ClaimRequest<'_>) {
-        if self.route() != req.route {
-            (self.key_route, self.key_len) = key_route(req);
-        }
-    }
 }
 
-fn key_route(req: &ClaimRequest<'_>) -> (Box<str>, usize) {
-    let mut both = String::with_capacity(req.key.len() + req.route.len());
-    both.push_str(req.key);
-    both.push_str(req.route);
-    (both.into_boxed_str(), req.key.len())
+/// A shard's reservations: a slab whose entries, key buffers included, are reused, so that a
+/// claim allocates nothing once the shard has held as many requests in flight at once.
+#[derive(Default)]
+struct Reservations {
+    slab: Vec<Reserved>,
+    free: Vec<u32>,
 }
 
-struct Entry {
-    token: FencingToken,
-    fingerprint: Fingerprint,
-    quota_bucket: u64,
-    state: EntryState,
-    expires_at: Millis,
-    retention: Millis,
-    weight: usize,
-    /// For [`Store::inspect`]: when it was claimed, and when it completed.
-    created_at: Millis,
-    completed_at: Millis,
-}
-
-enum EntryState {
-    Reserved { lease_until: Millis },
-    Completed(Packed),
-}
-
-/// A recorded answer as the store keeps it: its headers (in
-/// [`RecordedResponse::encode_headers`]' form), its body and its trailers (in the same form) in
-/// one buffer of exactly their size.
-///
-/// The runtime hands an answer over as up to nine allocations: the body's buffer with whatever
-/// slack its serializer grew (a 1.1 KiB JSON body sits in 2 KiB), the buffer's shared count, each
-/// header's name and value, their list. A record holds its answer for the whole retention, so it
-/// keeps one allocation of the exact size, and its key and route one more: 596 B resident a
-/// record in `examples/memory_footprint`, against 780 B kept as handed over (one machine, one
-/// sitting). A replay unpacks it: the headers and trailers are copied, the body is shared.
-///
-/// The buffer never leaves the process, so its layout needs no version: a record is always
-/// read by the code that wrote it.
-struct Packed {
-    status: u16,
-    /// Bytes of the encoded trailers, at the end of the buffer (in the padding beside
-    /// `status`, so a record is no larger for them). An answer whose trailers take 4 GiB or
-    /// more is refused at completion.
-    tail: u32,
-    head: usize,
-    bytes: Bytes,
-}
-
-impl Packed {
-    /// `None` when the trailers' encoding does not fit `tail`.
-    fn new(response: &RecordedResponse) -> Option<Self> {
-        let head = header_bytes(&response.headers);
-        let tail = header_bytes(&response.trailers);
-        let mut buf = Vec::with_capacity(head + response.body.len() + tail);
-        response.encode_headers_into(&mut buf);
-        debug_assert_eq!(buf.len(), head);
-        buf.extend_from_slice(&response.body);
-        super::encode_fields_into(&response.trailers, &mut buf);
-        Some(Self {
-            status: response.status,
-            tail: u32::try_from(tail).ok()?,
-            head,
-            bytes: Bytes::from(buf),
-        })
+impl Reservations {
+    fn len(&self) -> usize {
+        self.slab.len() - self.free.len()
     }
 
-    fn body_end(&self) -> usize {
-        self.bytes.len() - self.tail as usize
-    }
-
-    fn unpack(&self) -> RecordedResponse {
-        let fields = |raw: &[u8]| {
-            RecordedResponse::decode_headers(raw).expect("fields the store encoded itself")
-        };
-        RecordedResponse::new(
-            self.status,
-            fields(&self.bytes[..self.head]),
-            self.bytes.slice(self.head..self.body_end()),
-        )
-        .with_trailers(fields(&self.bytes[self.body_end()..]))
-    }
-
-    /// Whether `response` is the answer packed here.
-    fn holds(&self, response: &RecordedResponse) -> bool {
-        let fields = |raw: &[u8]| RecordedResponse::decode_headers(raw);
-        self.status == response.status
-            && self.bytes[self.head..self.body_end()] == response.body[..]
-            && header_bytes(&response.headers) == self.head
-            && header_bytes(&response.trailers) == self.tail as usize
-            && fields(&self.bytes[..self.head]).as_ref() == Some(&response.headers)
-            && fields(&self.bytes[self.body_end()..]).as_ref() == Some(&response.trailers)
-    }
-}
-
-impl Entry {
-    fn standing(&self, now: Millis) -> Standing {
-        let state = if now >= self.expires_at {
-            StandingState::Expired
-        } else {
-            match &self.state {
-                EntryState::Reserved { lease_until } if now < *lease_until => {
-                    StandingState::Running {
-                        lease_left: Duration::from_millis(lease_until - now),
-                    }
-                }
-                EntryState::Reserved { .. } => StandingState::Abandoned,
-                EntryState::Completed(p) => StandingState::Completed(Arc::new(p.unpack())),
+    /// A new reservation for `req`: its entry and its expiry.
+    fn add(&mut self, req: &ClaimRequest<'_>, now: Millis, weight: usize) -> (u32, Millis) {
+        let idx = match self.free.pop() {
+            Some(idx) => idx,
+            None => {
+                self.slab.push(Reserved {
+                    scope: [0; 32],
+                    key_route: String::new(),
+                    key_len: 0,
+                    fingerprint: req.fingerprint,
+                    quota_bucket: 0,
+                    lease_until: 0,
+                    retention: 0,
+                    created_at: 0,
+                    weight: 0,
+                });
+                u32::try_from(self.slab.len() - 1).expect("fewer than 2^32 requests in flight")
             }
         };
-        let expires_in = matches!(state, StandingState::Completed(_))
-            .then(|| Duration::from_millis(self.expires_at - now));
-        Standing {
-            token: self.token,
-            fingerprint: self.fingerprint,
-            state,
-            expires_in,
-        }
+        (idx, self.slab[idx as usize].fill(req, now, weight))
     }
 
-    fn takeable(&self, now: Millis) -> bool {
-        now >= self.expires_at
-            || matches!(self.state, EntryState::Reserved { lease_until } if now >= lease_until)
+    /// Frees entry `idx`; returns its charge and quota bucket.
+    fn remove(&mut self, idx: u32) -> (usize, u64) {
+        let r = &self.slab[idx as usize];
+        self.free.push(idx);
+        (r.weight, r.quota_bucket)
     }
 }
 
-/// A shard: its records, and a queue of when they expire so the sweeper finds expired records
-/// without visiting live ones.
+impl std::ops::Index<u32> for Reservations {
+    type Output = Reserved;
+    fn index(&self, idx: u32) -> &Reserved {
+        &self.slab[idx as usize]
+    }
+}
+
+impl std::ops::IndexMut<u32> for Reservations {
+    fn index_mut(&mut self, idx: u32) -> &mut Reserved {
+        &mut self.slab[idx as usize]
+    }
+}
+
+/// A shard: its index, its segments, its reservations and a queue of when they expire.
 ///
-/// The queue holds `(expires_at, hash)` for every record's current expiry (pushed on every change
-/// of it) and stale pairs left by earlier changes and removals; a popped pair evicts only records
-/// that are expired now, so a stale pair is harmless. The queue is rebuilt from the table when
-/// stale pairs outnumber records, so it stays within twice the table plus a constant and each
-/// rebuild's cost is paid for by the pushes since the last one. The shard derefs to its table,
-/// where every lookup happens.
+/// The queue holds `(expires_at, hash)` for every reservation's current expiry (pushed on every
+/// change of it) and stale pairs left by earlier changes, completions and removals; a popped
+/// pair evicts only reservations that are expired now, so a stale pair is harmless. When stale
+/// pairs outnumber reservations the queue keeps only its current pairs (a lookup each), so it
+/// stays within twice the reservations plus a constant, and each filtering is paid for by the
+/// pushes since the last one. Completed records need no queue: their segments are in expiry order.
 #[derive(Default)]
 struct Shard {
     table: HashTable<Slot>,
-    expiry: BinaryHeap<Reverse<(Millis, u64)>>,
-}
-
-impl std::ops::Deref for Shard {
-    type Target = HashTable<Slot>;
-    fn deref(&self) -> &Self::Target {
-        &self.table
-    }
-}
-
-impl std::ops::DerefMut for Shard {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.table
-    }
+    reserved_expiry: BinaryHeap<Reverse<(Millis, u64)>>,
+    reserved: Reservations,
+    segments: Segments,
+    /// Bytes of segments that hold no record any more (forgotten, taken over), until the sweep
+    /// passes them.
+    hole_bytes: usize,
 }
 
 impl Shard {
-    /// Records that the record at `hash` now expires at `expires_at`.
+    /// Records that the reservation at `hash` now expires at `expires_at`.
     fn queue(&mut self, hash: u64, expires_at: Millis) {
-        self.expiry.push(Reverse((expires_at, hash)));
-        if self.expiry.len() > 2 * self.table.len() + 64 {
-            // Rebuilt in the queue's own buffer (it holds more pairs than the table has records,
-            // so nothing is allocated), which keeps its peak size as the table does. A fresh
-            // buffer is an allocation above glibc's small sizes, and glibc serves one by first
-            // merging every small chunk freed since the last: after a sweep, those of every
-            // record it freed. That took 30–60 ms, in a claim, with this shard locked
-            // (`examples/sweep_pause.rs`).
-            let mut pairs = std::mem::take(&mut self.expiry).into_vec();
-            pairs.clear();
-            pairs.extend(
-                self.table
-                    .iter()
-                    .map(|s| Reverse((s.record.entry.expires_at, s.hash))),
-            );
-            self.expiry = BinaryHeap::from(pairs);
+        self.reserved_expiry.push(Reverse((expires_at, hash)));
+        if self.reserved_expiry.len() > 2 * self.reserved.len() + 64 {
+            // Filtered in the queue's own buffer: no allocation with the shard locked.
+            let mut pairs = std::mem::take(&mut self.reserved_expiry).into_vec();
+            let table = &self.table;
+            pairs.retain(|&Reverse((due, hash))| {
+                table
+                    .find(hash, |s| {
+                        s.hash == hash
+                            && s.expires_at == due
+                            && matches!(s.place, Place::Reserved(_))
+                    })
+                    .is_some()
+            });
+            pairs.dedup();
+            self.reserved_expiry = BinaryHeap::from(pairs);
         }
     }
 }
 
-/// Most queue pairs one call pops per eviction it may make: bounds how long a shard lock is held
-/// when the front of the queue is stale pairs.
+/// Most queue pairs or holes one call passes per eviction it may make: bounds how long a shard
+/// lock is held when the front of a queue is stale pairs or holes.
 const POPS_PER_EVICTION: usize = 4;
 
 /// Most records a claim that found the store full frees from its own shard before retrying.
@@ -320,17 +290,25 @@ pub struct MemoryStore {
     bytes: AtomicUsize,
     limits: MemoryLimits,
     clock: Arc<dyn Clock>,
-    /// Slots the expiry code has looked at, so a test can tell a sweep that visits only what
-    /// expires from one that scans the shard.
+    /// Slots and records the expiry code has looked at, so a test can tell a sweep that visits
+    /// only what expires from one that scans the shard.
     #[cfg(test)]
     slot_visits: AtomicUsize,
 }
 
 impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (mut holes, mut own) = (0, 0);
+        for shard in self.shards.iter() {
+            let shard = lock(shard);
+            holes += shard.hole_bytes;
+            own += shard.segments.own_allocations;
+        }
         f.debug_struct("MemoryStore")
             .field("records", &self.len())
             .field("bytes", &self.bytes())
+            .field("hole_bytes", &holes)
+            .field("own_segments", &own)
             .field("limits", &self.limits)
             .finish_non_exhaustive()
     }
@@ -389,9 +367,74 @@ impl Default for MemoryStore {
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding a shard cannot leave an entry half-written (every mutation is a
-    // single map operation), so a poisoned shard is still consistent.
+    // A panic while holding a shard cannot leave an entry half-written (every mutation of the
+    // index is a single table operation, made after the segment write it points at), so a
+    // poisoned shard is still consistent.
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Whether `slot` is the record of `(scope, key)`.
+fn is_record(
+    slot: &Slot,
+    (segments, reserved): (&Segments, &Reservations),
+    hash: u64,
+    scope: &ScopeHash,
+    key: &str,
+) -> bool {
+    slot.hash == hash
+        && match slot.place {
+            Place::Reserved(r) => reserved[r].scope == *scope && reserved[r].key() == key,
+            Place::Completed(loc) => {
+                let rec = segments.get(loc);
+                rec.scope() == scope && rec.key() == key.as_bytes()
+            }
+        }
+}
+
+/// What stands in `slot` by `now`.
+fn standing(
+    slot: &Slot,
+    (segments, reserved): (&Segments, &Reservations),
+    now: Millis,
+) -> Standing {
+    let (fingerprint, state) = match slot.place {
+        Place::Reserved(r) => {
+            let r = &reserved[r];
+            let state = if now >= slot.expires_at {
+                StandingState::Expired
+            } else if now < r.lease_until {
+                StandingState::Running {
+                    lease_left: Duration::from_millis(r.lease_until - now),
+                }
+            } else {
+                StandingState::Abandoned
+            };
+            (r.fingerprint, state)
+        }
+        Place::Completed(loc) => {
+            let rec = segments.get(loc);
+            let state = if now >= slot.expires_at {
+                StandingState::Expired
+            } else {
+                StandingState::Completed(Arc::new(rec.response()))
+            };
+            (rec.fingerprint(), state)
+        }
+    };
+    let expires_in = matches!(state, StandingState::Completed(_))
+        .then(|| Duration::from_millis(slot.expires_at - now));
+    Standing {
+        token: slot.token,
+        fingerprint,
+        state,
+        expires_in,
+    }
+}
+
+/// Whether a reclaim may take `slot` over by `now`: expired, or a reservation whose lease lapsed.
+fn takeable(slot: &Slot, reserved: &Reservations, now: Millis) -> bool {
+    now >= slot.expires_at
+        || matches!(slot.place, Place::Reserved(r) if now >= reserved[r].lease_until)
 }
 
 impl MemoryStore {
@@ -462,8 +505,10 @@ impl MemoryStore {
         Ok(())
     }
 
-    fn discharge(&self, weight: usize, bucket: u64) {
-        self.bytes.fetch_sub(weight, Ordering::AcqRel);
+    /// Frees a record's charge: all of it from its scope, all but `kept` from the store (the
+    /// bytes of a hole it leaves in a segment, freed when the sweep passes it).
+    fn discharge(&self, weight: usize, bucket: u64, kept: usize) {
+        self.bytes.fetch_sub(weight - kept, Ordering::AcqRel);
         self.records.fetch_sub(1, Ordering::AcqRel);
         let mut quotas = lock(self.quota_shard(bucket));
         if let Some(share) = quotas.get_mut(&bucket) {
@@ -475,51 +520,37 @@ impl MemoryStore {
         }
     }
 
-    /// Adjusts the byte charge of an entry that stays (its response recorded, a takeover), in
-    /// the store and in its scope's share. Shrinking always succeeds; growing fails (and
-    /// changes nothing) past either bound.
-    fn recharge(&self, bucket: u64, from: usize, to: usize) -> Result<(), StoreError> {
+    /// Adjusts the byte charge of a record that stays (its response recorded, a takeover): its
+    /// scope's share from `from` to `to`, the store's from `from - kept` to `to` (`kept`: the
+    /// bytes of a hole the old record leaves in a segment, still held). Shrinking always
+    /// succeeds; growing fails (and changes nothing) past either bound.
+    fn recharge(&self, bucket: u64, from: usize, to: usize, kept: usize) -> Result<(), StoreError> {
         let mut quotas = lock(self.quota_shard(bucket));
         let share = quotas.entry(bucket).or_default();
-        if to <= from {
-            self.bytes.fetch_sub(from - to, Ordering::AcqRel);
-            share.bytes -= from - to;
-            return Ok(());
-        }
-        let extra = to - from;
-        if share.bytes.saturating_add(extra) > self.limits.max_bytes_per_scope {
+        if to > from && share.bytes.saturating_add(to - from) > self.limits.max_bytes_per_scope {
             return Err(StoreError::QuotaExceeded);
         }
-        if self.bytes.fetch_add(extra, Ordering::AcqRel) + extra > self.limits.max_bytes {
-            self.bytes.fetch_sub(extra, Ordering::AcqRel);
-            return Err(StoreError::Full);
+        let released = from - kept;
+        if to > released {
+            let extra = to - released;
+            if self.bytes.fetch_add(extra, Ordering::AcqRel) + extra > self.limits.max_bytes {
+                self.bytes.fetch_sub(extra, Ordering::AcqRel);
+                return Err(StoreError::Full);
+            }
+        } else {
+            self.bytes.fetch_sub(released - to, Ordering::AcqRel);
         }
-        share.bytes += extra;
+        share.bytes = share.bytes - from + to;
         Ok(())
     }
 
-    fn reservation(&self, req: &ClaimRequest<'_>, now: Millis) -> Entry {
-        let lease_until = now.saturating_add(millis(req.lease));
-        let retention = millis(req.retention);
-        Entry {
-            token: req.token,
-            fingerprint: req.fingerprint,
-            quota_bucket: req.quota_bucket,
-            state: EntryState::Reserved { lease_until },
-            expires_at: lease_until.saturating_add(retention),
-            retention,
-            // The answer's room is set aside now, so completing never needs more.
-            weight: ENTRY_OVERHEAD
-                + req.key.len()
-                + req.route.len()
-                + self.limits.response_headroom,
-            created_at: now,
-            completed_at: 0,
-        }
+    fn reservation_weight(&self, req: &ClaimRequest<'_>) -> usize {
+        // The answer's room is set aside now, so completing never needs more.
+        ENTRY_OVERHEAD + req.key.len() + req.route.len() + self.limits.response_headroom
     }
 
     /// Inserts a fresh reservation into an empty slot, charging the bounds. When a bound is hit,
-    /// frees this shard's expired entries once and tries again.
+    /// frees this shard's expired records once and tries again.
     fn insert_new(
         &self,
         shard: &mut Shard,
@@ -527,72 +558,149 @@ impl MemoryStore {
         req: &ClaimRequest<'_>,
         now: Millis,
     ) -> Result<Claim, StoreError> {
-        let entry = self.reservation(req, now);
-        if let Err(full) = self.charge(entry.weight, entry.quota_bucket) {
+        let weight = self.reservation_weight(req);
+        if let Err(full) = self.charge(weight, req.quota_bucket) {
             if self.evict_expired(shard, now, EVICT_WHEN_FULL) == 0 {
                 return Err(full);
             }
-            self.charge(entry.weight, entry.quota_bucket)?;
+            self.charge(weight, req.quota_bucket)?;
         }
-        shard.queue(hash, entry.expires_at);
-        let (key_route, key_len) = key_route(req);
-        let record = Box::new(Record {
-            scope: *req.scope,
-            key_route,
-            key_len,
-            entry,
-        });
-        shard.insert_unique(hash, Slot { hash, record }, |s| s.hash);
+        let (idx, expires_at) = shard.reserved.add(req, now, weight);
+        shard.queue(hash, expires_at);
+        shard.table.insert_unique(
+            hash,
+            Slot {
+                hash,
+                token: req.token,
+                expires_at,
+                place: Place::Reserved(idx),
+            },
+            |s| s.hash,
+        );
         Ok(Claim::Acquired)
     }
 
-    /// Replaces a takeable record's entry in place with a fresh reservation; returns its new
-    /// expiry, for the shard's queue.
+    /// Replaces the takeable record of `req` (found at `hash`) with a fresh reservation.
     fn take_over(
         &self,
-        record: &mut Record,
+        shard: &mut Shard,
+        hash: u64,
         req: &ClaimRequest<'_>,
         now: Millis,
-    ) -> Result<Millis, StoreError> {
-        // Same slot, same scope, so the same quota bucket: only the byte charge changes (a
+    ) -> Result<Claim, StoreError> {
+        let weight = self.reservation_weight(req);
+        let Shard {
+            table,
+            segments,
+            reserved,
+            hole_bytes,
+            ..
+        } = shard;
+        let slot = table
+            .find_mut(hash, |s| {
+                is_record(s, (segments, reserved), hash, req.scope, req.key)
+            })
+            .expect("the record to take over");
+        // Same key, same scope, so the same quota bucket: only the byte charge changes (a
         // reservation with its headroom may outweigh the small record it replaces).
-        let fresh = self.reservation(req, now);
-        self.recharge(record.entry.quota_bucket, record.entry.weight, fresh.weight)?;
-        record.entry = fresh;
-        record.rename(req);
-        Ok(record.entry.expires_at)
+        let expires_at = match slot.place {
+            Place::Reserved(idx) => {
+                let old = &mut reserved[idx];
+                self.recharge(old.quota_bucket, old.weight, weight, 0)?;
+                old.fill(req, now, weight)
+            }
+            Place::Completed(loc) => {
+                let rec = segments.get(loc);
+                let hole = rec.len();
+                self.recharge(rec.bucket(), rec.weight(), weight, hole)?;
+                *hole_bytes += hole;
+                let (idx, expires_at) = reserved.add(req, now, weight);
+                slot.place = Place::Reserved(idx);
+                expires_at
+            }
+        };
+        slot.token = req.token;
+        slot.expires_at = expires_at;
+        shard.queue(hash, expires_at);
+        Ok(Claim::Acquired)
     }
 
-    /// Frees up to `limit` records expired at `now`, in expiry order, visiting only queue pairs
-    /// that are due (at most [`POPS_PER_EVICTION`] per record it may free) and the slots they
-    /// name: the work is proportional to what expires, not to what the shard holds.
+    /// Frees up to `limit` records expired at `now`: reservations in expiry order from the
+    /// shard's queue, completed records from the front of each segment group. Visits only queue
+    /// pairs and records that are due or holes (at most [`POPS_PER_EVICTION`] per record it may
+    /// free) and the slots they name: the work is proportional to what expires, not to what the
+    /// shard holds.
     fn evict_expired(&self, shard: &mut Shard, now: Millis, limit: usize) -> usize {
         let mut freed = 0;
         let mut pops = limit.saturating_mul(POPS_PER_EVICTION);
         while freed < limit && pops > 0 {
-            let Some(&Reverse((due, hash))) = shard.expiry.peek() else {
+            let Some(&Reverse((due, hash))) = shard.reserved_expiry.peek() else {
                 break;
             };
             if due > now {
                 break;
             }
-            shard.expiry.pop();
+            shard.reserved_expiry.pop();
             pops -= 1;
             // Another record may share the hash; each is judged by its own expiry.
             while freed < limit {
                 #[cfg(test)]
                 self.slot_visits.fetch_add(1, Ordering::Relaxed);
-                let Ok(found) = shard
-                    .table
-                    .find_entry(hash, |s| s.hash == hash && now >= s.record.entry.expires_at)
-                else {
+                let Ok(found) = shard.table.find_entry(hash, |s| {
+                    s.hash == hash && now >= s.expires_at && matches!(s.place, Place::Reserved(_))
+                }) else {
                     break;
                 };
-                let (Slot { record, .. }, _) = found.remove();
-                self.discharge(record.entry.weight, record.entry.quota_bucket);
+                let (slot, _) = found.remove();
+                let Place::Reserved(idx) = slot.place else {
+                    unreachable!("found as a reservation")
+                };
+                let (weight, bucket) = shard.reserved.remove(idx);
+                self.discharge(weight, bucket, 0);
                 freed += 1;
             }
         }
+        let mut q = 0;
+        while q < shard.segments.queues() && freed < limit && pops > 0 {
+            let Shard {
+                table,
+                segments,
+                hole_bytes,
+                ..
+            } = &mut *shard;
+            let Front::Record(loc, rec) = segments.front(q) else {
+                q += 1;
+                continue;
+            };
+            #[cfg(test)]
+            self.slot_visits.fetch_add(1, Ordering::Relaxed);
+            let (hash, len, weight, bucket) = (rec.hash(), rec.len(), rec.weight(), rec.bucket());
+            match table.find_entry(hash, |s| {
+                s.hash == hash && matches!(s.place, Place::Completed(l) if l == loc)
+            }) {
+                Ok(found) if now >= found.get().expires_at => {
+                    found.remove();
+                    self.discharge(weight, bucket, 0);
+                    freed += 1;
+                }
+                // Not due: neither is anything behind it in this group.
+                Ok(_) => {
+                    q += 1;
+                    continue;
+                }
+                Err(_) => {
+                    *hole_bytes -= len;
+                    self.bytes.fetch_sub(len, Ordering::AcqRel);
+                    pops -= 1;
+                }
+            }
+            segments.pass(loc, len);
+        }
+        // A group the walk emptied gives its segment back now, not at its next record.
+        for q in 0..shard.segments.queues() {
+            let _ = shard.segments.front(q);
+        }
+        shard.segments.drop_empty_queues();
         freed
     }
 }
@@ -600,33 +708,22 @@ impl MemoryStore {
 /// Records evicted between two yields of a sweep: about 100 µs of work.
 const SWEEP_SLICE: usize = 64;
 
-/// Makes the allocator take in, now, the small allocations a sweep batch just freed (a record's
-/// key, route and response). glibc keeps freed small chunks aside and merges all of them at the
-/// next allocation above its small sizes, whoever makes it: after a sweep of 100,000 records
-/// with none in between, that was one pause of 30–60 ms in a request
-/// (`examples/sweep_pause.rs` with small answers). One such allocation per batch merges a
-/// batch's worth (a fraction of a millisecond) in the sweeper, outside every shard lock; for
-/// other allocators it is a 4 KiB allocation and free per batch.
-fn settle_freed_memory() {
-    drop(std::hint::black_box(Vec::<u8>::with_capacity(4 << 10)));
-}
-
-fn matches<'a>(hash: u64, scope: &'a ScopeHash, key: &'a str) -> impl Fn(&Slot) -> bool + 'a {
-    move |s| s.hash == hash && s.record.scope == *scope && s.record.key() == key
-}
-
 impl Store for MemoryStore {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let now = self.clock.monotonic_millis();
         let (hash, shard) = self.locate(req.scope, req.key);
         let mut shard = lock(shard);
-        match shard.find_mut(hash, matches(hash, req.scope, req.key)) {
-            Some(Slot { record: r, .. }) if now >= r.entry.expires_at => {
-                let expires_at = self.take_over(r, req, now)?;
-                shard.queue(hash, expires_at);
-                Ok(Claim::Acquired)
-            }
-            Some(Slot { record: r, .. }) => Ok(Claim::Standing(r.entry.standing(now))),
+        let Shard {
+            table,
+            segments,
+            reserved,
+            ..
+        } = &mut *shard;
+        let parts = (&*segments, &*reserved);
+        let found = table.find(hash, |s| is_record(s, parts, hash, req.scope, req.key));
+        match found {
+            Some(slot) if now >= slot.expires_at => self.take_over(&mut shard, hash, req, now),
+            Some(slot) => Ok(Claim::Standing(standing(slot, parts, now))),
             None => self.insert_new(&mut shard, hash, req, now),
         }
     }
@@ -639,16 +736,22 @@ impl Store for MemoryStore {
         let now = self.clock.monotonic_millis();
         let (hash, shard) = self.locate(req.scope, req.key);
         let mut shard = lock(shard);
-        match shard.find_mut(hash, matches(hash, req.scope, req.key)) {
-            Some(Slot { record: r, .. })
-                if now >= r.entry.expires_at
-                    || (r.entry.token == stale && r.entry.takeable(now)) =>
+        let Shard {
+            table,
+            segments,
+            reserved,
+            ..
+        } = &mut *shard;
+        let parts = (&*segments, &*reserved);
+        let found = table.find(hash, |s| is_record(s, parts, hash, req.scope, req.key));
+        match found {
+            Some(slot)
+                if now >= slot.expires_at
+                    || (slot.token == stale && takeable(slot, parts.1, now)) =>
             {
-                let expires_at = self.take_over(r, req, now)?;
-                shard.queue(hash, expires_at);
-                Ok(Claim::Acquired)
+                self.take_over(&mut shard, hash, req, now)
             }
-            Some(Slot { record: r, .. }) => Ok(Claim::Standing(r.entry.standing(now))),
+            Some(slot) => Ok(Claim::Standing(standing(slot, parts, now))),
             None => self.insert_new(&mut shard, hash, req, now),
         }
     }
@@ -664,28 +767,48 @@ impl Store for MemoryStore {
         let now = self.clock.monotonic_millis();
         let (hash, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
-        let Some(Slot { record, .. }) = shard.find_mut(hash, matches(hash, scope, key)) else {
+        let Shard {
+            table,
+            segments,
+            reserved,
+            ..
+        } = &mut *shard;
+        let Some(slot) = table.find_mut(hash, |s| {
+            is_record(s, (segments, reserved), hash, scope, key)
+        }) else {
             return Ok(false);
         };
-        let weight = ENTRY_OVERHEAD + record.key_route.len() + response.weight();
-        let entry = &mut record.entry;
-        if entry.token != token {
+        if slot.token != token {
             return Ok(false);
         }
-        if let EntryState::Completed(packed) = &entry.state {
+        let idx = match slot.place {
             // A resent completion that finds its own record: it is done.
-            return Ok(packed.holds(response));
-        }
+            Place::Completed(loc) => return Ok(segments.get(loc).holds(response)),
+            Place::Reserved(idx) => idx,
+        };
+        let r = &reserved[idx];
+        let parts = Parts {
+            hash,
+            bucket: r.quota_bucket,
+            created_at: r.created_at,
+            completed_at: now,
+            fingerprint: r.fingerprint,
+            scope,
+            key,
+            route: r.route(),
+            response,
+        };
+        let (lens, total) = parts.lengths().ok_or(StoreError::Full)?;
+        let weight = SLOT_OVERHEAD + total;
+        let weight32 = u32::try_from(weight).map_err(|_| StoreError::Full)?;
         // Within the headroom set aside at the claim this only shrinks; an answer larger than
         // the headroom may be refused here, and the runtime then releases the key.
-        let packed = Packed::new(response).ok_or(StoreError::Full)?;
-        self.recharge(entry.quota_bucket, entry.weight, weight)?;
-        entry.weight = weight;
-        entry.state = EntryState::Completed(packed);
-        entry.expires_at = now.saturating_add(millis(retention));
-        entry.completed_at = now;
-        let expires_at = entry.expires_at;
-        shard.queue(hash, expires_at);
+        self.recharge(r.quota_bucket, r.weight, weight, 0)?;
+        let retention = millis(retention);
+        let loc = segments.append(retention, &parts, lens, total, weight32);
+        slot.place = Place::Completed(loc);
+        slot.expires_at = now.saturating_add(retention);
+        reserved.remove(idx);
         Ok(true)
     }
 
@@ -697,13 +820,25 @@ impl Store for MemoryStore {
     ) -> Result<bool, StoreError> {
         let (hash, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
-        match shard.find_entry(hash, matches(hash, scope, key)) {
+        let Shard {
+            table,
+            segments,
+            reserved,
+            ..
+        } = &mut *shard;
+        match table.find_entry(hash, |s| {
+            is_record(s, (segments, reserved), hash, scope, key)
+        }) {
             Ok(found)
-                if found.get().record.entry.token == token
-                    && matches!(found.get().record.entry.state, EntryState::Reserved { .. }) =>
+                if found.get().token == token
+                    && matches!(found.get().place, Place::Reserved(_)) =>
             {
-                let (Slot { record, .. }, _) = found.remove();
-                self.discharge(record.entry.weight, record.entry.quota_bucket);
+                let (slot, _) = found.remove();
+                let Place::Reserved(idx) = slot.place else {
+                    unreachable!("checked above")
+                };
+                let (weight, bucket) = reserved.remove(idx);
+                self.discharge(weight, bucket, 0);
                 Ok(true)
             }
             _ => Ok(false),
@@ -720,31 +855,36 @@ impl Store for MemoryStore {
         let now = self.clock.monotonic_millis();
         let (hash, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
-        match shard.find_mut(hash, matches(hash, scope, key)) {
-            Some(Slot { record, .. }) if record.entry.token == token => {
-                let e = &mut record.entry;
-                match &mut e.state {
-                    EntryState::Reserved { lease_until } => {
-                        *lease_until = now.saturating_add(millis(lease));
-                        e.expires_at = lease_until.saturating_add(e.retention);
-                        let expires_at = e.expires_at;
-                        shard.queue(hash, expires_at);
-                        Ok(true)
-                    }
-                    EntryState::Completed(_) => Ok(false),
-                }
-            }
-            _ => Ok(false),
+        let Shard {
+            table,
+            segments,
+            reserved,
+            ..
+        } = &mut *shard;
+        let Some(slot) = table.find_mut(hash, |s| {
+            is_record(s, (segments, reserved), hash, scope, key)
+        }) else {
+            return Ok(false);
+        };
+        if slot.token != token {
+            return Ok(false);
         }
+        let Place::Reserved(idx) = slot.place else {
+            return Ok(false);
+        };
+        let r = &mut reserved[idx];
+        r.lease_until = now.saturating_add(millis(lease));
+        slot.expires_at = r.lease_until.saturating_add(r.retention);
+        let expires_at = slot.expires_at;
+        shard.queue(hash, expires_at);
+        Ok(true)
     }
 
     async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
         let now = self.clock.monotonic_millis();
         let mut deleted = 0;
-        // A slice at a time, yielding between slices: an eviction frees a whole record (a
-        // microsecond or two, its memory long out of the cache), so a batch of 500 in one go
-        // held the worker for most of a millisecond, and a sweep of many batches showed in the
-        // requests' p99 on a one-worker server.
+        // A slice at a time, yielding between slices, so that a batch of 500 never holds the
+        // worker for long and a sweep of many batches does not show in a one-worker server's p99.
         while deleted < batch {
             let slice = (batch - deleted).min(SWEEP_SLICE);
             let mut freed = 0;
@@ -753,9 +893,6 @@ impl Store for MemoryStore {
                     break;
                 }
                 freed += self.evict_expired(&mut lock(shard), now, slice - freed);
-            }
-            if freed > 0 {
-                settle_freed_memory();
             }
             deleted += freed;
             if freed < slice {
@@ -781,47 +918,78 @@ impl Store for MemoryStore {
         let wall = |t: Millis| time_from_millis(wall_now - (now as i64 - t as i64));
         let (hash, shard) = self.locate(scope, key);
         let shard = lock(shard);
-        let Some(Slot { record, .. }) = shard.find(hash, matches(hash, scope, key)) else {
+        let parts = (&shard.segments, &shard.reserved);
+        let Some(slot) = shard
+            .table
+            .find(hash, |s| is_record(s, parts, hash, scope, key))
+        else {
             return Ok(None);
         };
-        let e = &record.entry;
-        let (lease_until, response) = match &e.state {
-            EntryState::Reserved { lease_until } => (Some(*lease_until), None),
-            EntryState::Completed(p) => (None, Some(p)),
+        let mut info = match slot.place {
+            Place::Reserved(idx) => {
+                let r = &shard.reserved[idx];
+                let mut info = RecordInfo::new(
+                    RecordState::judge(
+                        false,
+                        wall(now),
+                        wall(r.lease_until),
+                        wall(slot.expires_at),
+                    ),
+                    wall(slot.expires_at),
+                );
+                info.route = Some(r.route().to_owned());
+                info.created_at = Some(wall(r.created_at));
+                info.lease_until = Some(wall(r.lease_until));
+                info
+            }
+            Place::Completed(loc) => {
+                let rec = shard.segments.get(loc);
+                let mut info = RecordInfo::new(
+                    RecordState::judge(true, wall(now), wall(0), wall(slot.expires_at)),
+                    wall(slot.expires_at),
+                );
+                info.status = Some(rec.status());
+                info.route = Some(rec.route().to_owned());
+                info.created_at = Some(wall(rec.created_at()));
+                info.completed_at = Some(wall(rec.completed_at()));
+                info.body_bytes = rec.body().len();
+                info.header_bytes = rec.headers().len();
+                info.response = with_response.then(|| Arc::new(rec.response()));
+                info
+            }
         };
-        let state = RecordState::judge(
-            response.is_some(),
-            wall(now),
-            wall(lease_until.unwrap_or(0)),
-            wall(e.expires_at),
-        );
-        Ok(Some(RecordInfo {
-            state,
-            status: response.map(|r| r.status),
-            route: Some(record.route().to_owned()),
-            created_at: Some(wall(e.created_at)),
-            completed_at: response.map(|_| wall(e.completed_at)),
-            lease_until: lease_until.map(wall),
-            expires_at: wall(e.expires_at),
-            body_bytes: response.map_or(0, |p| p.body_end() - p.head),
-            header_bytes: response.map_or(0, |p| p.head),
-            response: response
-                .filter(|_| with_response)
-                .map(|p| Arc::new(p.unpack())),
-        }))
+        info.expires_at = wall(slot.expires_at);
+        Ok(Some(info))
     }
 
     async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
         let (hash, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
-        match shard.find_entry(hash, matches(hash, scope, key)) {
-            Ok(found) => {
-                let (Slot { record, .. }, _) = found.remove();
-                self.discharge(record.entry.weight, record.entry.quota_bucket);
-                Ok(true)
+        let Shard {
+            table,
+            segments,
+            reserved,
+            hole_bytes,
+            ..
+        } = &mut *shard;
+        let Ok(found) = table.find_entry(hash, |s| {
+            is_record(s, (segments, reserved), hash, scope, key)
+        }) else {
+            return Ok(false);
+        };
+        let (slot, _) = found.remove();
+        match slot.place {
+            Place::Reserved(idx) => {
+                let (weight, bucket) = reserved.remove(idx);
+                self.discharge(weight, bucket, 0);
             }
-            Err(_) => Ok(false),
+            Place::Completed(loc) => {
+                let rec = segments.get(loc);
+                *hole_bytes += rec.len();
+                self.discharge(rec.weight(), rec.bucket(), rec.len());
+            }
         }
+        Ok(true)
     }
 
     fn kind(&self) -> &'static str {
@@ -840,9 +1008,11 @@ impl Store for MemoryStore {
 
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
+
     use super::*;
     use crate::clock::ManualClock;
-    use crate::store::contract;
+    use crate::store::{contract, header_bytes};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn memory_store_meets_the_store_contract() {
@@ -1012,13 +1182,10 @@ mod tests {
     }
 
     #[test]
-    fn trailers_make_a_packed_answer_no_larger() {
-        // `status` and `tail` share one word: a packed answer is a word, a length and its bytes,
-        // as it was before trailers were kept.
-        assert_eq!(
-            std::mem::size_of::<Packed>(),
-            2 * std::mem::size_of::<usize>() + std::mem::size_of::<Bytes>()
-        );
+    fn an_index_slot_is_small_and_fixed_whatever_the_record_holds() {
+        // Hash, token, expiry and a reservation's box or a segment's place: 40 bytes, so the
+        // table's slack costs little beside a record's bytes in its segment.
+        assert_eq!(std::mem::size_of::<Slot>(), 40);
     }
 
     fn answer(bytes: usize) -> RecordedResponse {
@@ -1480,6 +1647,385 @@ mod model_tests {
             })
             .build());
             rt.block_on(check_model(store, move |d| clock.advance(d), &ops));
+        }
+    }
+}
+
+#[cfg(test)]
+mod segment_tests {
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::store::header_bytes;
+
+    fn claim_req<'a>(scope: &'a ScopeHash, key: &'a str) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope,
+            key,
+            quota_bucket: 1,
+            fingerprint: Fingerprint {
+                version: 1,
+                digest: [3; 32],
+            },
+            token: FencingToken::mint(),
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(60),
+            route: "/test",
+            response_room: 0,
+        }
+    }
+
+    /// One shard, so a test sees every record's segment.
+    fn store(clock: &ManualClock, headroom: usize) -> MemoryStore {
+        MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .limits(MemoryLimits {
+                max_records_per_scope: usize::MAX,
+                max_bytes_per_scope: usize::MAX,
+                max_bytes: usize::MAX,
+                response_headroom: headroom,
+                ..MemoryLimits::default()
+            })
+            .build()
+    }
+
+    fn answer(body: usize) -> RecordedResponse {
+        RecordedResponse::new(
+            201,
+            vec![(
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            )],
+            Bytes::from(vec![b'o'; body]),
+        )
+    }
+
+    async fn record(store: &MemoryStore, scope: &ScopeHash, key: &str, body: usize, secs: u64) {
+        let req = claim_req(scope, key);
+        assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired, "{key}");
+        let done = store
+            .complete(
+                scope,
+                key,
+                req.token,
+                &answer(body),
+                Duration::from_secs(secs),
+            )
+            .await;
+        assert!(done.unwrap(), "{key}");
+    }
+
+    async fn sweep_all(store: &MemoryStore) -> usize {
+        let mut n = 0;
+        loop {
+            let swept = store.sweep(500).await.unwrap();
+            n += swept;
+            if swept < 500 {
+                return n;
+            }
+        }
+    }
+
+    fn counts(store: &MemoryStore) -> (usize, usize) {
+        lock(&store.shards[0]).segments.counts()
+    }
+
+    fn holes(store: &MemoryStore) -> usize {
+        lock(&store.shards[0]).hole_bytes
+    }
+
+    /// A completed record's charge is its bytes in its segment and its slot, nothing guessed.
+    fn charge(key: &str, body: usize) -> usize {
+        let a = answer(body);
+        SLOT_OVERHEAD + HEADER_BYTES + key.len() + "/test".len() + header_bytes(&a.headers) + body
+    }
+
+    #[tokio::test]
+    async fn a_claim_reuses_the_entry_of_a_finished_reservation() {
+        let clock = ManualClock::new();
+        let store = store(&clock, 4 << 10);
+        let scope = [6; 32];
+        for i in 0..100 {
+            let key = format!("key-{i}");
+            if i % 2 == 0 {
+                record(&store, &scope, &key, 10, 60).await;
+            } else {
+                let req = claim_req(&scope, &key);
+                assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+                assert!(store.release(&scope, &key, req.token).await.unwrap());
+            }
+        }
+        let shard = lock(&store.shards[0]);
+        assert_eq!(
+            shard.reserved.slab.len(),
+            1,
+            "one request in flight at a time"
+        );
+        assert_eq!(shard.reserved.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn expired_segments_are_reused_not_allocated_again() {
+        let clock = ManualClock::new();
+        let store = store(&clock, 4 << 10);
+        let scope = [1; 32];
+        for i in 0..500 {
+            record(&store, &scope, &format!("k{i:03}"), 1_024, 1).await;
+        }
+        let (in_use, spare) = counts(&store);
+        assert!(in_use >= 8, "500 answers of 1 KiB take {in_use} segments");
+        assert_eq!(spare, 0);
+        assert_eq!(store.bytes(), 500 * charge("k000", 1_024));
+        clock.advance(Duration::from_secs(2));
+        assert_eq!(sweep_all(&store).await, 500);
+        assert_eq!((store.len(), store.bytes()), (0, 0));
+        let (in_use, spare) = counts(&store);
+        assert_eq!(in_use, 0, "every segment was walked through");
+        assert!(spare > 0, "no segment kept for reuse");
+        // The next records go into a kept segment.
+        record(&store, &scope, "again", 1_024, 1).await;
+        assert_eq!(counts(&store), (1, spare - 1));
+    }
+
+    #[tokio::test]
+    async fn a_forgotten_record_leaves_a_counted_hole_until_its_segment_expires() {
+        let clock = ManualClock::new();
+        let store = store(&clock, 4 << 10);
+        let scope = [2; 32];
+        record(&store, &scope, "a", 300, 10).await;
+        record(&store, &scope, "b", 300, 10).await;
+        let (a, b) = (charge("a", 300), charge("b", 300));
+        assert_eq!(store.bytes(), a + b);
+        assert!(store.forget(&scope, "a").await.unwrap());
+        assert_eq!(store.len(), 1);
+        // The scope is charged for what it holds; the store for the memory it holds.
+        let share = lock(store.quota_shard(1)).get(&1).copied().unwrap();
+        assert_eq!((share.records, share.bytes), (1, b));
+        assert_eq!(holes(&store), a - SLOT_OVERHEAD);
+        assert_eq!(store.bytes(), b + a - SLOT_OVERHEAD);
+        assert!(store.inspect(&scope, "a", false).await.unwrap().is_none());
+        clock.advance(Duration::from_secs(11));
+        assert_eq!(sweep_all(&store).await, 1, "a hole is not a record");
+        assert_eq!((store.len(), store.bytes(), holes(&store)), (0, 0, 0));
+        assert!(store.quotas.iter().all(|q| lock(q).is_empty()));
+    }
+
+    #[tokio::test]
+    async fn a_takeover_of_an_expired_answer_leaves_a_hole_reclaimed_with_its_segment() {
+        let clock = ManualClock::new();
+        let store = store(&clock, 0);
+        let scope = [3; 32];
+        record(&store, &scope, "k", 300, 1).await;
+        clock.advance(Duration::from_secs(2));
+        let again = claim_req(&scope, "k");
+        assert_eq!(store.claim(&again).await.unwrap(), Claim::Acquired);
+        let hole = charge("k", 300) - SLOT_OVERHEAD;
+        assert_eq!(holes(&store), hole);
+        assert_eq!(
+            store.bytes(),
+            hole + ENTRY_OVERHEAD + "k".len() + "/test".len()
+        );
+        assert_eq!(sweep_all(&store).await, 0, "the new reservation is live");
+        assert_eq!(holes(&store), 0);
+        assert_eq!(store.bytes(), ENTRY_OVERHEAD + "k".len() + "/test".len());
+        assert!(store.release(&scope, "k", again.token).await.unwrap());
+        assert_eq!((store.len(), store.bytes()), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn an_answer_larger_than_a_segment_gets_its_own_allocation() {
+        let clock = ManualClock::new();
+        let store = store(&clock, 256 << 10);
+        let scope = [4; 32];
+        let big = segment::SEGMENT_BYTES + 1;
+        record(&store, &scope, "big", big, 1).await;
+        record(&store, &scope, "small", 10, 1).await;
+        assert_eq!(lock(&store.shards[0]).segments.own_allocations, 1);
+        assert!(
+            format!("{store:?}").contains("own_segments: 1"),
+            "{store:?}"
+        );
+        assert_eq!(counts(&store), (2, 0));
+        match store.claim(&claim_req(&scope, "big")).await.unwrap() {
+            Claim::Standing(Standing {
+                state: StandingState::Completed(replayed),
+                ..
+            }) => assert_eq!(*replayed, answer(big)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(store.bytes(), charge("big", big) + charge("small", 10));
+        clock.advance(Duration::from_secs(2));
+        assert_eq!(sweep_all(&store).await, 2);
+        assert_eq!((store.len(), store.bytes()), (0, 0));
+        // The large one is freed; only the segment of the usual size is kept.
+        assert_eq!(counts(&store), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn each_retention_expires_on_its_own_whatever_was_appended_before() {
+        let clock = ManualClock::new();
+        let store = store(&clock, 4 << 10);
+        let scope = [5; 32];
+        record(&store, &scope, "long", 100, 3_600).await;
+        record(&store, &scope, "short", 100, 1).await;
+        record(&store, &scope, "long-2", 100, 3_600).await;
+        clock.advance(Duration::from_secs(2));
+        assert_eq!(sweep_all(&store).await, 1);
+        assert_eq!(store.len(), 2);
+        for key in ["long", "long-2"] {
+            match store.claim(&claim_req(&scope, key)).await.unwrap() {
+                Claim::Standing(Standing {
+                    state: StandingState::Completed(replayed),
+                    ..
+                }) => assert_eq!(*replayed, answer(100), "{key}"),
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+        assert_eq!(
+            store.claim(&claim_req(&scope, "short")).await.unwrap(),
+            Claim::Acquired
+        );
+        assert_eq!(
+            counts(&store).0,
+            1,
+            "the short retention's segment went back"
+        );
+    }
+}
+
+#[cfg(test)]
+mod accounting_tests {
+    use std::collections::HashMap as Map;
+
+    use bytes::Bytes;
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::clock::ManualClock;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Claim { key: u8, secs: u8 },
+        Complete { key: u8, body: u16, secs: u8 },
+        Release { key: u8 },
+        Forget { key: u8 },
+        Advance { secs: u8 },
+        Sweep,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (0u8..12, 1u8..4).prop_map(|(key, secs)| Op::Claim { key, secs }),
+            3 => (0u8..12, 0u16..3_000, 1u8..4)
+                .prop_map(|(key, body, secs)| Op::Complete { key, body, secs }),
+            1 => (0u8..12).prop_map(|key| Op::Release { key }),
+            1 => (0u8..12).prop_map(|key| Op::Forget { key }),
+            2 => (0u8..3).prop_map(|secs| Op::Advance { secs }),
+            1 => Just(Op::Sweep),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+        /// Whatever happens to records (completed into segments of several retentions, some
+        /// larger than a segment, released, forgotten into holes, taken over), once everything
+        /// has expired and been swept the store holds nothing and charges nothing: no record,
+        /// no byte, no hole, no scope's share, no segment in use.
+        #[test]
+        fn every_charge_and_segment_comes_back_once_all_has_expired(
+            ops in proptest::collection::vec(op(), 1..80)
+        ) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let clock = ManualClock::new();
+            let store = MemoryStore::builder()
+                .clock(clock.clone())
+                .shards(2)
+                .limits(MemoryLimits {
+                    response_headroom: 80 << 10,
+                    max_bytes_per_scope: usize::MAX,
+                    ..MemoryLimits::default()
+                })
+                .build();
+            rt.block_on(async {
+                let scope = [9; 32];
+                let keys: Vec<String> = (0..12).map(|k| format!("key-{k}")).collect();
+                let mut tokens: Map<u8, FencingToken> = Map::new();
+                for op in &ops {
+                    match *op {
+                        Op::Claim { key, secs } => {
+                            let req = ClaimRequest {
+                                scope: &scope,
+                                key: &keys[key as usize],
+                                quota_bucket: 3,
+                                fingerprint: Fingerprint { version: 1, digest: [1; 32] },
+                                token: FencingToken::mint(),
+                                lease: Duration::from_secs(u64::from(secs)),
+                                retention: Duration::from_secs(u64::from(secs)),
+                                route: "/r",
+                                response_room: 0,
+                            };
+                            let mut got = store.claim(&req).await.unwrap();
+                            if let Claim::Standing(st) = &got
+                                && matches!(st.state, StandingState::Abandoned)
+                            {
+                                got = store.reclaim(&req, st.token).await.unwrap();
+                            }
+                            if got == Claim::Acquired {
+                                tokens.insert(key, req.token);
+                            }
+                        }
+                        Op::Complete { key, body, secs } => {
+                            if let Some(&token) = tokens.get(&key) {
+                                // Every fourth answer is larger than a segment.
+                                let body = if body % 4 == 0 {
+                                    segment::SEGMENT_BYTES + usize::from(body)
+                                } else {
+                                    usize::from(body)
+                                };
+                                let answer = RecordedResponse::new(
+                                    200,
+                                    vec![("etag".into(), Bytes::from_static(b"x"))],
+                                    Bytes::from(vec![7; body]),
+                                );
+                                let retention = Duration::from_secs(u64::from(secs));
+                                let _ = store
+                                    .complete(&scope, &keys[key as usize], token, &answer, retention)
+                                    .await;
+                            }
+                        }
+                        Op::Release { key } => {
+                            if let Some(&token) = tokens.get(&key) {
+                                let _ = store.release(&scope, &keys[key as usize], token).await;
+                            }
+                        }
+                        Op::Forget { key } => {
+                            store.forget(&scope, &keys[key as usize]).await.unwrap();
+                        }
+                        Op::Advance { secs } => clock.advance(Duration::from_secs(u64::from(secs))),
+                        Op::Sweep => {
+                            store.sweep(500).await.unwrap();
+                        }
+                    }
+                    let holes: usize = store.shards.iter().map(|s| lock(s).hole_bytes).sum();
+                    let share = lock(store.quota_shard(3)).get(&3).copied().unwrap_or_default();
+                    // The store's charge is its scope's share and its holes, at every step.
+                    assert_eq!(store.bytes(), share.bytes + holes, "after {op:?}");
+                    assert_eq!(store.len(), share.records, "after {op:?}");
+                }
+                clock.advance(Duration::from_secs(60));
+                while store.sweep(500).await.unwrap() > 0 {}
+                assert_eq!((store.len(), store.bytes()), (0, 0));
+                for shard in store.shards.iter() {
+                    let shard = lock(shard);
+                    assert_eq!(shard.hole_bytes, 0);
+                    assert_eq!(shard.reserved.len(), 0);
+                    assert_eq!(shard.segments.counts().0, 0, "a segment still in use");
+                    assert!(shard.table.is_empty());
+                }
+                assert!(store.quotas.iter().all(|q| lock(q).is_empty()));
+            });
         }
     }
 }
