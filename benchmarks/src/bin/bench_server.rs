@@ -96,9 +96,9 @@ fn main() {
             ),
             "axum-sqlite" => bench::idempotent_router(bench::sqlite_store(&sqlite).await),
             "axum-redis" => bench::idempotent_router(bench::redis_store(&redis_url).await),
-            "axum-mysql" => bench::idempotent_router(
-                bench::mysql_store(&mysql_url, pg_connections).await,
-            ),
+            "axum-mysql" => {
+                bench::idempotent_router(bench::mysql_store(&mysql_url, pg_connections).await)
+            }
             "peer-cratestack" => {
                 bench::cratestack_router(&database_url, pg_connections, false).await
             }

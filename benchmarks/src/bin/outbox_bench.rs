@@ -205,12 +205,14 @@ fn cpu_ticks() -> (u64, u64) {
         let (_, rest) = text.rsplit_once(')')?;
         Some(rest.split_whitespace().map(str::to_owned).collect())
     };
-    let ticks = |f: &[String], at: usize| f.get(at).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let ticks =
+        |f: &[String], at: usize| f.get(at).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
     let mut postgres = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let pid = entry.file_name().to_string_lossy().into_owned();
         if pid.bytes().all(|b| b.is_ascii_digit())
-            && std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "postgres")
+            && std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "postgres")
         {
             postgres.push(pid);
         }
@@ -421,7 +423,9 @@ async fn run(args: Args) {
         args.seconds,
     )
     .await;
-    println!("| variant | requests/s | / order only | PostgreSQL CPU µs/req | this process CPU µs/req |");
+    println!(
+        "| variant | requests/s | / order only | PostgreSQL CPU µs/req | this process CPU µs/req |"
+    );
     println!("|---|---:|---:|---:|---:|");
     println!("| enlisted, order only | {without:.0} | 1.00 | {without_pg:.0} | {without_own:.0} |");
     println!(
@@ -471,7 +475,11 @@ async fn run(args: Args) {
         let _ = stop.send(());
         relay.await.expect("relay");
         let (p50, p99, delivered) = lag_percentiles(&pool, &outbox).await;
-        let how = if notify { "with NOTIFY, the relay listening" } else { "the relay polling every 100 ms" };
+        let how = if notify {
+            "with NOTIFY, the relay listening"
+        } else {
+            "the relay polling every 100 ms"
+        };
         println!(
             "| + outbox message, {how}, publishing to NATS | {with:.0} | {:.2} | {with_pg:.0} | {with_own:.0} |",
             with / without
