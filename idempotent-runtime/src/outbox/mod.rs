@@ -77,13 +77,13 @@ pub use postgres::{OutboxStats, PgOutbox, PgOutboxBuilder};
 pub use relay::{Relay, RelayBuilder, Relayed};
 #[cfg(feature = "outbox-webhooks")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox-webhooks")))]
-pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookPublisher, WebhookPublisherBuilder};
+pub use webhook::{WebhookPublisher, WebhookPublisherBuilder};
 
 /// The outbox table's default name.
-pub const DEFAULT_TABLE: &str = "outbox_messages";
+const DEFAULT_TABLE: &str = "outbox_messages";
 
 /// How long delivered messages are kept by default before the sweeper deletes them: 7 days.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// The longest message id, ordering key or header name accepted, in bytes.
 const MAX_ID_LEN: usize = 255;

@@ -10,7 +10,7 @@ use super::{Delivery, PublishError, Publisher};
 use crate::webhook::{ID_HEADER, SIGNATURE_HEADER, StandardWebhooks, TIMESTAMP_HEADER};
 
 /// How long a webhook call may take by default, connection and answer included: 10 s.
-pub const DEFAULT_WEBHOOK_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_WEBHOOK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The headers this publisher sets, which replace any of the same name in a message.
 const OWN_HEADERS: [&str; 4] = [
@@ -31,7 +31,7 @@ const OWN_HEADERS: [&str; 4] = [
 ///   endpoint's secret ([`StandardWebhooks::sign`]).
 ///
 /// Redirects are never followed (a webhook's signature and body are for the URL it was
-/// registered at). Each call is bounded by a timeout ([`DEFAULT_WEBHOOK_TIMEOUT`]); keep it well
+/// registered at). Each call is bounded by a timeout (10 s by default, [`WebhookPublisherBuilder::timeout`]); keep it well
 /// under the relay's lease.
 ///
 /// # What an answer means
