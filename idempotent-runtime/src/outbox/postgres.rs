@@ -529,36 +529,14 @@ impl PgOutbox {
     /// What the outbox knows of message `id`, without its payload; `None` if it is not there
     /// (never enqueued, committed yet, or swept).
     pub async fn inspect(&self, id: &str) -> Result<Option<OutboxRecord>, sqlx::Error> {
-        let sql = self.s.inspect_sql.clone();
-        let id = id.to_owned();
-        let row = self
-            .on_pool(move |conn, named| {
-                Box::pin(async move {
-                    sqlx::query(AssertSqlSafe(sql))
-                        .bind(id)
-                        .persistent(named)
-                        .fetch_optional(conn)
-                        .await
-                })
-            })
-            .await?;
+        let row = self.row_by_id(&self.s.inspect_sql, id).await?;
         row.as_ref().map(record).transpose()
     }
 
     /// The payload of message `id`, for an operator who asked for it.
     pub async fn payload(&self, id: &str) -> Result<Option<Vec<u8>>, sqlx::Error> {
-        let sql = self.s.payload_sql.clone();
-        let id = id.to_owned();
-        self.on_pool(move |conn, named| {
-            Box::pin(async move {
-                sqlx::query_scalar(AssertSqlSafe(sql))
-                    .bind(id)
-                    .persistent(named)
-                    .fetch_optional(conn)
-                    .await
-            })
-        })
-        .await
+        let row = self.row_by_id(&self.s.payload_sql, id).await?;
+        row.map(|row| row.try_get(0)).transpose()
     }
 
     /// Up to `limit` dead-lettered messages, oldest first, each with its last error.
@@ -581,20 +559,7 @@ impl PgOutbox {
     /// Puts a dead-lettered message back to be delivered now, its attempts counted from zero;
     /// `false` if `id` is not dead-lettered.
     pub async fn retry(&self, id: &str) -> Result<bool, sqlx::Error> {
-        let sql = self.s.retry_sql.clone();
-        let id = id.to_owned();
-        let done = self
-            .on_pool(move |conn, named| {
-                Box::pin(async move {
-                    sqlx::query(AssertSqlSafe(sql))
-                        .bind(id)
-                        .persistent(named)
-                        .execute(conn)
-                        .await
-                })
-            })
-            .await?;
-        let retried = done.rows_affected() > 0;
+        let retried = self.affected_by_id(&self.s.retry_sql, id).await? > 0;
         if retried {
             self.wake().await;
         }
@@ -605,8 +570,12 @@ impl PgOutbox {
     /// pending message that must not go out (a relay publishing it right now may still
     /// deliver it once). Afterwards the id may be enqueued again. `false` if it was not there.
     pub async fn discard(&self, id: &str) -> Result<bool, sqlx::Error> {
-        let sql = self.s.discard_sql.clone();
-        let id = id.to_owned();
+        Ok(self.affected_by_id(&self.s.discard_sql, id).await? > 0)
+    }
+
+    /// Runs `sql` with `id` as its one parameter; the rows it changed.
+    async fn affected_by_id(&self, sql: &Arc<str>, id: &str) -> Result<u64, sqlx::Error> {
+        let (sql, id) = (sql.clone(), id.to_owned());
         let done = self
             .on_pool(move |conn, named| {
                 Box::pin(async move {
@@ -618,7 +587,22 @@ impl PgOutbox {
                 })
             })
             .await?;
-        Ok(done.rows_affected() > 0)
+        Ok(done.rows_affected())
+    }
+
+    /// Runs the query `sql` with `id` as its one parameter; its row, if any.
+    async fn row_by_id(&self, sql: &Arc<str>, id: &str) -> Result<Option<PgRow>, sqlx::Error> {
+        let (sql, id) = (sql.clone(), id.to_owned());
+        self.on_pool(move |conn, named| {
+            Box::pin(async move {
+                sqlx::query(AssertSqlSafe(sql))
+                    .bind(id)
+                    .persistent(named)
+                    .fetch_optional(conn)
+                    .await
+            })
+        })
+        .await
     }
 
     /// How many messages are pending and dead, and the age of the oldest pending one.

@@ -56,7 +56,8 @@ pub struct Calls {
 
 impl Calls {
     /// Calls of the methods a detached (not enlisted) request goes through: claim, reclaim,
-    /// complete, release, renew.
+    /// complete, release, renew. (Read by the tests that reach it through `test_helpers`.)
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub fn request_path(&self) -> usize {
         [
             &self.claim,
