@@ -568,6 +568,82 @@ async fn a_relay_that_dies_mid_publish_leaves_the_message_to_the_next_after_its_
     db.drop_schema().await;
 }
 
+/// A message whose relays stop mid-publish every time (it crashes them, say) is dead-lettered
+/// at the claim after its last attempt, not published again, and its key moves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_relay_dies_every_time_is_dead_lettered_after_max_attempts() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    db.commit_order(
+        &outbox,
+        1,
+        Message::new("crasher", "orders", "x").ordered_by("k"),
+    )
+    .await;
+    db.commit_order(
+        &outbox,
+        2,
+        Message::new("next", "orders", "x").ordered_by("k"),
+    )
+    .await;
+    struct Hang(AtomicUsize);
+    impl Publisher for Hang {
+        async fn publish(&self, _: &Delivery) -> Result<(), PublishError> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            std::future::pending().await
+        }
+    }
+    let hang = Arc::new(Hang(AtomicUsize::new(0)));
+    for attempt in 1..=2 {
+        let dying = Relay::builder(outbox.clone(), hang.clone())
+            .lease(Duration::from_secs(1))
+            .max_attempts(2)
+            .build();
+        // Claims as soon as the last lease lapses, then hangs in the publish and is killed.
+        let task = tokio::spawn(async move {
+            loop {
+                if dying.deliver_batch().await.unwrap().claimed > 0 {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        eventually("the relay publishes", || {
+            hang.0.load(Ordering::SeqCst) == attempt
+        })
+        .await;
+        task.abort();
+        let _ = task.await;
+    }
+    let recorder = Recorder::ok();
+    let relay = Relay::builder(outbox.clone(), recorder.clone())
+        .max_attempts(2)
+        .poll_interval(Duration::from_millis(20))
+        .build();
+    drain(&relay, || recorder.delivered_ids() == ["next"]).await;
+    let crasher = outbox.inspect("crasher").await.unwrap().unwrap();
+    assert_eq!((crasher.state, crasher.attempts), (State::Dead, 2));
+    assert!(
+        crasher
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("without a recorded outcome")),
+        "{crasher:?}"
+    );
+    assert_eq!(
+        hang.0.load(Ordering::SeqCst),
+        2,
+        "never published a third time"
+    );
+    assert_eq!(
+        recorder.started.lock().unwrap().clone(),
+        [("next".to_owned(), 1)]
+    );
+    db.drop_schema().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_running_into_the_lease_end_is_abandoned_and_retried() {
     let Some(db) = Db::connect().await else {

@@ -163,7 +163,9 @@ impl PgOutboxBuilder {
         // The head of each ordering key (no earlier pending message of that key), and messages
         // without a key, that are due and not held by a live lease; rows another relay is
         // claiming right now are skipped, not waited for. The lease is conditional on the row
-        // still qualifying (re-checked under its lock).
+        // still qualifying (re-checked under its lock). A row already claimed `max_attempts`
+        // times ($4) is one whose relays kept stopping mid-publish (a failed publish records
+        // its outcome and dead-letters at the limit): it is dead-lettered here, not published.
         let claim_sql = format!(
             "WITH c AS (\
                SELECT o.id FROM {t} o \
@@ -174,11 +176,19 @@ impl PgOutboxBuilder {
                      AND p.ordering_key = o.ordering_key AND p.seq < o.seq)) \
                ORDER BY o.seq LIMIT $1 \
                FOR UPDATE OF o SKIP LOCKED) \
-             UPDATE {t} o SET lease_until = now() + $2::bigint * interval '1 millisecond', \
-               lease_token = $3, attempts = o.attempts + 1 \
+             UPDATE {t} o SET \
+               state = CASE WHEN o.attempts >= $4 THEN 'dead' ELSE o.state END, \
+               last_error = CASE WHEN o.attempts >= $4 THEN 'claimed ' || o.attempts || \
+                 ' times without a recorded outcome: a relay stopped while publishing it each time' \
+                 ELSE o.last_error END, \
+               lease_until = CASE WHEN o.attempts >= $4 THEN NULL \
+                 ELSE now() + $2::bigint * interval '1 millisecond' END, \
+               lease_token = CASE WHEN o.attempts >= $4 THEN NULL ELSE $3 END, \
+               attempts = CASE WHEN o.attempts >= $4 THEN o.attempts ELSE o.attempts + 1 END \
              FROM c WHERE o.id = c.id \
              RETURNING o.id, o.destination, o.ordering_key, o.header_names, o.header_values, \
-               o.payload, o.attempts, (extract(epoch FROM o.enqueued_at) * 1000)::bigint, o.seq"
+               o.payload, o.attempts, (extract(epoch FROM o.enqueued_at) * 1000)::bigint, o.seq, \
+               o.state = 'dead'"
         );
         let delivered_sql = format!(
             "UPDATE {t} o SET state = 'delivered', delivered_at = now(), lease_until = NULL, \
@@ -265,9 +275,12 @@ pub struct OutboxStats {
     pub oldest_pending: Duration,
 }
 
-/// A message a relay claimed: what it publishes and how it settles it.
+/// A message a relay claimed: what it publishes.
 pub(crate) struct Claimed {
     pub(crate) delivery: Delivery,
+    /// Claimed `max_attempts` times already without an outcome: dead-lettered by this claim,
+    /// not to be published.
+    pub(crate) spent: bool,
 }
 
 /// What became of a failed delivery.
@@ -413,12 +426,14 @@ impl PgOutbox {
         }
     }
 
-    /// Claims up to `batch` due messages for `lease` under `token`.
+    /// Claims up to `batch` due messages for `lease` under `token`; those already claimed
+    /// `max_attempts` times come back dead-lettered ([`Claimed::spent`]), not leased.
     pub(crate) async fn claim(
         &self,
         batch: usize,
         lease: Duration,
         token: i64,
+        max_attempts: u32,
     ) -> Result<Vec<Claimed>, sqlx::Error> {
         let sql = self.s.claim_sql.clone();
         let rows = self
@@ -428,6 +443,7 @@ impl PgOutbox {
                         .bind(batch.min(i64::MAX as usize) as i64)
                         .bind(millis(lease))
                         .bind(token)
+                        .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
                         .persistent(named)
                         .fetch_all(conn)
                         .await
@@ -442,6 +458,7 @@ impl PgOutbox {
                 let payload: Vec<u8> = row.try_get(5)?;
                 let attempts: i32 = row.try_get(6)?;
                 let seq: i64 = row.try_get(8)?;
+                let spent: bool = row.try_get(9)?;
                 let message = Message {
                     id: row.try_get(0)?,
                     destination: row.try_get(1)?,
@@ -454,6 +471,7 @@ impl PgOutbox {
                     seq,
                     Claimed {
                         delivery: Delivery::new(message, attempts.max(1) as u32, enqueued_at),
+                        spent,
                     },
                 ))
             })

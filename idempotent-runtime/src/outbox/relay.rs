@@ -237,11 +237,31 @@ impl<P: Publisher> Relay<P> {
     pub async fn deliver_batch(&self) -> Result<Relayed, sqlx::Error> {
         let started = Instant::now();
         let token = token();
-        let claimed = self.outbox.claim(self.s.batch, self.s.lease, token).await?;
+        let claimed = self
+            .outbox
+            .claim(self.s.batch, self.s.lease, token, self.s.max_attempts)
+            .await?;
         let mut report = Relayed {
             claimed: claimed.len(),
             ..Relayed::default()
         };
+        let (spent, claimed): (Vec<_>, Vec<_>) = claimed.into_iter().partition(|c| c.spent);
+        for c in &spent {
+            let d = &c.delivery;
+            let error = PublishError::permanent(format!(
+                "claimed {} times without a recorded outcome: a relay stopped while publishing it each time",
+                d.attempt()
+            ));
+            observe_failure(
+                d.id(),
+                d.destination(),
+                d.attempt(),
+                &error,
+                Failed::Dead,
+                Duration::ZERO,
+            );
+            report.dead += 1;
+        }
         if claimed.is_empty() {
             return Ok(report);
         }
