@@ -150,6 +150,8 @@ async fn case(name: &'static str, store: &str, db: &Database, replicas: bool) {
     let committed = rows(&a).await;
 
     // Killed mid-handler (SIGKILL): the row and the record roll back with the transaction.
+    // Counted before the request is sent: counted after, it may already include it.
+    let ran = a.runs("/ledger").await + 1;
     let killed = {
         let url = format!("http://{}/ledger?ms=10000", a.addr);
         let call = reqwest::Client::new()
@@ -157,7 +159,6 @@ async fn case(name: &'static str, store: &str, db: &Database, replicas: bool) {
             .header("idempotency-key", "k-crash");
         tokio::spawn(async move { call.send().await })
     };
-    let ran = a.runs("/ledger").await + 1;
     a.wait_runs("/ledger", ran).await;
     drop(std::sync::Arc::into_inner(a).expect("no other holder"));
     assert!(
