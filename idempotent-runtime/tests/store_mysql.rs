@@ -965,3 +965,90 @@ async fn innodb_groups_the_log_flushes_of_concurrent_claims() {
         );
     }
 }
+
+/// A server that accepts connections and never says a word, as MySQL does across a network
+/// partition (no MySQL needed): every operation fails as unavailable once `operation_timeout`
+/// passes, though the pool would wait a minute for a connection.
+#[tokio::test]
+async fn every_operation_fails_unavailable_when_mysql_never_answers() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            conns.push(conn);
+        }
+    });
+    let store = MySqlStore::builder()
+        .acquire_timeout(Duration::from_secs(600))
+        .operation_timeout(Duration::from_millis(200))
+        .connect(&format!("mysql://root@127.0.0.1:{port}/test"))
+        .await
+        .unwrap();
+    let scope: ScopeHash = [7; 32];
+    let token = FencingToken::mint();
+    let unavailable = |what: &str, e: StoreError| {
+        assert!(matches!(e, StoreError::Unavailable(_)), "{what}: {e:?}");
+    };
+    // A liveness bound, far below the pool's own wait.
+    async fn within<T>(f: impl std::future::Future<Output = T>) -> Result<T, ()> {
+        tokio::time::timeout(Duration::from_secs(60), f)
+            .await
+            .map_err(drop)
+    }
+    let claim = req(&scope, "silent", Duration::from_secs(5));
+    unavailable(
+        "claim",
+        within(store.claim(&claim)).await.unwrap().unwrap_err(),
+    );
+    unavailable(
+        "reclaim",
+        within(store.reclaim(&claim, token))
+            .await
+            .unwrap()
+            .unwrap_err(),
+    );
+    unavailable(
+        "complete",
+        within(store.complete(
+            &scope,
+            "silent",
+            token,
+            &response("{}"),
+            Duration::from_secs(60),
+        ))
+        .await
+        .unwrap()
+        .unwrap_err(),
+    );
+    unavailable(
+        "release",
+        within(store.release(&scope, "silent", token))
+            .await
+            .unwrap()
+            .unwrap_err(),
+    );
+    unavailable(
+        "renew",
+        within(store.renew(&scope, "silent", token, Duration::from_secs(5)))
+            .await
+            .unwrap()
+            .unwrap_err(),
+    );
+    unavailable(
+        "inspect",
+        within(store.inspect(&scope, "silent", true))
+            .await
+            .unwrap()
+            .unwrap_err(),
+    );
+    unavailable(
+        "forget",
+        within(store.forget(&scope, "silent"))
+            .await
+            .unwrap()
+            .unwrap_err(),
+    );
+    unavailable("sweep", within(store.sweep(10)).await.unwrap().unwrap_err());
+    held.abort();
+}

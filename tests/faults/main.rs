@@ -9,6 +9,7 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test REDIS_URL=redis://127.0.0.1:6379/0 \
+//!     MYSQL_URL=mysql://root@127.0.0.1:3306/test \
 //!     cargo test --all-features --test faults
 //! ```
 
@@ -16,5 +17,5 @@
 mod support;
 
 mod netns;
-#[cfg(any(feature = "postgres", feature = "redis"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod partition;

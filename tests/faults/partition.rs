@@ -2,11 +2,11 @@
 //! replica still reaches the store (DESIGN.md §3: fencing, lease, "What once means").
 //!
 //! Replica A runs in a network namespace of the test's own and reaches the store through a TCP
-//! forwarder in this test listening on A's store link (PostgreSQL and Redis listen on loopback
-//! only); replica B runs beside the test and reaches the store directly. A takes a slow request
-//! and the store link is cut; A's lease lapses, B reclaims the key on the client's retry (a new
-//! fencing token) and runs it; the link heals; A's handler ends and its completion reaches the
-//! store late and is refused by the token. Exactly one answer is recorded (B's), every retry
+//! forwarder in this test listening on A's store link (PostgreSQL, MySQL and Redis listen on
+//! loopback only); replica B runs beside the test and reaches the store directly. A takes a slow
+//! request and the store link is cut; A's lease lapses, B reclaims the key on the client's retry
+//! (a new fencing token) and runs it; the link heals; A's handler ends and its completion reaches
+//! the store late and is refused by the token. Exactly one answer is recorded (B's), every retry
 //! replays it, A's refused completion is logged and counted `lease_lost`, and the handler ran
 //! twice, once on each replica: the window the contract names (a reclaim after a lost lease).
 //! A key sent to A during the partition gets a 503 (it never runs unrecorded), and runs once
@@ -262,4 +262,14 @@ async fn redis_a_replica_partitioned_past_its_lease_is_fenced_when_it_heals() {
         idempotent_runtime::store::FencingToken::mint().0
     );
     partitioned_holder_is_fenced("redis", &url, &["--redis-prefix", &prefix]).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_replica_partitioned_past_its_lease_is_fenced_when_it_heals() {
+    let Some(base) = crate::support::mysql_url() else {
+        return;
+    };
+    let db = crate::support::MysqlDatabase::new(&base, "partition");
+    partitioned_holder_is_fenced("mysql", &db.url(), &[]).await;
 }

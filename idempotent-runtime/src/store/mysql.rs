@@ -37,6 +37,11 @@
 //! in progress (409) after at most that long, never waits for that transaction. A deadlock
 //! victim (1213) is sent again.
 //!
+//! **Every operation is bounded on the client** by
+//! [`operation_timeout`](MySqlStoreBuilder::operation_timeout) (default `lock_wait_timeout` +
+//! 10 s): across a network partition MySQL's answer never comes and TCP resends for about 15
+//! minutes, so past the bound the operation fails as unavailable (503), as on PostgreSQL.
+//!
 //! **Times** are milliseconds since the UNIX epoch by the database's clock
 //! (`UTC_TIMESTAMP(3)`, whatever the session's time zone), so replicas never disagree about a
 //! lease.
@@ -118,6 +123,7 @@ pub struct MySqlStoreBuilder {
     lock_wait_timeout: Duration,
     acquire_timeout: Duration,
     max_connections: u32,
+    operation_timeout: Option<Duration>,
 }
 
 impl MySqlStoreBuilder {
@@ -153,6 +159,27 @@ impl MySqlStoreBuilder {
         self
     }
 
+    /// How long a store operation (claim with its read-back, reclaim, completion, release,
+    /// renewal, inspect, forget, sweep, and enlisted mode's glance, lock and statements) waits
+    /// for MySQL's answer before it fails with [`StoreError::Unavailable`] (default:
+    /// [`lock_wait_timeout`](Self::lock_wait_timeout) + 10 s, 11 s with the defaults, as the
+    /// PostgreSQL store's `statement_timeout` + 1 s: MySQL has no server-side timeout for
+    /// writes, so the bound is the longest lock wait plus the PostgreSQL store's statement
+    /// allowance, never shorter than a lock wait the server would end itself). Across a network
+    /// partition nothing comes back, not even an error (TCP keeps resending for about 15
+    /// minutes): without this bound a claim would hang there instead of answering 503, and a
+    /// renewal could not see its lease lapse. The outcome of an operation cut off is unknown,
+    /// as after a dropped connection.
+    pub fn operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = Some(timeout);
+        self
+    }
+
+    fn effective_operation_timeout(&self) -> Duration {
+        self.operation_timeout
+            .unwrap_or(self.lock_wait_timeout + Duration::from_secs(10))
+    }
+
     /// Size of the pool the store opens (default 10).
     pub fn max_connections(mut self, max: u32) -> Self {
         self.max_connections = max.max(1);
@@ -183,7 +210,12 @@ impl MySqlStoreBuilder {
             .test_before_acquire(false)
             .after_connect(set_session(Arc::clone(&session)))
             .connect_lazy_with(options);
-        Ok(MySqlStore::with_table(pool, table, session))
+        Ok(MySqlStore::with_table(
+            pool,
+            table,
+            session,
+            self.effective_operation_timeout(),
+        ))
     }
 
     /// Builds the store over an existing pool. The pool's connections should set
@@ -193,7 +225,12 @@ impl MySqlStoreBuilder {
     /// bad table or database name (which converts into `sqlx::Error` with `?`).
     pub fn build(self, pool: MySqlPool) -> Result<MySqlStore, InvalidName> {
         let session = session_settings(self.lock_wait_timeout);
-        Ok(MySqlStore::with_table(pool, self.table_name()?, session))
+        Ok(MySqlStore::with_table(
+            pool,
+            self.table_name()?,
+            session,
+            self.effective_operation_timeout(),
+        ))
     }
 
     fn table_name(&self) -> Result<TableName, InvalidName> {
@@ -343,6 +380,8 @@ pub struct MySqlStore {
     table: TableName,
     /// Enlisted mode's statements and the pool its transactions run on.
     enlisted: enlisted::Transactions,
+    /// How long an operation waits for MySQL.
+    operation_timeout: Duration,
 }
 
 /// What every statement needs, shared with the tasks that send claims.
@@ -778,6 +817,7 @@ impl MySqlStore {
             lock_wait_timeout: Duration::from_secs(1),
             acquire_timeout: Duration::from_secs(2),
             max_connections: 10,
+            operation_timeout: None,
         }
     }
 
@@ -800,12 +840,19 @@ impl MySqlStore {
     pub fn new(pool: MySqlPool) -> Self {
         let table = TableName::quoted_with(STORE_NAMES, None, DEFAULT_TABLE, '`')
             .expect("the default table name is valid");
-        let session = session_settings(Self::builder().lock_wait_timeout);
-        Self::with_table(pool, table, session)
+        let builder = Self::builder();
+        let session = session_settings(builder.lock_wait_timeout);
+        Self::with_table(pool, table, session, builder.effective_operation_timeout())
     }
 
-    fn with_table(pool: MySqlPool, table: TableName, session: Arc<str>) -> Self {
+    fn with_table(
+        pool: MySqlPool,
+        table: TableName,
+        session: Arc<str>,
+        operation_timeout: Duration,
+    ) -> Self {
         Self {
+            operation_timeout,
             enlisted: enlisted::Transactions::new(&table.qualified),
             core: Arc::new(Core {
                 sql: Statements::new(&table.qualified),
@@ -816,6 +863,26 @@ impl MySqlStore {
                 statements: AtomicU64::new(0),
             }),
             table,
+        }
+    }
+
+    /// `operation` bounded by the store's [`operation_timeout`]: past it, unavailable. A
+    /// statement cut off leaves its connection with an answer pending; sqlx does not lend it
+    /// again before it has read that answer and a ping's (or closes it), as after any future
+    /// dropped mid-statement.
+    ///
+    /// [`operation_timeout`]: MySqlStoreBuilder::operation_timeout
+    async fn bounded<T>(
+        &self,
+        operation: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.operation_timeout, operation).await {
+            Ok(answer) => answer,
+            Err(_) => Err(StoreError::unavailable(format!(
+                "MySQL did not answer within {:?} (the store's operation_timeout): the \
+                 network or the server is down, and the operation's outcome is unknown",
+                self.operation_timeout
+            ))),
         }
     }
 
@@ -875,8 +942,9 @@ impl MySqlStore {
     }
 }
 
-impl Store for MySqlStore {
-    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+impl MySqlStore {
+    /// [`Store::claim`], unbounded.
+    async fn claim_unbounded(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         for _ in 0..MAX_RERUNS {
             let Sent::Inserted(inserted) =
                 send_unheard_safe(&self.core, ClaimRow::new(req), None).await?
@@ -900,7 +968,8 @@ impl Store for MySqlStore {
         Ok(Claim::Standing(busy(req)))
     }
 
-    async fn reclaim(
+    /// [`Store::reclaim`], unbounded.
+    async fn reclaim_unbounded(
         &self,
         req: &ClaimRequest<'_>,
         stale: FencingToken,
@@ -916,65 +985,13 @@ impl Store for MySqlStore {
             Some(false) => match self.core.read(req.scope, req.key).await? {
                 Some(standing) => Ok(Claim::Standing(standing)),
                 // Released or swept in between: claim it afresh.
-                None => self.claim(req).await,
+                None => self.claim_unbounded(req).await,
             },
         }
     }
 
-    async fn complete(
-        &self,
-        scope: &ScopeHash,
-        key: &str,
-        token: FencingToken,
-        response: &RecordedResponse,
-        retention: Duration,
-    ) -> Result<bool, StoreError> {
-        let completion = Completion::new(scope, key, token, response, retention);
-        let rows = self
-            .core
-            .conditional_write(|| completion.query(&self.core))
-            .await?;
-        Ok(rows == 1)
-    }
-
-    async fn release(
-        &self,
-        scope: &ScopeHash,
-        key: &str,
-        token: FencingToken,
-    ) -> Result<bool, StoreError> {
-        self.core.release(scope, key, token).await
-    }
-
-    async fn renew(
-        &self,
-        scope: &ScopeHash,
-        key: &str,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        let (lease, off) = (millis_i64(lease), self.core.offset());
-        let rows = self
-            .core
-            .conditional_write(|| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.renew)))
-                    .bind(off)
-                    .bind(lease)
-                    .bind(off)
-                    .bind(lease)
-                    .bind(&scope[..])
-                    .bind(key.as_bytes())
-                    .bind(token.as_i64())
-            })
-            .await?;
-        Ok(rows == 1)
-    }
-
-    /// Two statements a batch: the candidates by a consistent read (no locks, so it never
-    /// holds a range of the index against new claims), then one delete of exactly those rows by
-    /// primary key that re-checks their expiry, so a key reclaimed or renewed in between is
-    /// never freed.
-    async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
+    /// [`Store::sweep`], unbounded.
+    async fn sweep_unbounded(&self, batch: usize) -> Result<usize, StoreError> {
         let off = self.core.offset();
         self.core.count();
         let candidates: Vec<(Vec<u8>, Vec<u8>)> =
@@ -1001,6 +1018,75 @@ impl Store for MySqlStore {
         let done = query.execute(&self.core.pool).await.map_err(unavailable)?;
         Ok(done.rows_affected() as usize)
     }
+}
+
+impl Store for MySqlStore {
+    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        self.bounded(self.claim_unbounded(req)).await
+    }
+
+    async fn reclaim(
+        &self,
+        req: &ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> Result<Claim, StoreError> {
+        self.bounded(self.reclaim_unbounded(req, stale)).await
+    }
+
+    async fn complete(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+        response: &RecordedResponse,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let completion = Completion::new(scope, key, token, response, retention);
+        let rows = self
+            .bounded(self.core.conditional_write(|| completion.query(&self.core)))
+            .await?;
+        Ok(rows == 1)
+    }
+
+    async fn release(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+    ) -> Result<bool, StoreError> {
+        self.bounded(self.core.release(scope, key, token)).await
+    }
+
+    async fn renew(
+        &self,
+        scope: &ScopeHash,
+        key: &str,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let (lease, off) = (millis_i64(lease), self.core.offset());
+        let rows = self
+            .bounded(self.core.conditional_write(|| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.renew)))
+                    .bind(off)
+                    .bind(lease)
+                    .bind(off)
+                    .bind(lease)
+                    .bind(&scope[..])
+                    .bind(key.as_bytes())
+                    .bind(token.as_i64())
+            }))
+            .await?;
+        Ok(rows == 1)
+    }
+
+    /// Two statements a batch: the candidates by a consistent read (no locks, so it never
+    /// holds a range of the index against new claims), then one delete of exactly those rows by
+    /// primary key that re-checks their expiry, so a key reclaimed or renewed in between is
+    /// never freed.
+    async fn sweep(&self, batch: usize) -> Result<usize, StoreError> {
+        self.bounded(self.sweep_unbounded(batch)).await
+    }
 
     async fn inspect(
         &self,
@@ -1009,27 +1095,31 @@ impl Store for MySqlStore {
         with_response: bool,
     ) -> Result<Option<RecordInfo>, StoreError> {
         self.core.count();
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.inspect)))
+        let query = sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.inspect)))
             .bind(with_response)
             .bind(with_response)
             .bind(with_response)
             .bind(self.core.offset())
             .bind(&scope[..])
-            .bind(key.as_bytes())
-            .fetch_optional(&self.core.pool)
-            .await
-            .map_err(unavailable)?;
+            .bind(key.as_bytes());
+        let row = self
+            .bounded(async {
+                query
+                    .fetch_optional(&self.core.pool)
+                    .await
+                    .map_err(unavailable)
+            })
+            .await?;
         row.map(|row| record_info(&row)).transpose()
     }
 
     async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
         let rows = self
-            .core
-            .conditional_write(|| {
+            .bounded(self.core.conditional_write(|| {
                 sqlx::query(AssertSqlSafe(Arc::clone(&self.core.sql.forget)))
                     .bind(&scope[..])
                     .bind(key.as_bytes())
-            })
+            }))
             .await?;
         Ok(rows == 1)
     }

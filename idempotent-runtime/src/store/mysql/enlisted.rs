@@ -273,13 +273,14 @@ impl Enlist<MySql> for MySqlStore {
         &'a self,
         req: &'a ClaimRequest<'_>,
     ) -> BoxFuture<'a, Result<Glanced, StoreError>> {
-        Box::pin(self.enlisted_glance(req))
+        Box::pin(self.bounded(self.enlisted_glance(req)))
     }
 
     fn begin(&self) -> BoxFuture<'_, Result<Transaction<'static, MySql>, StoreError>> {
         Box::pin(async move {
             self.core.count();
-            self.transactions().begin().await.map_err(unavailable)
+            self.bounded(async { self.transactions().begin().await.map_err(unavailable) })
+                .await
         })
     }
 
@@ -288,7 +289,7 @@ impl Enlist<MySql> for MySqlStore {
         conn: &'a mut MySqlConnection,
         req: &'a ClaimRequest<'_>,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(self.enlisted_lock(conn, req))
+        Box::pin(self.bounded(self.enlisted_lock(conn, req)))
     }
 
     fn claim<'a>(
@@ -296,7 +297,7 @@ impl Enlist<MySql> for MySqlStore {
         conn: &'a mut MySqlConnection,
         req: &'a ClaimRequest<'_>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(self.enlisted_claim(conn, req))
+        Box::pin(self.bounded(self.enlisted_claim(conn, req)))
     }
 
     fn reclaim<'a>(
@@ -305,7 +306,7 @@ impl Enlist<MySql> for MySqlStore {
         req: &'a ClaimRequest<'_>,
         stale: FencingToken,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(self.enlisted_reclaim(conn, req, stale))
+        Box::pin(self.bounded(self.enlisted_reclaim(conn, req, stale)))
     }
 
     fn complete<'a>(
@@ -317,14 +318,14 @@ impl Enlist<MySql> for MySqlStore {
         response: &'a RecordedResponse,
         retention: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(self.enlisted_complete(conn, scope, key, token, response, retention))
+        Box::pin(self.bounded(self.enlisted_complete(conn, scope, key, token, response, retention)))
     }
 
     fn probe<'a>(&'a self, conn: &'a mut MySqlConnection) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             self.core.count();
-            conn.execute("DO 1").await.map_err(unavailable)?;
-            Ok(())
+            self.bounded(async { conn.execute("DO 1").await.map(drop).map_err(unavailable) })
+                .await
         })
     }
 
@@ -335,9 +336,16 @@ impl Enlist<MySql> for MySqlStore {
     ) -> BoxFuture<'a, ()> {
         Box::pin(async move {
             self.core.count();
-            if let Err(error) = tx.rollback().await {
-                // The connection is gone: the server ended the transaction (and its lock).
-                tracing::debug!(route, %error, "enlisted rollback before answering failed");
+            let rolled_back = tokio::time::timeout(self.operation_timeout, tx.rollback()).await;
+            match rolled_back {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    // The connection is gone: the server ended the transaction (and its lock).
+                    tracing::debug!(route, %error, "enlisted rollback before answering failed");
+                }
+                // Unheard: the transaction is dropped with its rollback in flight; sqlx lends
+                // its connection again only after reading what is pending (see `bounded`).
+                Err(_) => tracing::debug!(route, "enlisted rollback before answering unheard"),
             }
         })
     }
