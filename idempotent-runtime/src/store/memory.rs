@@ -560,13 +560,12 @@ impl MemoryStore {
     ) -> Result<Claim, StoreError> {
         let weight = self.reservation_weight(req);
         if let Err(full) = self.charge(weight, req.quota_bucket) {
-            if self.evict_expired(shard, now, EVICT_WHEN_FULL) == 0 {
+            if self.evict_expired(shard, now, EVICT_WHEN_FULL).freed == 0 {
                 return Err(full);
             }
             self.charge(weight, req.quota_bucket)?;
         }
         let (idx, expires_at) = shard.reserved.add(req, now, weight);
-        shard.queue(hash, expires_at);
         shard.table.insert_unique(
             hash,
             Slot {
@@ -577,6 +576,10 @@ impl MemoryStore {
             },
             |s| s.hash,
         );
+        // After the slot is in the table: queueing may filter the queue by the table, and a
+        // pair whose slot is not there yet would be dropped as stale, the reservation never
+        // swept.
+        shard.queue(hash, expires_at);
         Ok(Claim::Acquired)
     }
 
@@ -629,8 +632,8 @@ impl MemoryStore {
     /// shard's queue, completed records from the front of each segment group. Visits only queue
     /// pairs and records that are due or holes (at most [`POPS_PER_EVICTION`] per record it may
     /// free) and the slots they name: the work is proportional to what expires, not to what the
-    /// shard holds.
-    fn evict_expired(&self, shard: &mut Shard, now: Millis, limit: usize) -> usize {
+    /// shard holds. When that bound stops it first, more may be due: [`Evicted::cut_short`].
+    fn evict_expired(&self, shard: &mut Shard, now: Millis, limit: usize) -> Evicted {
         let mut freed = 0;
         let mut pops = limit.saturating_mul(POPS_PER_EVICTION);
         while freed < limit && pops > 0 {
@@ -701,8 +704,19 @@ impl MemoryStore {
             let _ = shard.segments.front(q);
         }
         shard.segments.drop_empty_queues();
-        freed
+        Evicted {
+            freed,
+            cut_short: freed < limit && pops == 0,
+        }
     }
+}
+
+/// What one [`MemoryStore::evict_expired`] walk did.
+struct Evicted {
+    freed: usize,
+    /// The walk spent its visits on stale queue pairs and holes before freeing its limit:
+    /// expired records may remain, and a sweep must not take the shortfall for "nothing due".
+    cut_short: bool,
 }
 
 /// Records evicted between two yields of a sweep: about 100 µs of work.
@@ -888,14 +902,20 @@ impl Store for MemoryStore {
         while deleted < batch {
             let slice = (batch - deleted).min(SWEEP_SLICE);
             let mut freed = 0;
+            let mut cut_short = false;
             for shard in self.shards.iter() {
                 if freed >= slice {
                     break;
                 }
-                freed += self.evict_expired(&mut lock(shard), now, slice - freed);
+                let evicted = self.evict_expired(&mut lock(shard), now, slice - freed);
+                freed += evicted.freed;
+                cut_short |= evicted.cut_short;
             }
             deleted += freed;
-            if freed < slice {
+            // Each walk cut short has dropped the stale pairs and holes it visited, so going
+            // on makes progress; only a slice short of its limit with nothing cut short means
+            // nothing more is due.
+            if freed < slice && !cut_short {
                 break;
             }
             if deleted < batch {
@@ -1589,6 +1609,80 @@ mod sweep_tests {
         assert!(visits <= 200, "{visits} slot visits to free 10 records");
     }
 
+    #[tokio::test]
+    async fn a_sweep_is_not_cut_short_by_stale_queue_pairs() {
+        // Live reservations let the reservation queue keep many stale pairs: here 250, all
+        // due, ahead of the 250 completed records the sweep must free.
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .limits(MemoryLimits {
+                max_records_per_scope: usize::MAX,
+                max_bytes_per_scope: usize::MAX,
+                response_headroom: 0,
+                ..MemoryLimits::default()
+            })
+            .build();
+        let scope = [9; 32];
+        for i in 0..100 {
+            let key = format!("live{i}");
+            let req = claim_req(&scope, &key, 3600);
+            assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+        }
+        let resp = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"{}"));
+        for i in 0..250 {
+            let key = format!("k{i}");
+            let req = claim_req(&scope, &key, 1);
+            assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+            let retention = Duration::from_secs(1);
+            assert!(
+                store
+                    .complete(&scope, &key, req.token, &resp, retention)
+                    .await
+                    .unwrap()
+            );
+        }
+        clock.advance(Duration::from_secs(3));
+        // A batch that frees fewer than asked tells the sweeper nothing more is due: each
+        // batch of 10 frees 10 until the 250 are gone.
+        for _ in 0..25 {
+            assert_eq!(store.sweep(10).await.unwrap(), 10);
+        }
+        assert_eq!(store.sweep(10).await.unwrap(), 0);
+        assert_eq!(store.len(), 100);
+    }
+
+    #[tokio::test]
+    async fn a_reservation_whose_claim_filtered_the_queue_is_still_swept() {
+        // One shard: 66 completed records leave 66 stale pairs, and the 67th claim's pair
+        // makes the queue filter itself by the table as it is pushed.
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .build();
+        let scope = [9; 32];
+        let resp = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"{}"));
+        for i in 0..66 {
+            let key = format!("k{i}");
+            let req = claim_req(&scope, &key, 1);
+            assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+            let retention = Duration::from_secs(1);
+            assert!(
+                store
+                    .complete(&scope, &key, req.token, &resp, retention)
+                    .await
+                    .unwrap()
+            );
+        }
+        let left = claim_req(&scope, "left", 1);
+        assert_eq!(store.claim(&left).await.unwrap(), Claim::Acquired);
+        clock.advance(Duration::from_secs(3));
+        assert_eq!(store.sweep(500).await.unwrap(), 67);
+        assert_eq!(store.len(), 0, "an expired reservation was never swept");
+    }
+
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn the_sweeper_yields_between_batches() {
         let clock = ManualClock::new();
@@ -1598,11 +1692,21 @@ mod sweep_tests {
             super::super::spawn_sweeper(Arc::downgrade(&store), Duration::from_secs(1), 500);
         // On one thread, this task runs only when the sweeper yields: it must see the store
         // part-swept, not only before and after.
+        // Paused time never advances while this task yields: a sweeper that stopped early
+        // and waits for its next tick would never come back, so the turns are bounded.
         let mut seen = std::collections::BTreeSet::new();
-        while store.len() > 10 {
+        for _ in 0..100_000 {
+            if store.len() <= 10 {
+                break;
+            }
             seen.insert(store.len());
             tokio::task::yield_now().await;
         }
+        assert_eq!(
+            store.len(),
+            10,
+            "the sweeper stopped with expired records left"
+        );
         let part_swept = seen.iter().filter(|&&n| n > 10 && n < 5_010).count();
         assert!(
             part_swept >= 5,
