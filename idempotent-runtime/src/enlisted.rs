@@ -72,11 +72,11 @@
 
 use std::collections::HashSet;
 use std::fmt;
+use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures_util::future::BoxFuture;
 #[cfg(feature = "postgres")]
 use sqlx::Postgres;
 use sqlx::{Database, Transaction};
@@ -89,9 +89,8 @@ use crate::problem::{Problem, ProblemCode};
 use crate::record::{self, ClaimOps, Verdict};
 use crate::reservation::RunningGuard;
 use crate::scope::ScopeHash;
-use crate::store::erased::DynStore;
 use crate::store::{
-    Claim, ClaimRequest, Enlist, FencingToken, Joinable, RecordedResponse, StoreError,
+    Backend, Claim, ClaimRequest, Enlist, FencingToken, Joinable, RecordedResponse, StoreError,
 };
 
 macro_rules! enlisted_tx {
@@ -217,7 +216,7 @@ pub(crate) struct Held<DB: Database> {
 /// Settles an enlisted request's transaction once the handler answered. Built by the
 /// pipeline's enlisted claim (`pipeline::enlisted`), which decides what it holds.
 pub(crate) struct Settle<DB: Database> {
-    pub(crate) store: Arc<dyn DynStore>,
+    pub(crate) store: Backend,
     pub(crate) reserved: Option<Reserved>,
     pub(crate) retention: Duration,
     pub(crate) max_response: usize,
@@ -252,7 +251,7 @@ impl<DB: Database> fmt::Debug for Held<DB> {
 /// What the store behind a handle offers enlisted requests on database `DB`, if it can join
 /// them ([`Store::enlisting`](crate::store::Store::enlisting): that database's store, or any
 /// wrapper that forwards it).
-pub(crate) fn enlister<DB: Joinable>(store: &dyn DynStore) -> Option<&dyn Enlist<DB>> {
+pub(crate) fn enlister<DB: Joinable>(store: &Backend) -> Option<&dyn Enlist<DB>> {
     store.enlisting().and_then(|e| DB::enlister(&e))
 }
 
@@ -266,7 +265,7 @@ impl<DB: Database> ClaimOps for InTransaction<'_, DB> {
     fn claim<'a>(
         &'a mut self,
         req: &'a ClaimRequest<'_>,
-    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a {
         self.enlist.claim(self.conn, req)
     }
 
@@ -274,7 +273,7 @@ impl<DB: Database> ClaimOps for InTransaction<'_, DB> {
         &'a mut self,
         req: &'a ClaimRequest<'_>,
         stale: FencingToken,
-    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a {
         self.enlist.reclaim(self.conn, req, stale)
     }
 }
@@ -413,7 +412,7 @@ impl<DB: Joinable> Settle<DB> {
         );
         let key = self.reserved.as_ref().map(|r| r.key.as_str());
         let db =
-            enlister::<DB>(&*self.store).expect("a held transaction comes from an enlisting store");
+            enlister::<DB>(&self.store).expect("a held transaction comes from an enlisting store");
         // A handler that swallowed a database error leaves the transaction aborted, and its
         // COMMIT would silently roll back: every statement sent now fails with 25P02 instead,
         // so it is caught before the commit (the completion is that statement for a keyed

@@ -11,9 +11,8 @@ use crate::observe::{self, AuditSink};
 use crate::problem::{Problem, RefusalRenderer, RenderedRefusal};
 use crate::reservation::{Running, RunningGuard};
 use crate::scope::{RequestHead, Resolution, ResolveWith, ScopeHash};
-use crate::store::erased::DynStore;
 use crate::store::memory::MemoryStore;
-use crate::store::{RecordInfo, Store, StoreError};
+use crate::store::{Backend, RecordInfo, Store, StoreError};
 use crate::watch::Watch;
 
 /// Rows (or entries) a sweep deletes per statement.
@@ -37,7 +36,7 @@ pub struct Idempotency {
 }
 
 struct Inner {
-    store: Arc<dyn DynStore>,
+    store: Backend,
     config: Config,
     /// `None` for the default sink, which discards every event: the request path then skips
     /// building them (a key's SHA-256 each).
@@ -85,7 +84,7 @@ impl std::fmt::Debug for Idempotency {
 /// Builds an [`Idempotency`].
 #[must_use]
 pub struct IdempotencyBuilder {
-    store: Arc<dyn DynStore>,
+    store: Backend,
     config: Config,
     audit: Option<Arc<dyn AuditSink>>,
     contributor: Option<Arc<dyn FingerprintContributor>>,
@@ -207,7 +206,7 @@ impl IdempotencyBuilder {
         let max_buffered = self.max_buffered.unwrap_or(self.config.max_buffered_bytes);
         let sweeper = (sweeper && tokio::runtime::Handle::try_current().is_ok()).then(|| {
             crate::store::sweeper(
-                Arc::downgrade(&self.store),
+                self.store.downgrade(),
                 self.config.retention,
                 SWEEP_BATCH,
             )
@@ -299,7 +298,7 @@ impl Idempotency {
     /// A builder over a store already behind an `Arc` (to keep a typed handle on it too).
     pub fn builder_arc<S: Store>(store: Arc<S>) -> IdempotencyBuilder {
         IdempotencyBuilder {
-            store,
+            store: store.into_backend(),
             config: Config::default(),
             audit: None,
             contributor: None,
@@ -316,7 +315,7 @@ impl Idempotency {
     }
 
     /// The store.
-    pub(crate) fn store(&self) -> &Arc<dyn DynStore> {
+    pub(crate) fn store(&self) -> &Backend {
         &self.inner.store
     }
 

@@ -43,7 +43,6 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -242,7 +241,7 @@ impl<'a> Once<'a> {
                 observe::decided(if reclaimed { "reclaimed" } else { "executed" });
                 observe::count(Event::Executed, self.name);
                 let reservation = Reservation::held(
-                    Arc::clone(store),
+                    store.clone(),
                     *self.scope.hash(),
                     key,
                     claim.token,

@@ -6,17 +6,16 @@
 //! The conditional write in the store decides every race; these functions only interpret what
 //! the store reports, so every backend behaves the same.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::future::BoxFuture;
 
 use crate::config::{Config, Recording};
 use crate::fingerprint::Fingerprint;
-use crate::store::erased::DynStore;
 use crate::store::{
-    Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, StoreError,
+    Backend, Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, StoreError,
 };
 
 /// What a standing record means for a request with fingerprint `fp`.
@@ -90,16 +89,12 @@ pub enum Verdict {
 }
 
 /// The two conditional writes the claim loop sends, with [`Store::claim`](crate::store::Store::claim)'s and
-/// [`Store::reclaim`](crate::store::Store::reclaim)'s meaning: every store has them (through `&store`), and so has an enlisted
+/// [`Store::reclaim`](crate::store::Store::reclaim)'s meaning: the store behind a handle has them (through `&Backend`), and so has an enlisted
 /// request's open transaction, so both claim through the one loop in [`claim`].
 ///
 /// A key that cannot be read because another transaction holds its row is reported as
 /// [`StandingState::Running`] with the request's own fingerprint and lease: the loop answers
 /// "in progress" and sends nothing more.
-///
-/// The futures are boxed, as [`Store`](crate::store::Store)'s are, so a store's are passed on without another box:
-/// with `impl Future + Send` instead, rustc cannot prove the framework pipelines' futures `Send`
-/// (a "higher-ranked lifetime error").
 #[cfg_attr(
     not(feature = "testing"),
     allow(
@@ -112,7 +107,7 @@ pub trait ClaimOps: Send {
     fn claim<'a>(
         &'a mut self,
         req: &'a ClaimRequest<'_>,
-    ) -> BoxFuture<'a, Result<Claim, StoreError>>;
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a;
 
     /// Takes over the expired record, or the abandoned one held by `stale`; otherwise reports
     /// what stands.
@@ -120,30 +115,24 @@ pub trait ClaimOps: Send {
         &'a mut self,
         req: &'a ClaimRequest<'_>,
         stale: FencingToken,
-    ) -> BoxFuture<'a, Result<Claim, StoreError>>;
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a;
 }
 
-impl<S: DynStore + ?Sized> ClaimOps for &S {
+/// The store behind a handle: the crate's own stores' futures are the caller's, unboxed.
+impl ClaimOps for &Backend {
     fn claim<'a>(
         &'a mut self,
         req: &'a ClaimRequest<'_>,
-    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        DynStore::claim(*self, req)
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a {
+        Backend::claim(self, req)
     }
 
     fn reclaim<'a>(
         &'a mut self,
         req: &'a ClaimRequest<'_>,
         stale: FencingToken,
-    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        #[cfg(feature = "metrics")]
-        return Box::pin(crate::observe::timed(
-            "reclaim",
-            DynStore::kind(*self),
-            DynStore::reclaim(*self, req, stale),
-        ));
-        #[cfg(not(feature = "metrics"))]
-        DynStore::reclaim(*self, req, stale)
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a {
+        crate::observe::timed("reclaim", self.kind(), Backend::reclaim(self, req, stale))
     }
 }
 

@@ -15,7 +15,7 @@ use crate::config::Recording;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
 use crate::scope::ScopeHash;
-use crate::store::{FencingToken, RecordedResponse, StoreError};
+use crate::store::{Backend, FencingToken, RecordedResponse, StoreError};
 
 /// A held key: run the handler through [`Reservation::run`], then [`complete`](Self::complete)
 /// or [`release`](Self::release) it. Dropped unsettled (a panic, a cancelled task), it releases
@@ -66,7 +66,7 @@ impl Renewal {
 /// free nothing but its claim.
 #[derive(Debug)]
 pub(crate) struct ReleaseOnDrop {
-    store: Arc<dyn crate::store::erased::DynStore>,
+    store: Backend,
     scope: ScopeHash,
     key: IdempotencyKey,
     token: FencingToken,
@@ -75,7 +75,7 @@ pub(crate) struct ReleaseOnDrop {
 
 impl ReleaseOnDrop {
     pub(crate) fn new(
-        store: Arc<dyn crate::store::erased::DynStore>,
+        store: Backend,
         scope: ScopeHash,
         key: IdempotencyKey,
         token: FencingToken,
@@ -101,7 +101,7 @@ impl Drop for ReleaseOnDrop {
             return;
         }
         let (store, scope, key, token) = (
-            Arc::clone(&self.store),
+            self.store.clone(),
             self.scope,
             self.key.clone(),
             self.token,
@@ -140,7 +140,7 @@ impl Reservation {
     /// A reservation held in `store` by `token`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn held(
-        store: Arc<dyn crate::store::erased::DynStore>,
+        store: Backend,
         scope: ScopeHash,
         key: IdempotencyKey,
         token: FencingToken,
@@ -594,7 +594,7 @@ pub(crate) mod tests {
     fn held(store: &Arc<Outage>, req: &ClaimRequest<'_>) -> Reservation {
         let running = Running::default();
         Reservation::held(
-            Arc::clone(store) as Arc<dyn crate::store::erased::DynStore>,
+            Arc::clone(store).into_backend(),
             *req.scope,
             IdempotencyKey::new(req.key).unwrap(),
             req.token,

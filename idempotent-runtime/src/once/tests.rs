@@ -50,7 +50,7 @@ async fn a_requests_record_under_the_key_is_another_input() {
     };
     let store = handle.store();
     assert!(matches!(
-        record::claim(&**store, &claim, |_| false).await,
+        record::claim(store, &claim, |_| false).await,
         Ok(Verdict::Acquired { .. })
     ));
     let ran = handle

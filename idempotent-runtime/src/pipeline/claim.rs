@@ -180,7 +180,7 @@ pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
     match claimed {
         Ok(claimed) => answer(handle, req, claimed, || {
             Reservation::held(
-                Arc::clone(store),
+                store.clone(),
                 *req.input.scope.hash(),
                 req.key.clone(),
                 plan.claim.token,
@@ -225,8 +225,8 @@ pub(crate) async fn claim_waiting(
     loop {
         // Released if this future is dropped while the store call is out.
         let in_flight =
-            ReleaseOnDrop::new(Arc::clone(store), *claim.scope, key.clone(), claim.token);
-        let claimed = record::claim(&**store, claim, &same_request).await;
+            ReleaseOnDrop::new(store.clone(), *claim.scope, key.clone(), claim.token);
+        let claimed = record::claim(store, claim, &same_request).await;
         in_flight.disarm();
         let now = tokio::time::Instant::now();
         match (claimed, deadline) {

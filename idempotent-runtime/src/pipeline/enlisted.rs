@@ -8,7 +8,6 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
@@ -25,8 +24,7 @@ use crate::handle::Idempotency;
 use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemCode};
 use crate::record::{self, Verdict};
-use crate::store::erased::DynStore;
-use crate::store::{Glanced, Joinable, RecordedResponse, StoreError};
+use crate::store::{Backend, Glanced, Joinable, RecordedResponse, StoreError};
 
 /// The enlisted claim mode for the framework pipelines, in database `DB`'s transactions.
 pub(crate) struct Enlisted<DB>(Infallible, PhantomData<DB>);
@@ -66,7 +64,7 @@ fn unavailable(handle: &Idempotency, route: &str, error: &StoreError) -> Problem
 
 fn settle_for<DB: Joinable>(
     handle: &Idempotency,
-    store: Arc<dyn DynStore>,
+    store: Backend,
     reserved: Option<Reserved>,
     retention: Duration,
     max_response: usize,
@@ -92,8 +90,8 @@ pub(crate) async fn begin_unkeyed<DB: Joinable>(
     handle: &Idempotency,
     route: &str,
 ) -> Result<Held<DB>, Problem> {
-    let store = Arc::clone(handle.store());
-    let Some(db) = enlister::<DB>(&*store) else {
+    let store = handle.store().clone();
+    let Some(db) = enlister::<DB>(&store) else {
         return Err(not_enlistable::<DB>(route));
     };
     let tx = db
@@ -130,8 +128,8 @@ async fn begin<DB: Joinable>(handle: &Idempotency, req: &BeginRequest<'_>) -> Be
         Err(problem) => return Begin::Refuse(problem),
     };
     let route = plan.route;
-    let store = Arc::clone(handle.store());
-    let Some(db) = enlister::<DB>(&*store) else {
+    let store = handle.store().clone();
+    let Some(db) = enlister::<DB>(&store) else {
         return Begin::Refuse(not_enlistable::<DB>(route));
     };
     let (scope, key) = (req.input.scope.hash(), req.key.as_str());

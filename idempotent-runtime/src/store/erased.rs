@@ -1,10 +1,11 @@
 //! The object-safe face of [`Store`] behind the runtime's handle.
 //!
 //! [`Store`]'s methods return `impl Future`, so `dyn Store` cannot exist; the handle holds a
-//! `dyn DynStore` instead, which every store is through the blanket impl. It is not imported
-//! into `store` itself: a type that is both would make every `store.claim(..)` ambiguous.
+//! `dyn DynStore` instead (any store but the in-memory one, which it holds as itself:
+//! [`Backend`](super::Backend)), which every store is through the blanket impl. It is not
+//! imported into `store` itself: a type that is both would make every `store.claim(..)`
+//! ambiguous.
 
-use std::fmt;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -142,11 +143,5 @@ impl<S: Store> DynStore for S {
     }
     fn process_local(&self) -> Option<ProcessLocal> {
         Store::process_local(self)
-    }
-}
-
-impl fmt::Debug for dyn DynStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} store", self.kind())
     }
 }

@@ -1024,6 +1024,10 @@ impl Store for MemoryStore {
     fn process_local(&self) -> Option<super::ProcessLocal> {
         Some(super::ProcessLocal::of(self))
     }
+
+    fn into_backend(self: Arc<Self>) -> super::Backend {
+        super::Backend::memory(self)
+    }
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeHash;
 
+mod backend;
 pub mod cache;
 mod enlist;
 pub(crate) mod erased;
@@ -44,6 +45,7 @@ pub mod contract;
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
 )]
 pub use crate::sql::{ConnectError, InvalidName, Migration, Migrations};
+pub(crate) use backend::Backend;
 pub use enlist::Enlisting;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use enlist::{Enlist, Glanced, Joinable};
@@ -715,6 +717,17 @@ pub trait Store: Send + Sync + 'static {
     /// again). Default `None`, for a store shared through a server.
     fn process_local(&self) -> Option<ProcessLocal> {
         None
+    }
+
+    /// How a handle holds the store: the in-memory store as itself, so that its calls need no
+    /// box ([`Backend`]); any other store erased. Hidden, and its type cannot be named outside
+    /// the crate, so only the crate's own store overrides it.
+    #[doc(hidden)]
+    fn into_backend(self: Arc<Self>) -> Backend
+    where
+        Self: Sized,
+    {
+        Backend::erased(self)
     }
 }
 
