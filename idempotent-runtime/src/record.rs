@@ -15,7 +15,8 @@ use bytes::Bytes;
 use crate::config::{Config, Recording};
 use crate::fingerprint::Fingerprint;
 use crate::store::{
-    Backend, Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, StoreError,
+    Backend, Claim, ClaimRequest, FencingToken, RecordedResponse, Standing, StandingState, Store,
+    StoreError,
 };
 
 /// What a standing record means for a request with fingerprint `fp`.
@@ -133,6 +134,27 @@ impl ClaimOps for &Backend {
         stale: FencingToken,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a {
         crate::observe::timed("reclaim", self.kind(), Backend::reclaim(self, req, stale))
+    }
+}
+
+/// Any store, called as itself (the tests' and benches' claims, without a handle).
+impl<S: Store> ClaimOps for &S {
+    fn claim<'a>(
+        &'a mut self,
+        req: &'a ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a {
+        #[cfg(feature = "metrics")]
+        return Store::claim_timed(*self, req);
+        #[cfg(not(feature = "metrics"))]
+        Store::claim(*self, req)
+    }
+
+    fn reclaim<'a>(
+        &'a mut self,
+        req: &'a ClaimRequest<'_>,
+        stale: FencingToken,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a {
+        crate::observe::timed("reclaim", Store::kind(*self), Store::reclaim(*self, req, stale))
     }
 }
 
