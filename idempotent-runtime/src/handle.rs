@@ -205,11 +205,7 @@ impl IdempotencyBuilder {
         let sweeper = self.sweeper.unwrap_or(self.config.sweeper);
         let max_buffered = self.max_buffered.unwrap_or(self.config.max_buffered_bytes);
         let sweeper = (sweeper && tokio::runtime::Handle::try_current().is_ok()).then(|| {
-            crate::store::sweeper(
-                self.store.downgrade(),
-                self.config.retention,
-                SWEEP_BATCH,
-            )
+            crate::store::sweeper(self.store.downgrade(), self.config.retention, SWEEP_BATCH)
         });
         let local = self.store.process_local();
         let store = self.store.kind();

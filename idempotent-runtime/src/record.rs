@@ -154,7 +154,11 @@ impl<S: Store> ClaimOps for &S {
         req: &'a ClaimRequest<'_>,
         stale: FencingToken,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a {
-        crate::observe::timed("reclaim", Store::kind(*self), Store::reclaim(*self, req, stale))
+        crate::observe::timed(
+            "reclaim",
+            Store::kind(*self),
+            Store::reclaim(*self, req, stale),
+        )
     }
 }
 

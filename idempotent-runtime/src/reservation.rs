@@ -100,12 +100,8 @@ impl Drop for ReleaseOnDrop {
         if !self.armed {
             return;
         }
-        let (store, scope, key, token) = (
-            self.store.clone(),
-            self.scope,
-            self.key.clone(),
-            self.token,
-        );
+        let (store, scope, key, token) =
+            (self.store.clone(), self.scope, self.key.clone(), self.token);
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
                 let _ = store.release(&scope, key.as_str(), token).await;

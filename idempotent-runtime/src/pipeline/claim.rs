@@ -224,8 +224,7 @@ pub(crate) async fn claim_waiting(
     let mut poll = FIRST_POLL;
     loop {
         // Released if this future is dropped while the store call is out.
-        let in_flight =
-            ReleaseOnDrop::new(store.clone(), *claim.scope, key.clone(), claim.token);
+        let in_flight = ReleaseOnDrop::new(store.clone(), *claim.scope, key.clone(), claim.token);
         let claimed = record::claim(store, claim, &same_request).await;
         in_flight.disarm();
         let now = tokio::time::Instant::now();

@@ -218,7 +218,10 @@ mod tests {
         };
         let mut cx = Context::from_waker(Waker::noop());
         let claimed = pin!(backend.claim(&req)).poll(&mut cx);
-        assert!(matches!(claimed, Poll::Ready(Ok(Claim::Acquired))), "{claimed:?}");
+        assert!(
+            matches!(claimed, Poll::Ready(Ok(Claim::Acquired))),
+            "{claimed:?}"
+        );
         let again = pin!(backend.claim(&req)).poll(&mut cx);
         assert!(
             matches!(again, Poll::Ready(Ok(Claim::Standing(_)))),
