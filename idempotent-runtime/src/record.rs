@@ -90,8 +90,9 @@ pub enum Verdict {
 }
 
 /// The two conditional writes the claim loop sends, with [`Store::claim`](crate::store::Store::claim)'s and
-/// [`Store::reclaim`](crate::store::Store::reclaim)'s meaning: the store behind a handle has them (through `&Backend`), and so has an enlisted
-/// request's open transaction, so both claim through the one loop in [`claim`].
+/// [`Store::reclaim`](crate::store::Store::reclaim)'s meaning: every store has them (through `&store`, and the one
+/// behind a handle through `&Backend`), and so has an enlisted request's open transaction, so
+/// all claim through the one loop in [`claim`].
 ///
 /// A key that cannot be read because another transaction holds its row is reported as
 /// [`StandingState::Running`] with the request's own fingerprint and lease: the loop answers
@@ -119,7 +120,8 @@ pub trait ClaimOps: Send {
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a;
 }
 
-/// The store behind a handle: the crate's own stores' futures are the caller's, unboxed.
+/// The store behind a handle: the memory store's futures become the claim loop's, unboxed; any
+/// other store's are boxed once, by the handle's `DynStore`.
 impl ClaimOps for &Backend {
     fn claim<'a>(
         &'a mut self,
