@@ -8,10 +8,10 @@
 //! claim, which never suspends, is ready at its first poll).
 //!
 //! The other stores stay erased, the crate's own included. A box is nothing beside their
-//! round trip, and it keeps their futures out of the caller's type: the SQL and Redis stores'
-//! futures nest so deep (sqlx's, redis-rs's) that inlined into the pipelines' they overflow
-//! rustc's query depth (`recursion_limit`, 128) computing the handlers' future layouts, in this
-//! crate and in every application that names a handler. A wrapper
+//! round trip, and it keeps their futures out of the caller's type: theirs nest so deep (sqlx's,
+//! redis-rs's) that inlined into the pipelines' they overflow rustc's query depth
+//! (`recursion_limit`, 128) computing the layouts of the axum extractor's and layer's futures
+//! (the PostgreSQL store's alone does), here and in an application whose handlers hold them. A wrapper
 //! ([`CachedStore`](super::cache::CachedStore), a user's) stays erased too: what it wraps could
 //! be anyone's.
 
