@@ -11,9 +11,9 @@
 //! round trip, and it keeps their futures out of the caller's type: theirs nest so deep (sqlx's,
 //! redis-rs's) that inlined into the pipelines' they overflow rustc's query depth
 //! (`recursion_limit`, 128) computing the layouts of the axum extractor's and layer's futures
-//! (the PostgreSQL store's alone does), here and in an application whose handlers hold them. A wrapper
-//! ([`CachedStore`](super::cache::CachedStore), a user's) stays erased too: what it wraps could
-//! be anyone's.
+//! (the PostgreSQL store's alone does), here and in an application whose handlers hold them.
+//! A wrapper ([`CachedStore`](super::cache::CachedStore), a user's) stays erased too: what it
+//! wraps could be anyone's.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
