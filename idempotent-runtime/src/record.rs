@@ -89,10 +89,10 @@ pub enum Verdict {
     KeyReused,
 }
 
-/// The two conditional writes the claim loop sends, with [`Store::claim`](crate::store::Store::claim)'s and
-/// [`Store::reclaim`](crate::store::Store::reclaim)'s meaning: every store has them (through `&store`, and the one
-/// behind a handle through `&Backend`), and so has an enlisted request's open transaction, so
-/// all claim through the one loop in [`claim`].
+/// The two conditional writes the claim loop sends, with [`Store::claim`]'s and
+/// [`Store::reclaim`]'s meaning: every store has them (through `&store`, and the one behind a
+/// handle through `&Backend`), and so has an enlisted request's open transaction, so all claim
+/// through the one loop in [`claim`].
 ///
 /// A key that cannot be read because another transaction holds its row is reported as
 /// [`StandingState::Running`] with the request's own fingerprint and lease: the loop answers
