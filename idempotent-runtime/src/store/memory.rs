@@ -335,11 +335,10 @@ impl Owners {
             }
         };
         let slab = &self.slab;
-        self.index.insert_unique(
-            owner_hash(hasher, scope, bucket, route),
-            id,
-            |&id| slab[id as usize].hash(hasher),
-        );
+        self.index
+            .insert_unique(owner_hash(hasher, scope, bucket, route), id, |&id| {
+                slab[id as usize].hash(hasher)
+            });
         id
     }
 
@@ -370,9 +369,12 @@ impl Owners {
         }
     }
 
-    /// One record fewer names owner `id`; at none the entry is freed.
-    fn release(&mut self, hasher: &DefaultHashBuilder, id: u32) {
+    /// One record fewer names owner `id`; at none the entry is freed. Returns its quota bucket
+    /// and the charge this freed ([`Owners::freed_by_release`]).
+    fn release(&mut self, hasher: &DefaultHashBuilder, id: u32) -> (u64, usize) {
+        let freed = self.freed_by_release(id);
         let owner = &mut self.slab[id as usize];
+        let bucket = owner.bucket;
         owner.records -= 1;
         if owner.records == 0 {
             let hash = owner.hash(hasher);
@@ -382,6 +384,7 @@ impl Owners {
                 .remove();
             self.free.push(id);
         }
+        (bucket, freed)
     }
 }
 
@@ -688,18 +691,13 @@ impl MemoryStore {
         self.bytes.load(Ordering::Relaxed)
     }
 
-    /// The 32 bits of the record's hash its slot keeps, and its shard. Bits 40.. pick the
-    /// shard, so the table inside has the low 32 at full entropy.
+    /// The 32 bits of the record's hash its slot keeps (and its record's header, so the sweep
+    /// finds the slot without hashing again), and its shard. Bits 40.. pick the shard, so the
+    /// table inside has the low 32 at full entropy.
     fn locate(&self, scope: &ScopeHash, key: &str) -> (u32, &Mutex<Shard>) {
-        let hash = self.record_hash(scope, key.as_bytes());
+        let hash = self.hasher.hash_one((scope, key));
         let shard = (hash >> 40) as usize & (self.shards.len() - 1);
         (hash as u32, &self.shards[shard])
-    }
-
-    /// The hash of the record of `(scope, key)`: what the sweep computes again from a record's
-    /// owner and key to find its slot.
-    fn record_hash(&self, scope: &ScopeHash, key: &[u8]) -> u64 {
-        self.hasher.hash_one((scope, key))
     }
 
     fn quota_shard(&self, bucket: u64) -> &Mutex<HashMap<u64, Share>> {
@@ -935,18 +933,16 @@ impl MemoryStore {
                     continue;
                 }
                 Some(id) => {
-                    let owner = &owners[id];
-                    let check = self.record_hash(&owner.scope, rec.key()) as u32;
-                    let bucket = owner.bucket;
-                    let weight = SLOT_OVERHEAD + len + owners.freed_by_release(id);
+                    let check = rec.check();
                     table
-                        .find_entry(table_hash(check), |s| {
-                            matches!(s.place(), Place::Completed(l) if l == loc)
-                        })
+                        .find_entry(
+                            table_hash(check),
+                            |s| matches!(s.place(), Place::Completed(l) if l == loc),
+                        )
                         .expect("a completed record's slot")
                         .remove();
-                    owners.release(&self.hasher, id);
-                    self.discharge(weight, bucket, 0);
+                    let (bucket, owner_freed) = owners.release(&self.hasher, id);
+                    self.discharge(SLOT_OVERHEAD + len + owner_freed, bucket, 0);
                     freed += 1;
                 }
             }
@@ -1062,6 +1058,7 @@ impl Store for MemoryStore {
         let r = &reserved[idx];
         let parts = Parts {
             token,
+            check,
             created_at: r.created_at,
             completed_at: now,
             fingerprint: r.fingerprint,
@@ -1102,8 +1099,7 @@ impl Store for MemoryStore {
             owners,
         };
         match table.find_entry(table_hash(check), |s| records.is(s, check, scope, key)) {
-            Ok(found)
-                if matches!(found.get().place(), Place::Reserved(r) if reserved[r].token == token) =>
+            Ok(found) if matches!(found.get().place(), Place::Reserved(r) if reserved[r].token == token) =>
             {
                 let (slot, _) = found.remove();
                 let Place::Reserved(idx) = slot.place() else {
@@ -1179,7 +1175,6 @@ impl Store for MemoryStore {
         }
         Ok(deleted)
     }
-
 
     async fn inspect(
         &self,
@@ -1265,12 +1260,10 @@ impl Store for MemoryStore {
                 let rec = segments.get(loc);
                 let len = rec.len();
                 let id = rec.owner().expect("a record in the index is no hole");
-                let bucket = owners[id].bucket;
-                let weight = SLOT_OVERHEAD + len + owners.freed_by_release(id);
-                owners.release(&self.hasher, id);
+                let (bucket, owner_freed) = owners.release(&self.hasher, id);
                 segments.make_hole(loc);
                 *hole_bytes += len;
-                self.discharge(weight, bucket, len);
+                self.discharge(SLOT_OVERHEAD + len + owner_freed, bucket, len);
             }
         }
         Ok(true)
@@ -2105,11 +2098,11 @@ mod segment_tests {
     }
 
     /// A completed record's charge is its bytes in its segment and its slot, nothing guessed:
-    /// the fixed header, five variable-length integers (no time between claim and completion,
-    /// then the lengths), the key, the headers and the body.
+    /// the fixed header, six variable-length integers (the fingerprint's version, no time
+    /// between claim and completion, then the lengths), the key, the headers and the body.
     fn charge(key: &str, body: usize) -> usize {
         let headers = header_bytes(&answer(body).headers);
-        let varints = [0, key.len(), headers, body, 0]
+        let varints = [1, 0, key.len(), headers, body, 0]
             .map(|v| segment::varint_len(v as u64))
             .iter()
             .sum::<usize>();

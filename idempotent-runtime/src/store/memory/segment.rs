@@ -1,13 +1,13 @@
 //! Where the memory store keeps completed answers: append-only segments, one queue of them per
 //! retention, so that each queue is in expiry order (the Segcache design, Yang et al., NSDI '21).
 //!
-//! A completed record is one run of bytes in a segment: a fixed header (its token, fingerprint,
-//! owner, completion time and status), five variable-length integers (how long before its
-//! completion it was claimed, and the lengths of what follows), then its key, encoded headers,
-//! body and encoded trailers. What many records share is not in the record: its scope, quota
-//! bucket and route are its shard's owner entry, named by a 4-byte id; its
-//! expiry is its completion time and its segment's retention; its completion time is a 32-bit
-//! offset from its segment's first. Nothing is allocated or freed per record: segments are
+//! A completed record is one run of bytes in a segment: a fixed header (its token, fingerprint
+//! digest, owner, completion time, status and the 32 bits of its hash its index slot keeps), six
+//! variable-length integers (its fingerprint's version, how long before its completion it was
+//! claimed, and the lengths of what follows), then its key, encoded headers, body and encoded
+//! trailers. What many records share is not in the record: its scope, quota bucket and route are
+//! its shard's owner entry, named by a 4-byte id; its expiry is its completion time and its
+//! segment's retention; its completion time is a 32-bit offset from its segment's first. Nothing is allocated or freed per record: segments are
 //! [`SEGMENT_BYTES`] long, allocated once and reused; an answer larger than a segment gets a
 //! segment of its own, counted in [`Segments::own_allocations`]. Records of one retention
 //! completed in one shard are appended in completion order, so each queue's records are in expiry
@@ -29,11 +29,11 @@ pub(super) const SEGMENT_BYTES: usize = 64 << 10;
 pub(super) const MAX_SEGMENTS: usize = 1 << 15;
 
 /// Bytes of a record's fixed header in its segment.
-pub(super) const FIXED_HEADER: usize = 52;
+pub(super) const FIXED_HEADER: usize = 54;
 
-/// Most bytes of a record's header: the fixed part, how long it ran (a 64-bit variable-length
-/// integer) and four 32-bit lengths.
-pub(super) const MAX_HEADER_BYTES: usize = FIXED_HEADER + 10 + 4 * 5;
+/// Most bytes of a record's header: the fixed part, then as variable-length integers its
+/// fingerprint's version (16 bits), how long it ran (64 bits) and four 32-bit lengths.
+pub(super) const MAX_HEADER_BYTES: usize = FIXED_HEADER + 3 + 10 + 4 * 5;
 
 /// Offsets inside the fixed header.
 const TOKEN: usize = 0;
@@ -41,7 +41,7 @@ const FP_DIGEST: usize = 8;
 const OWNER: usize = 40;
 const COMPLETED: usize = 44;
 const STATUS: usize = 48;
-const FP_VERSION: usize = 50;
+const CHECK: usize = 50;
 
 /// The owner id of a hole: a record forgotten or taken over, whose owner entry may be gone.
 const HOLE: u32 = u32::MAX;
@@ -56,6 +56,7 @@ pub(super) struct Loc {
 /// What a completed record is made of, before it is written.
 pub(super) struct Parts<'a> {
     pub(super) token: FencingToken,
+    pub(super) check: u32,
     pub(super) created_at: Millis,
     pub(super) completed_at: Millis,
     pub(super) fingerprint: Fingerprint,
@@ -73,7 +74,8 @@ impl Parts<'_> {
             self.response.body.len(),
             header_bytes(&self.response.trailers),
         ];
-        let mut header = FIXED_HEADER + varint_len(self.ran());
+        let mut header =
+            FIXED_HEADER + varint_len(self.fingerprint.version.into()) + varint_len(self.ran());
         for len in lens {
             header += varint_len(u32::try_from(len).ok()?.into());
         }
@@ -95,7 +97,8 @@ impl Parts<'_> {
         out.extend_from_slice(&owner.to_le_bytes());
         out.extend_from_slice(&completed.to_le_bytes());
         out.extend_from_slice(&self.response.status.to_le_bytes());
-        out.extend_from_slice(&self.fingerprint.version.to_le_bytes());
+        out.extend_from_slice(&self.check.to_le_bytes());
+        put_varint(self.fingerprint.version.into(), out);
         put_varint(self.ran(), out);
         for len in lens {
             put_varint(len.into(), out);
@@ -141,6 +144,7 @@ pub(super) struct Record<'a> {
     /// The segment's time its completion time is an offset from, and the segment's retention.
     base: Millis,
     retention: Millis,
+    version: u16,
     ran: u64,
     /// Where the key starts, and the four lengths.
     parts: usize,
@@ -151,6 +155,7 @@ impl<'a> Record<'a> {
     fn at(seg: &'a Segment, off: usize) -> Self {
         let buf = &seg.buf[off..];
         let mut at = FIXED_HEADER;
+        let version = varint_at(buf, &mut at) as u16;
         let ran = varint_at(buf, &mut at);
         let lens = [0; 4].map(|_| varint_at(buf, &mut at) as u32);
         let len = at + lens.iter().map(|&l| l as usize).sum::<usize>();
@@ -158,6 +163,7 @@ impl<'a> Record<'a> {
             bytes: &buf[..len],
             base: seg.base,
             retention: seg.retention,
+            version,
             ran,
             parts: at,
             lens,
@@ -173,6 +179,11 @@ impl<'a> Record<'a> {
         FencingToken(u64::from_le_bytes(
             self.bytes[TOKEN..TOKEN + 8].try_into().expect("8 bytes"),
         ))
+    }
+
+    /// The 32 bits of its hash its index slot keeps.
+    pub(super) fn check(self) -> u32 {
+        u32::from_le_bytes(self.bytes[CHECK..CHECK + 4].try_into().expect("4 bytes"))
     }
 
     /// Its owner entry's id, `None` for a hole.
@@ -200,7 +211,7 @@ impl<'a> Record<'a> {
 
     pub(super) fn fingerprint(self) -> Fingerprint {
         Fingerprint {
-            version: u16::from_le_bytes([self.bytes[FP_VERSION], self.bytes[FP_VERSION + 1]]),
+            version: self.version,
             digest: self.bytes[FP_DIGEST..FP_DIGEST + 32]
                 .try_into()
                 .expect("32 bytes"),
@@ -374,7 +385,10 @@ impl Segments {
             }
             None => {
                 self.by_id.push(Some(seg));
-                debug_assert!(self.by_id.len() <= MAX_SEGMENTS, "a segment id past 15 bits");
+                debug_assert!(
+                    self.by_id.len() <= MAX_SEGMENTS,
+                    "a segment id past 15 bits"
+                );
                 (self.by_id.len() - 1) as u32
             }
         }
@@ -472,7 +486,17 @@ mod tests {
 
     #[test]
     fn a_variable_length_integer_reads_back_as_written_in_its_counted_bytes() {
-        for v in [0, 1, 127, 128, 200, 16_383, 16_384, u64::from(u32::MAX), u64::MAX] {
+        for v in [
+            0,
+            1,
+            127,
+            128,
+            200,
+            16_383,
+            16_384,
+            u64::from(u32::MAX),
+            u64::MAX,
+        ] {
             let mut out = Vec::new();
             put_varint(v, &mut out);
             assert_eq!(out.len(), varint_len(v), "{v}");
