@@ -67,8 +67,9 @@ use segment::{Front, Loc, MAX_HEADER_BYTES, MAX_SEGMENTS, Parts, Segments};
 /// and a control byte) with the table's slack (a table grows when 7/8 full, so its slots run
 /// between 44 % and 88 % full: at most 21 B a record), and its share of the segments' unused
 /// tails. Measured with `cargo run --release -p idempotent-runtime --example memory_footprint`
-/// (1,000,000 completed records of 200-byte bodies: 350 B resident each, of which 329 B in
-/// segments), so that the byte bound tracks resident memory.
+/// (1,000,000 completed records of 200-byte bodies: 359 B resident each, of which 333 B in
+/// segments, about 19 B the index and 2 B the owner entries), so that the byte bound tracks
+/// resident memory.
 const SLOT_OVERHEAD: usize = 24;
 
 /// Bytes charged per owner entry beside its route: the entry, its index slot (4 bytes and a
