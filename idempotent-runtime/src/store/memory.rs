@@ -302,16 +302,15 @@ struct Owners {
 }
 
 impl Owners {
-    /// The id of the owner `(scope, bucket, route)`, held once more: whether it is new (and its
-    /// charge is due) is [`Owners::find`]'s answer.
+    /// The id of the owner `(scope, bucket, route)` for one more record: `found` is
+    /// [`Owners::find`]'s answer, and when it is `None` a new entry is made (its charge due).
     fn hold(
         &mut self,
         hasher: &DefaultHashBuilder,
-        scope: &ScopeHash,
-        bucket: u64,
-        route: &str,
+        found: Option<u32>,
+        (scope, bucket, route): (&ScopeHash, u64, &str),
     ) -> u32 {
-        if let Some(id) = self.find(hasher, scope, bucket, route) {
+        if let Some(id) = found {
             self.slab[id as usize].records += 1;
             return id;
         }
@@ -1072,7 +1071,7 @@ impl Store for MemoryStore {
         // Within the headroom set aside at the claim this only shrinks; an answer larger than
         // the headroom may be refused here, and the runtime then releases the key.
         self.recharge(r.quota_bucket, r.weight, weight, 0)?;
-        let owner = owners.hold(&self.hasher, scope, r.quota_bucket, r.route());
+        let owner = owners.hold(&self.hasher, owner, (scope, r.quota_bucket, r.route()));
         let loc = segments.append(millis(retention), &parts, owner, lens, total);
         *slot = Slot::completed(check, loc);
         reserved.remove(idx);
