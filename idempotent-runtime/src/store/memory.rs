@@ -2239,6 +2239,79 @@ mod segment_tests {
         assert_eq!(counts(&store), (0, 1));
     }
 
+    /// A record's completion time is a 32-bit offset from its segment's first, and the time
+    /// from its claim a variable-length integer: a record completed a month after its segment
+    /// opened, by a handler that ran a month, goes into a segment of its own and keeps its
+    /// times to the millisecond.
+    #[tokio::test]
+    async fn a_record_completed_a_month_after_its_segment_opened_keeps_its_times() {
+        let clock = ManualClock::new();
+        let store = store(&clock, 4 << 10);
+        let scope = [7; 32];
+        let month = Duration::from_secs(30 * 86_400);
+        let retention = 3 * month;
+        let early = claim_req(&scope, "early");
+        assert_eq!(store.claim(&early).await.unwrap(), Claim::Acquired);
+        let ten = answer(10);
+        let done = store.complete(&scope, "early", early.token, &ten, retention);
+        assert!(done.await.unwrap());
+        clock.advance(month);
+        let late = ClaimRequest {
+            lease: 2 * month,
+            ..claim_req(&scope, "late")
+        };
+        assert_eq!(store.claim(&late).await.unwrap(), Claim::Acquired);
+        clock.advance(month + Duration::from_millis(7));
+        let ten = answer(10);
+        let done = store.complete(&scope, "late", late.token, &ten, retention);
+        assert!(done.await.unwrap());
+        assert_eq!(
+            counts(&store).0,
+            2,
+            "an offset past 32 bits opens a segment"
+        );
+        let (e, l) = (
+            store
+                .inspect(&scope, "early", false)
+                .await
+                .unwrap()
+                .unwrap(),
+            store.inspect(&scope, "late", false).await.unwrap().unwrap(),
+        );
+        let since = |a: Option<std::time::SystemTime>, b: Option<std::time::SystemTime>| {
+            a.unwrap().duration_since(b.unwrap()).unwrap()
+        };
+        assert_eq!(since(e.completed_at, e.created_at), Duration::ZERO);
+        assert_eq!(since(l.created_at, e.completed_at), month);
+        assert_eq!(
+            since(l.completed_at, l.created_at),
+            month + Duration::from_millis(7)
+        );
+        assert_eq!(since(l.expires_at.into(), l.completed_at), retention);
+        for key in ["early", "late"] {
+            match store.claim(&claim_req(&scope, key)).await.unwrap() {
+                Claim::Standing(Standing {
+                    state: StandingState::Completed(replayed),
+                    token,
+                    ..
+                }) => {
+                    assert_eq!(*replayed, answer(10), "{key}");
+                    let claimed = if key == "early" {
+                        early.token
+                    } else {
+                        late.token
+                    };
+                    assert_eq!(token, claimed, "{key}");
+                }
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+        clock.advance(retention + 2 * month);
+        assert_eq!(sweep_all(&store).await, 2);
+        assert_eq!((store.len(), store.bytes()), (0, 0));
+        assert_eq!(counts(&store).0, 0);
+    }
+
     #[tokio::test]
     async fn each_retention_expires_on_its_own_whatever_was_appended_before() {
         let clock = ManualClock::new();
