@@ -8,18 +8,22 @@
 //! # Segments
 //!
 //! Completed answers live in append-only segments grouped by retention, so each group is in
-//! expiry order (the Segcache design): a shard's index maps `(scope, key)` to a small fixed-size
-//! slot (its token, its expiry and where the record is), a completed record is one run of bytes
-//! in a segment, and expiring walks a group's oldest segment from its front, dropping index
-//! slots, until it meets a record that is not due; a segment walked entirely is reused. No
-//! completed record is allocated or freed on its own, so records that live for the retention do
-//! not mix with a request's short-lived allocations in the allocator. A forget or a takeover
-//! leaves a hole, still charged against `max_bytes` (it is memory the store holds) but no longer
-//! against its scope, until the walk passes it. A reservation (a request in flight) is an entry in
-//! its shard's slab, reused once it completes or is released, so a claim allocates nothing either.
-//! What the store holds beyond its charge: the spare segments kept for reuse (at most two a shard
-//! and a quarter of those in use) and the slab's free entries (as many as the most requests a
-//! shard held in flight at once, each of which was charged its headroom while it ran).
+//! expiry order (the Segcache design): a shard's index maps `(scope, key)` to an 8-byte slot (32
+//! bits of the record's hash and where the record is), a completed record is one run of bytes in
+//! a segment (its token and times in its header), and expiring walks a group's oldest segment
+//! from its front, dropping index slots, until it meets a record that is not due; a segment
+//! walked entirely is reused. What many records share (a scope, its quota bucket, a route) is kept
+//! once a shard, in an owner entry the records name by id and that is reused once its last
+//! record is gone. No completed record is allocated or freed on its own, so records that live for
+//! the retention do not mix with a request's short-lived allocations in the allocator. A forget
+//! or a takeover leaves a hole, still charged against `max_bytes` (it is memory the store holds)
+//! but no longer against its scope, until the walk passes it. A reservation (a request in flight)
+//! is an entry in its shard's slab, reused once it completes or is released, so a claim allocates
+//! nothing either. What the store holds beyond its charge: the spare segments kept for reuse (at
+//! most two a shard and a quarter of those in use), the slab's free entries (as many as the most
+//! requests a shard held in flight at once, each of which was charged its headroom while it ran)
+//! and the owner table's free entries (as many as the most owners a shard held at once, each of
+//! which was charged while it was used).
 //!
 //! # Limits, headroom and sweeping
 //!
@@ -30,7 +34,8 @@
 //! is never refused for room, whatever other scopes do; a scope over its quota, or a full store, is
 //! refused with 503 `IDEMPOTENCY_STORE_FULL` and `Retry-After` before its handler runs. Each request
 //! in flight holds its headroom: the defaults carry 256 requests in flight at once (64 per scope);
-//! raise `max_bytes` or lower `max_response` and the headroom for more. A live record is never
+//! raise `max_bytes` or lower `max_response` and the headroom for more. A shard holds at most
+//! 32,768 segments (2 GiB of answers) and refuses claims at that bound too. A live record is never
 //! evicted, since evicting one would let its retry run twice. Leases are measured on a monotonic
 //! clock, so a wall-clock step never makes a live handler look abandoned. A background sweeper
 //! frees expired records; expiry itself is enforced at claim time.
@@ -44,7 +49,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use hashbrown::{HashMap, HashTable};
+use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 
 use super::{
     Claim, ClaimRequest, FencingToken, RecordInfo, RecordState, RecordedResponse, Standing,
@@ -56,22 +61,29 @@ use crate::scope::ScopeHash;
 
 mod segment;
 
-use segment::{Front, HEADER_BYTES, Loc, Parts, Segments};
+use segment::{Front, Loc, MAX_HEADER_BYTES, MAX_SEGMENTS, Parts, Segments};
 
-/// Bytes charged per completed record beside its bytes in a segment: its index slot (40 bytes
+/// Bytes charged per completed record beside its bytes in a segment: its index slot (8 bytes
 /// and a control byte) with the table's slack (a table grows when 7/8 full, so its slots run
-/// between 44 % and 88 % full), and its share of the segments' unused tails. Measured with
-/// `cargo run --release -p idempotent-runtime --example memory_footprint` (1,000,000 completed
-/// records of 200-byte bodies: 492 B resident each, of which 401 B in segments), so that the
-/// byte bound tracks resident memory.
-const SLOT_OVERHEAD: usize = 96;
+/// between 44 % and 88 % full: at most 21 B a record), and its share of the segments' unused
+/// tails. Measured with `cargo run --release -p idempotent-runtime --example memory_footprint`
+/// (1,000,000 completed records of 200-byte bodies: 359 B resident each, of which 333 B in
+/// segments, about 19 B the index and 2 B the owner entries), so that the byte bound tracks
+/// resident memory.
+const SLOT_OVERHEAD: usize = 24;
 
-/// Bytes charged per reservation beyond its key, route and headroom: its slot, its allocation
-/// and the expiry queue's pairs. At least [`SLOT_OVERHEAD`] and a record's header, so that an
-/// answer within the headroom always weighs less completed than it did reserved.
+/// Bytes charged per owner entry beside its route: the entry, its index slot (4 bytes and a
+/// control byte, with the table's slack: at most 12 B) and the route buffer's allocation (16 B
+/// beyond its bytes). Charged to the scope and the store while a record names it.
+const OWNER_OVERHEAD: usize = std::mem::size_of::<Owner>() + 12 + 16;
+
+/// Bytes charged per reservation beyond its key, route and headroom: its slot, its slab entry
+/// and the expiry queue's pairs. At least a completed record's slot, its largest header and a new
+/// owner entry, so that an answer within the headroom always weighs less completed than it did
+/// reserved.
 const ENTRY_OVERHEAD: usize = 256;
 
-const _: () = assert!(SLOT_OVERHEAD + HEADER_BYTES <= ENTRY_OVERHEAD);
+const _: () = assert!(SLOT_OVERHEAD + MAX_HEADER_BYTES + OWNER_OVERHEAD <= ENTRY_OVERHEAD);
 
 /// Bounds of a [`MemoryStore`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,12 +117,56 @@ impl Default for MemoryLimits {
     }
 }
 
-/// An index slot: fixed size whatever the record holds.
+/// An index slot: 8 bytes whatever the record holds. It keeps 32 bits of the record's hash,
+/// all the table hashes on ([`table_hash`]), so growing the table reads no record, and a lookup
+/// reads only records whose 32 bits match.
+#[derive(Debug, Clone, Copy)]
 struct Slot {
-    hash: u64,
-    token: FencingToken,
-    expires_at: Millis,
-    place: Place,
+    check: u32,
+    /// [`RESERVED`] and a reservation's entry, or a completed record's segment (15 bits) and
+    /// offset (16 bits).
+    place: u32,
+}
+
+/// The bit of [`Slot::place`] that marks a reservation.
+const RESERVED: u32 = 1 << 31;
+
+const _: () = assert!(MAX_SEGMENTS <= 1 << 15 && segment::SEGMENT_BYTES <= 1 << 16);
+
+impl Slot {
+    fn reserved(check: u32, idx: u32) -> Self {
+        debug_assert!(idx < RESERVED);
+        Self {
+            check,
+            place: RESERVED | idx,
+        }
+    }
+
+    fn completed(check: u32, loc: Loc) -> Self {
+        // An answer larger than a segment has one of its own, at offset 0.
+        debug_assert!((loc.seg as usize) < MAX_SEGMENTS && loc.off < 1 << 16);
+        Self {
+            check,
+            place: (loc.seg << 16) | loc.off,
+        }
+    }
+
+    fn place(self) -> Place {
+        if self.place & RESERVED != 0 {
+            Place::Reserved(self.place & !RESERVED)
+        } else {
+            Place::Completed(Loc {
+                seg: self.place >> 16,
+                off: self.place & 0xffff,
+            })
+        }
+    }
+}
+
+/// The hash the index table is keyed on: the 32 bits a slot keeps, in both halves, so that the
+/// table's bucket (low bits) and control byte (top seven) both come from them.
+fn table_hash(check: u32) -> u64 {
+    (u64::from(check) << 32) | u64::from(check)
 }
 
 enum Place {
@@ -127,9 +183,11 @@ struct Reserved {
     key_route: String,
     key_len: usize,
     fingerprint: Fingerprint,
+    token: FencingToken,
     quota_bucket: u64,
     lease_until: Millis,
     retention: Millis,
+    expires_at: Millis,
     created_at: Millis,
     weight: usize,
 }
@@ -145,10 +203,12 @@ impl Reserved {
         self.key_len = req.key.len();
         self.scope = *req.scope;
         self.fingerprint = req.fingerprint;
+        self.token = req.token;
         self.quota_bucket = req.quota_bucket;
         self.created_at = now;
         self.weight = weight;
-        self.lease_until.saturating_add(self.retention)
+        self.expires_at = self.lease_until.saturating_add(self.retention);
+        self.expires_at
     }
 
     fn key(&self) -> &str {
@@ -183,13 +243,18 @@ impl Reservations {
                     key_route: String::new(),
                     key_len: 0,
                     fingerprint: req.fingerprint,
+                    token: req.token,
                     quota_bucket: 0,
                     lease_until: 0,
                     retention: 0,
+                    expires_at: 0,
                     created_at: 0,
                     weight: 0,
                 });
-                u32::try_from(self.slab.len() - 1).expect("fewer than 2^32 requests in flight")
+                u32::try_from(self.slab.len() - 1)
+                    .ok()
+                    .filter(|&idx| idx < RESERVED)
+                    .expect("fewer than 2^31 requests in flight")
             }
         };
         (idx, self.slab[idx as usize].fill(req, now, weight))
@@ -216,9 +281,139 @@ impl std::ops::IndexMut<u32> for Reservations {
     }
 }
 
-/// A shard: its index, its segments, its reservations and a queue of when they expire.
+/// What completed records share: a scope (a 32-byte hash shared by all of one caller's records),
+/// its quota bucket and a route (one of a few). A record names its owner by id; the scope is
+/// still compared on every lookup, so two scopes whose keys' hashes meet stay apart.
+struct Owner {
+    scope: ScopeHash,
+    bucket: u64,
+    route: String,
+    /// Completed records that name it; at 0 the entry is free for reuse.
+    records: u32,
+}
+
+/// A shard's owner entries: a slab whose entries, route buffers included, are reused, and an
+/// index by `(scope, bucket, route)`.
+#[derive(Default)]
+struct Owners {
+    slab: Vec<Owner>,
+    free: Vec<u32>,
+    index: HashTable<u32>,
+}
+
+impl Owners {
+    /// The id of the owner `(scope, bucket, route)` for one more record: `found` is
+    /// [`Owners::find`]'s answer, and when it is `None` a new entry is made (its charge due).
+    fn hold(
+        &mut self,
+        hasher: &DefaultHashBuilder,
+        found: Option<u32>,
+        (scope, bucket, route): (&ScopeHash, u64, &str),
+    ) -> u32 {
+        if let Some(id) = found {
+            self.slab[id as usize].records += 1;
+            return id;
+        }
+        let id = match self.free.pop() {
+            Some(id) => {
+                let owner = &mut self.slab[id as usize];
+                owner.scope = *scope;
+                owner.bucket = bucket;
+                owner.route.clear();
+                owner.route.push_str(route);
+                owner.records = 1;
+                id
+            }
+            None => {
+                self.slab.push(Owner {
+                    scope: *scope,
+                    bucket,
+                    route: route.to_owned(),
+                    records: 1,
+                });
+                u32::try_from(self.slab.len() - 1).expect("fewer than 2^32 owners")
+            }
+        };
+        let slab = &self.slab;
+        self.index
+            .insert_unique(owner_hash(hasher, scope, bucket, route), id, |&id| {
+                slab[id as usize].hash(hasher)
+            });
+        id
+    }
+
+    /// The id of the owner `(scope, bucket, route)`, if a record names it.
+    fn find(
+        &self,
+        hasher: &DefaultHashBuilder,
+        scope: &ScopeHash,
+        bucket: u64,
+        route: &str,
+    ) -> Option<u32> {
+        let found = self
+            .index
+            .find(owner_hash(hasher, scope, bucket, route), |&id| {
+                let o = &self.slab[id as usize];
+                o.scope == *scope && o.bucket == bucket && o.route == route
+            });
+        found.copied()
+    }
+
+    /// What releasing owner `id` would free: its charge if this is its last record.
+    fn freed_by_release(&self, id: u32) -> usize {
+        let owner = &self.slab[id as usize];
+        if owner.records == 1 {
+            owner_charge(&owner.route)
+        } else {
+            0
+        }
+    }
+
+    /// One record fewer names owner `id`; at none the entry is freed. Returns its quota bucket
+    /// and the charge this freed ([`Owners::freed_by_release`]).
+    fn release(&mut self, hasher: &DefaultHashBuilder, id: u32) -> (u64, usize) {
+        let freed = self.freed_by_release(id);
+        let owner = &mut self.slab[id as usize];
+        let bucket = owner.bucket;
+        owner.records -= 1;
+        if owner.records == 0 {
+            let hash = owner.hash(hasher);
+            self.index
+                .find_entry(hash, |&i| i == id)
+                .expect("an indexed owner")
+                .remove();
+            self.free.push(id);
+        }
+        (bucket, freed)
+    }
+}
+
+impl std::ops::Index<u32> for Owners {
+    type Output = Owner;
+    fn index(&self, id: u32) -> &Owner {
+        &self.slab[id as usize]
+    }
+}
+
+impl Owner {
+    fn hash(&self, hasher: &DefaultHashBuilder) -> u64 {
+        owner_hash(hasher, &self.scope, self.bucket, &self.route)
+    }
+}
+
+fn owner_hash(hasher: &DefaultHashBuilder, scope: &ScopeHash, bucket: u64, route: &str) -> u64 {
+    hasher.hash_one((scope, bucket, route))
+}
+
+/// What an owner entry is charged while a record names it.
+fn owner_charge(route: &str) -> usize {
+    OWNER_OVERHEAD + route.len()
+}
+
+/// A shard: its index, its segments, its reservations and owners, and a queue of when its
+/// reservations expire.
 ///
-/// The queue holds `(expires_at, hash)` for every reservation's current expiry (pushed on every
+/// The queue holds `(expires_at, check)` for every reservation's current expiry (pushed on every
 /// change of it) and stale pairs left by earlier changes, completions and removals; a popped
 /// pair evicts only reservations that are expired now, so a stale pair is harmless. When stale
 /// pairs outnumber reservations the queue keeps only its current pairs (a lookup each), so it
@@ -227,34 +422,132 @@ impl std::ops::IndexMut<u32> for Reservations {
 #[derive(Default)]
 struct Shard {
     table: HashTable<Slot>,
-    reserved_expiry: BinaryHeap<Reverse<(Millis, u64)>>,
+    reserved_expiry: BinaryHeap<Reverse<(Millis, u32)>>,
     reserved: Reservations,
     segments: Segments,
+    owners: Owners,
     /// Bytes of segments that hold no record any more (forgotten, taken over), until the sweep
     /// passes them.
     hole_bytes: usize,
 }
 
 impl Shard {
-    /// Records that the reservation at `hash` now expires at `expires_at`.
-    fn queue(&mut self, hash: u64, expires_at: Millis) {
-        self.reserved_expiry.push(Reverse((expires_at, hash)));
+    /// Records that the reservation whose slot keeps `check` now expires at `expires_at`.
+    fn queue(&mut self, check: u32, expires_at: Millis) {
+        self.reserved_expiry.push(Reverse((expires_at, check)));
         if self.reserved_expiry.len() > 2 * self.reserved.len() + 64 {
             // Filtered in the queue's own buffer: no allocation with the shard locked.
             let mut pairs = std::mem::take(&mut self.reserved_expiry).into_vec();
-            let table = &self.table;
-            pairs.retain(|&Reverse((due, hash))| {
+            let (table, reserved) = (&self.table, &self.reserved);
+            pairs.retain(|&Reverse((due, check))| {
                 table
-                    .find(hash, |s| {
-                        s.hash == hash
-                            && s.expires_at == due
-                            && matches!(s.place, Place::Reserved(_))
+                    .find(table_hash(check), |s| {
+                        s.check == check
+                            && matches!(s.place(), Place::Reserved(r) if reserved[r].expires_at == due)
                     })
                     .is_some()
             });
             pairs.dedup();
             self.reserved_expiry = BinaryHeap::from(pairs);
         }
+    }
+
+    /// Whether a claim may add one more reservation: each may open a segment when it completes.
+    fn has_room_for_a_segment(&self) -> bool {
+        self.segments.in_use() + self.reserved.len() < MAX_SEGMENTS
+    }
+}
+
+/// A shard's records, read: what a slot's place names.
+#[derive(Clone, Copy)]
+struct Records<'a> {
+    segments: &'a Segments,
+    reserved: &'a Reservations,
+    owners: &'a Owners,
+}
+
+impl<'a> Records<'a> {
+    fn of(shard: &'a Shard) -> Self {
+        Self {
+            segments: &shard.segments,
+            reserved: &shard.reserved,
+            owners: &shard.owners,
+        }
+    }
+
+    /// Whether `slot` is the record of `(scope, key)`.
+    fn is(self, slot: &Slot, check: u32, scope: &ScopeHash, key: &str) -> bool {
+        slot.check == check
+            && match slot.place() {
+                Place::Reserved(r) => {
+                    self.reserved[r].scope == *scope && self.reserved[r].key() == key
+                }
+                Place::Completed(loc) => {
+                    let rec = self.segments.get(loc);
+                    rec.key() == key.as_bytes()
+                        && rec
+                            .owner()
+                            .is_some_and(|id| self.owners[id].scope == *scope)
+                }
+            }
+    }
+
+    fn token(self, slot: &Slot) -> FencingToken {
+        match slot.place() {
+            Place::Reserved(r) => self.reserved[r].token,
+            Place::Completed(loc) => self.segments.get(loc).token(),
+        }
+    }
+
+    fn expires_at(self, slot: &Slot) -> Millis {
+        match slot.place() {
+            Place::Reserved(r) => self.reserved[r].expires_at,
+            Place::Completed(loc) => self.segments.get(loc).expires_at(),
+        }
+    }
+
+    /// What stands in `slot` by `now`.
+    fn standing(self, slot: &Slot, now: Millis) -> Standing {
+        let expires_at = self.expires_at(slot);
+        let (fingerprint, state) = match slot.place() {
+            Place::Reserved(r) => {
+                let r = &self.reserved[r];
+                let state = if now >= expires_at {
+                    StandingState::Expired
+                } else if now < r.lease_until {
+                    StandingState::Running {
+                        lease_left: Duration::from_millis(r.lease_until - now),
+                    }
+                } else {
+                    StandingState::Abandoned
+                };
+                (r.fingerprint, state)
+            }
+            Place::Completed(loc) => {
+                let rec = self.segments.get(loc);
+                let state = if now >= expires_at {
+                    StandingState::Expired
+                } else {
+                    StandingState::Completed(Arc::new(rec.response()))
+                };
+                (rec.fingerprint(), state)
+            }
+        };
+        let expires_in = matches!(state, StandingState::Completed(_))
+            .then(|| Duration::from_millis(expires_at - now));
+        Standing {
+            token: self.token(slot),
+            fingerprint,
+            state,
+            expires_in,
+        }
+    }
+
+    /// Whether a reclaim may take `slot` over by `now`: expired, or a reservation whose lease
+    /// lapsed.
+    fn takeable(self, slot: &Slot, now: Millis) -> bool {
+        now >= self.expires_at(slot)
+            || matches!(slot.place(), Place::Reserved(r) if now >= self.reserved[r].lease_until)
     }
 }
 
@@ -373,70 +666,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Whether `slot` is the record of `(scope, key)`.
-fn is_record(
-    slot: &Slot,
-    (segments, reserved): (&Segments, &Reservations),
-    hash: u64,
-    scope: &ScopeHash,
-    key: &str,
-) -> bool {
-    slot.hash == hash
-        && match slot.place {
-            Place::Reserved(r) => reserved[r].scope == *scope && reserved[r].key() == key,
-            Place::Completed(loc) => {
-                let rec = segments.get(loc);
-                rec.scope() == scope && rec.key() == key.as_bytes()
-            }
-        }
-}
-
-/// What stands in `slot` by `now`.
-fn standing(
-    slot: &Slot,
-    (segments, reserved): (&Segments, &Reservations),
-    now: Millis,
-) -> Standing {
-    let (fingerprint, state) = match slot.place {
-        Place::Reserved(r) => {
-            let r = &reserved[r];
-            let state = if now >= slot.expires_at {
-                StandingState::Expired
-            } else if now < r.lease_until {
-                StandingState::Running {
-                    lease_left: Duration::from_millis(r.lease_until - now),
-                }
-            } else {
-                StandingState::Abandoned
-            };
-            (r.fingerprint, state)
-        }
-        Place::Completed(loc) => {
-            let rec = segments.get(loc);
-            let state = if now >= slot.expires_at {
-                StandingState::Expired
-            } else {
-                StandingState::Completed(Arc::new(rec.response()))
-            };
-            (rec.fingerprint(), state)
-        }
-    };
-    let expires_in = matches!(state, StandingState::Completed(_))
-        .then(|| Duration::from_millis(slot.expires_at - now));
-    Standing {
-        token: slot.token,
-        fingerprint,
-        state,
-        expires_in,
-    }
-}
-
-/// Whether a reclaim may take `slot` over by `now`: expired, or a reservation whose lease lapsed.
-fn takeable(slot: &Slot, reserved: &Reservations, now: Millis) -> bool {
-    now >= slot.expires_at
-        || matches!(slot.place, Place::Reserved(r) if now >= reserved[r].lease_until)
-}
-
 impl MemoryStore {
     /// A builder with default limits, the system clock and 64 shards.
     pub fn builder() -> MemoryStoreBuilder {
@@ -462,12 +691,13 @@ impl MemoryStore {
         self.bytes.load(Ordering::Relaxed)
     }
 
-    /// The record's hash and its shard. Bits 40.. pick the shard, so the table inside keeps
-    /// the low bits (bucket) and the top seven (control byte) at full entropy.
-    fn locate(&self, scope: &ScopeHash, key: &str) -> (u64, &Mutex<Shard>) {
+    /// The 32 bits of the record's hash its slot keeps (and its record's header, so the sweep
+    /// finds the slot without hashing again), and its shard. Bits 40.. pick the shard, so the
+    /// table inside has the low 32 at full entropy.
+    fn locate(&self, scope: &ScopeHash, key: &str) -> (u32, &Mutex<Shard>) {
         let hash = self.hasher.hash_one((scope, key));
         let shard = (hash >> 40) as usize & (self.shards.len() - 1);
-        (hash, &self.shards[shard])
+        (hash as u32, &self.shards[shard])
     }
 
     fn quota_shard(&self, bucket: u64) -> &Mutex<HashMap<u64, Share>> {
@@ -554,10 +784,13 @@ impl MemoryStore {
     fn insert_new(
         &self,
         shard: &mut Shard,
-        hash: u64,
+        check: u32,
         req: &ClaimRequest<'_>,
         now: Millis,
     ) -> Result<Claim, StoreError> {
+        if !shard.has_room_for_a_segment() {
+            return Err(StoreError::Full);
+        }
         let weight = self.reservation_weight(req);
         if let Err(full) = self.charge(weight, req.quota_bucket) {
             if self.evict_expired(shard, now, EVICT_WHEN_FULL).freed == 0 {
@@ -566,65 +799,72 @@ impl MemoryStore {
             self.charge(weight, req.quota_bucket)?;
         }
         let (idx, expires_at) = shard.reserved.add(req, now, weight);
-        shard.table.insert_unique(
-            hash,
-            Slot {
-                hash,
-                token: req.token,
-                expires_at,
-                place: Place::Reserved(idx),
-            },
-            |s| s.hash,
-        );
+        shard
+            .table
+            .insert_unique(table_hash(check), Slot::reserved(check, idx), |s| {
+                table_hash(s.check)
+            });
         // After the slot is in the table: queueing may filter the queue by the table, and a
         // pair whose slot is not there yet would be dropped as stale, the reservation never
         // swept.
-        shard.queue(hash, expires_at);
+        shard.queue(check, expires_at);
         Ok(Claim::Acquired)
     }
 
-    /// Replaces the takeable record of `req` (found at `hash`) with a fresh reservation.
+    /// Replaces the takeable record of `req` (its slot keeps `check`) with a fresh reservation.
     fn take_over(
         &self,
         shard: &mut Shard,
-        hash: u64,
+        check: u32,
         req: &ClaimRequest<'_>,
         now: Millis,
     ) -> Result<Claim, StoreError> {
         let weight = self.reservation_weight(req);
+        let room = shard.has_room_for_a_segment();
         let Shard {
             table,
             segments,
             reserved,
+            owners,
             hole_bytes,
             ..
         } = shard;
+        let records = Records {
+            segments,
+            reserved,
+            owners,
+        };
         let slot = table
-            .find_mut(hash, |s| {
-                is_record(s, (segments, reserved), hash, req.scope, req.key)
+            .find_mut(table_hash(check), |s| {
+                records.is(s, check, req.scope, req.key)
             })
             .expect("the record to take over");
         // Same key, same scope, so the same quota bucket: only the byte charge changes (a
         // reservation with its headroom may outweigh the small record it replaces).
-        let expires_at = match slot.place {
+        let expires_at = match slot.place() {
             Place::Reserved(idx) => {
                 let old = &mut reserved[idx];
                 self.recharge(old.quota_bucket, old.weight, weight, 0)?;
                 old.fill(req, now, weight)
             }
             Place::Completed(loc) => {
+                if !room {
+                    return Err(StoreError::Full);
+                }
                 let rec = segments.get(loc);
                 let hole = rec.len();
-                self.recharge(rec.bucket(), rec.weight(), weight, hole)?;
+                let id = rec.owner().expect("a record in the index is no hole");
+                let freed = SLOT_OVERHEAD + hole + owners.freed_by_release(id);
+                self.recharge(owners[id].bucket, freed, weight, hole)?;
+                owners.release(&self.hasher, id);
+                segments.make_hole(loc);
                 *hole_bytes += hole;
                 let (idx, expires_at) = reserved.add(req, now, weight);
-                slot.place = Place::Reserved(idx);
+                *slot = Slot::reserved(check, idx);
                 expires_at
             }
         };
-        slot.token = req.token;
-        slot.expires_at = expires_at;
-        shard.queue(hash, expires_at);
+        shard.queue(check, expires_at);
         Ok(Claim::Acquired)
     }
 
@@ -637,7 +877,7 @@ impl MemoryStore {
         let mut freed = 0;
         let mut pops = limit.saturating_mul(POPS_PER_EVICTION);
         while freed < limit && pops > 0 {
-            let Some(&Reverse((due, hash))) = shard.reserved_expiry.peek() else {
+            let Some(&Reverse((due, check))) = shard.reserved_expiry.peek() else {
                 break;
             };
             if due > now {
@@ -645,17 +885,19 @@ impl MemoryStore {
             }
             shard.reserved_expiry.pop();
             pops -= 1;
-            // Another record may share the hash; each is judged by its own expiry.
+            // Another record may share the 32 bits; each is judged by its own expiry.
             while freed < limit {
                 #[cfg(test)]
                 self.slot_visits.fetch_add(1, Ordering::Relaxed);
-                let Ok(found) = shard.table.find_entry(hash, |s| {
-                    s.hash == hash && now >= s.expires_at && matches!(s.place, Place::Reserved(_))
+                let reserved = &shard.reserved;
+                let Ok(found) = shard.table.find_entry(table_hash(check), |s| {
+                    s.check == check
+                        && matches!(s.place(), Place::Reserved(r) if now >= reserved[r].expires_at)
                 }) else {
                     break;
                 };
                 let (slot, _) = found.remove();
-                let Place::Reserved(idx) = slot.place else {
+                let Place::Reserved(idx) = slot.place() else {
                     unreachable!("found as a reservation")
                 };
                 let (weight, bucket) = shard.reserved.remove(idx);
@@ -668,6 +910,7 @@ impl MemoryStore {
             let Shard {
                 table,
                 segments,
+                owners,
                 hole_bytes,
                 ..
             } = &mut *shard;
@@ -677,24 +920,30 @@ impl MemoryStore {
             };
             #[cfg(test)]
             self.slot_visits.fetch_add(1, Ordering::Relaxed);
-            let (hash, len, weight, bucket) = (rec.hash(), rec.len(), rec.weight(), rec.bucket());
-            match table.find_entry(hash, |s| {
-                s.hash == hash && matches!(s.place, Place::Completed(l) if l == loc)
-            }) {
-                Ok(found) if now >= found.get().expires_at => {
-                    found.remove();
-                    self.discharge(weight, bucket, 0);
-                    freed += 1;
-                }
-                // Not due: neither is anything behind it in this group.
-                Ok(_) => {
-                    q += 1;
-                    continue;
-                }
-                Err(_) => {
+            let len = rec.len();
+            match rec.owner() {
+                None => {
                     *hole_bytes -= len;
                     self.bytes.fetch_sub(len, Ordering::AcqRel);
                     pops -= 1;
+                }
+                // Not due: neither is anything behind it in this group.
+                Some(_) if now < rec.expires_at() => {
+                    q += 1;
+                    continue;
+                }
+                Some(id) => {
+                    let check = rec.check();
+                    table
+                        .find_entry(
+                            table_hash(check),
+                            |s| matches!(s.place(), Place::Completed(l) if l == loc),
+                        )
+                        .expect("a completed record's slot")
+                        .remove();
+                    let (bucket, owner_freed) = owners.release(&self.hasher, id);
+                    self.discharge(SLOT_OVERHEAD + len + owner_freed, bucket, 0);
+                    freed += 1;
                 }
             }
             segments.pass(loc, len);
@@ -725,20 +974,21 @@ const SWEEP_SLICE: usize = 64;
 impl Store for MemoryStore {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let now = self.clock.monotonic_millis();
-        let (hash, shard) = self.locate(req.scope, req.key);
+        let (check, shard) = self.locate(req.scope, req.key);
         let mut shard = lock(shard);
-        let Shard {
-            table,
-            segments,
-            reserved,
-            ..
-        } = &mut *shard;
-        let parts = (&*segments, &*reserved);
-        let found = table.find(hash, |s| is_record(s, parts, hash, req.scope, req.key));
+        let records = Records::of(&shard);
+        let found = shard
+            .table
+            .find(table_hash(check), |s| {
+                records.is(s, check, req.scope, req.key)
+            })
+            .copied();
         match found {
-            Some(slot) if now >= slot.expires_at => self.take_over(&mut shard, hash, req, now),
-            Some(slot) => Ok(Claim::Standing(standing(slot, parts, now))),
-            None => self.insert_new(&mut shard, hash, req, now),
+            Some(slot) if now >= records.expires_at(&slot) => {
+                self.take_over(&mut shard, check, req, now)
+            }
+            Some(slot) => Ok(Claim::Standing(records.standing(&slot, now))),
+            None => self.insert_new(&mut shard, check, req, now),
         }
     }
 
@@ -748,25 +998,24 @@ impl Store for MemoryStore {
         stale: FencingToken,
     ) -> Result<Claim, StoreError> {
         let now = self.clock.monotonic_millis();
-        let (hash, shard) = self.locate(req.scope, req.key);
+        let (check, shard) = self.locate(req.scope, req.key);
         let mut shard = lock(shard);
-        let Shard {
-            table,
-            segments,
-            reserved,
-            ..
-        } = &mut *shard;
-        let parts = (&*segments, &*reserved);
-        let found = table.find(hash, |s| is_record(s, parts, hash, req.scope, req.key));
+        let records = Records::of(&shard);
+        let found = shard
+            .table
+            .find(table_hash(check), |s| {
+                records.is(s, check, req.scope, req.key)
+            })
+            .copied();
         match found {
             Some(slot)
-                if now >= slot.expires_at
-                    || (slot.token == stale && takeable(slot, parts.1, now)) =>
+                if now >= records.expires_at(&slot)
+                    || (records.token(&slot) == stale && records.takeable(&slot, now)) =>
             {
-                self.take_over(&mut shard, hash, req, now)
+                self.take_over(&mut shard, check, req, now)
             }
-            Some(slot) => Ok(Claim::Standing(standing(slot, parts, now))),
-            None => self.insert_new(&mut shard, hash, req, now),
+            Some(slot) => Ok(Claim::Standing(records.standing(&slot, now))),
+            None => self.insert_new(&mut shard, check, req, now),
         }
     }
 
@@ -779,49 +1028,52 @@ impl Store for MemoryStore {
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let now = self.clock.monotonic_millis();
-        let (hash, shard) = self.locate(scope, key);
+        let (check, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
         let Shard {
             table,
             segments,
             reserved,
+            owners,
             ..
         } = &mut *shard;
-        let Some(slot) = table.find_mut(hash, |s| {
-            is_record(s, (segments, reserved), hash, scope, key)
-        }) else {
+        let records = Records {
+            segments,
+            reserved,
+            owners,
+        };
+        let Some(slot) = table.find_mut(table_hash(check), |s| records.is(s, check, scope, key))
+        else {
             return Ok(false);
         };
-        if slot.token != token {
-            return Ok(false);
-        }
-        let idx = match slot.place {
+        let idx = match slot.place() {
             // A resent completion that finds its own record: it is done.
-            Place::Completed(loc) => return Ok(segments.get(loc).holds(response)),
-            Place::Reserved(idx) => idx,
+            Place::Completed(loc) => {
+                let rec = segments.get(loc);
+                return Ok(rec.token() == token && rec.holds(response));
+            }
+            Place::Reserved(idx) if reserved[idx].token == token => idx,
+            Place::Reserved(_) => return Ok(false),
         };
         let r = &reserved[idx];
         let parts = Parts {
-            hash,
-            bucket: r.quota_bucket,
+            token,
+            check,
             created_at: r.created_at,
             completed_at: now,
             fingerprint: r.fingerprint,
-            scope,
             key,
-            route: r.route(),
             response,
         };
         let (lens, total) = parts.lengths().ok_or(StoreError::Full)?;
-        let weight = SLOT_OVERHEAD + total;
-        let weight32 = u32::try_from(weight).map_err(|_| StoreError::Full)?;
+        let owner = owners.find(&self.hasher, scope, r.quota_bucket, r.route());
+        let weight = SLOT_OVERHEAD + total + owner.map_or(owner_charge(r.route()), |_| 0);
         // Within the headroom set aside at the claim this only shrinks; an answer larger than
         // the headroom may be refused here, and the runtime then releases the key.
         self.recharge(r.quota_bucket, r.weight, weight, 0)?;
-        let retention = millis(retention);
-        let loc = segments.append(retention, &parts, lens, total, weight32);
-        slot.place = Place::Completed(loc);
-        slot.expires_at = now.saturating_add(retention);
+        let owner = owners.hold(&self.hasher, owner, (scope, r.quota_bucket, r.route()));
+        let loc = segments.append(millis(retention), &parts, owner, lens, total);
+        *slot = Slot::completed(check, loc);
         reserved.remove(idx);
         Ok(true)
     }
@@ -832,23 +1084,25 @@ impl Store for MemoryStore {
         key: &str,
         token: FencingToken,
     ) -> Result<bool, StoreError> {
-        let (hash, shard) = self.locate(scope, key);
+        let (check, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
         let Shard {
             table,
             segments,
             reserved,
+            owners,
             ..
         } = &mut *shard;
-        match table.find_entry(hash, |s| {
-            is_record(s, (segments, reserved), hash, scope, key)
-        }) {
-            Ok(found)
-                if found.get().token == token
-                    && matches!(found.get().place, Place::Reserved(_)) =>
+        let records = Records {
+            segments,
+            reserved,
+            owners,
+        };
+        match table.find_entry(table_hash(check), |s| records.is(s, check, scope, key)) {
+            Ok(found) if matches!(found.get().place(), Place::Reserved(r) if reserved[r].token == token) =>
             {
                 let (slot, _) = found.remove();
-                let Place::Reserved(idx) = slot.place else {
+                let Place::Reserved(idx) = slot.place() else {
                     unreachable!("checked above")
                 };
                 let (weight, bucket) = reserved.remove(idx);
@@ -867,30 +1121,27 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let now = self.clock.monotonic_millis();
-        let (hash, shard) = self.locate(scope, key);
+        let (check, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
-        let Shard {
-            table,
-            segments,
-            reserved,
-            ..
-        } = &mut *shard;
-        let Some(slot) = table.find_mut(hash, |s| {
-            is_record(s, (segments, reserved), hash, scope, key)
-        }) else {
+        let records = Records::of(&shard);
+        let Some(slot) = shard
+            .table
+            .find(table_hash(check), |s| records.is(s, check, scope, key))
+            .copied()
+        else {
             return Ok(false);
         };
-        if slot.token != token {
+        let Place::Reserved(idx) = slot.place() else {
+            return Ok(false);
+        };
+        let r = &mut shard.reserved[idx];
+        if r.token != token {
             return Ok(false);
         }
-        let Place::Reserved(idx) = slot.place else {
-            return Ok(false);
-        };
-        let r = &mut reserved[idx];
         r.lease_until = now.saturating_add(millis(lease));
-        slot.expires_at = r.lease_until.saturating_add(r.retention);
-        let expires_at = slot.expires_at;
-        shard.queue(hash, expires_at);
+        r.expires_at = r.lease_until.saturating_add(r.retention);
+        let expires_at = r.expires_at;
+        shard.queue(check, expires_at);
         Ok(true)
     }
 
@@ -936,26 +1187,22 @@ impl Store for MemoryStore {
         let now = self.clock.monotonic_millis();
         let wall_now = self.clock.now_millis() as i64;
         let wall = |t: Millis| time_from_millis(wall_now - (now as i64 - t as i64));
-        let (hash, shard) = self.locate(scope, key);
+        let (check, shard) = self.locate(scope, key);
         let shard = lock(shard);
-        let parts = (&shard.segments, &shard.reserved);
+        let records = Records::of(&shard);
         let Some(slot) = shard
             .table
-            .find(hash, |s| is_record(s, parts, hash, scope, key))
+            .find(table_hash(check), |s| records.is(s, check, scope, key))
         else {
             return Ok(None);
         };
-        let mut info = match slot.place {
+        let expires_at = records.expires_at(slot);
+        let mut info = match slot.place() {
             Place::Reserved(idx) => {
                 let r = &shard.reserved[idx];
                 let mut info = RecordInfo::new(
-                    RecordState::judge(
-                        false,
-                        wall(now),
-                        wall(r.lease_until),
-                        wall(slot.expires_at),
-                    ),
-                    wall(slot.expires_at),
+                    RecordState::judge(false, wall(now), wall(r.lease_until), wall(expires_at)),
+                    wall(expires_at),
                 );
                 info.route = Some(r.route().to_owned());
                 info.created_at = Some(wall(r.created_at));
@@ -964,12 +1211,13 @@ impl Store for MemoryStore {
             }
             Place::Completed(loc) => {
                 let rec = shard.segments.get(loc);
+                let owner = rec.owner().expect("a record in the index is no hole");
                 let mut info = RecordInfo::new(
-                    RecordState::judge(true, wall(now), wall(0), wall(slot.expires_at)),
-                    wall(slot.expires_at),
+                    RecordState::judge(true, wall(now), wall(0), wall(expires_at)),
+                    wall(expires_at),
                 );
                 info.status = Some(rec.status());
-                info.route = Some(rec.route().to_owned());
+                info.route = Some(shard.owners[owner].route.clone());
                 info.created_at = Some(wall(rec.created_at()));
                 info.completed_at = Some(wall(rec.completed_at()));
                 info.body_bytes = rec.body().len();
@@ -978,35 +1226,44 @@ impl Store for MemoryStore {
                 info
             }
         };
-        info.expires_at = wall(slot.expires_at);
+        info.expires_at = wall(expires_at);
         Ok(Some(info))
     }
 
     async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
-        let (hash, shard) = self.locate(scope, key);
+        let (check, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
         let Shard {
             table,
             segments,
             reserved,
+            owners,
             hole_bytes,
             ..
         } = &mut *shard;
-        let Ok(found) = table.find_entry(hash, |s| {
-            is_record(s, (segments, reserved), hash, scope, key)
-        }) else {
+        let records = Records {
+            segments,
+            reserved,
+            owners,
+        };
+        let Ok(found) = table.find_entry(table_hash(check), |s| records.is(s, check, scope, key))
+        else {
             return Ok(false);
         };
         let (slot, _) = found.remove();
-        match slot.place {
+        match slot.place() {
             Place::Reserved(idx) => {
                 let (weight, bucket) = reserved.remove(idx);
                 self.discharge(weight, bucket, 0);
             }
             Place::Completed(loc) => {
                 let rec = segments.get(loc);
-                *hole_bytes += rec.len();
-                self.discharge(rec.weight(), rec.bucket(), rec.len());
+                let len = rec.len();
+                let id = rec.owner().expect("a record in the index is no hole");
+                let (bucket, owner_freed) = owners.release(&self.hasher, id);
+                segments.make_hole(loc);
+                *hole_bytes += len;
+                self.discharge(SLOT_OVERHEAD + len + owner_freed, bucket, len);
             }
         }
         Ok(true)
@@ -1207,9 +1464,9 @@ mod tests {
 
     #[test]
     fn an_index_slot_is_small_and_fixed_whatever_the_record_holds() {
-        // Hash, token, expiry and a reservation's box or a segment's place: 40 bytes, so the
+        // 32 bits of the hash and a reservation's entry or a segment's place: 8 bytes, so the
         // table's slack costs little beside a record's bytes in its segment.
-        assert_eq!(std::mem::size_of::<Slot>(), 40);
+        assert_eq!(std::mem::size_of::<Slot>(), 8);
     }
 
     fn answer(bytes: usize) -> RecordedResponse {
@@ -1844,10 +2101,22 @@ mod segment_tests {
         lock(&store.shards[0]).hole_bytes
     }
 
-    /// A completed record's charge is its bytes in its segment and its slot, nothing guessed.
+    /// A completed record's charge is its bytes in its segment and its slot, nothing guessed:
+    /// the fixed header, six variable-length integers (the fingerprint's version, no time
+    /// between claim and completion, then the lengths), the key, the headers and the body.
     fn charge(key: &str, body: usize) -> usize {
-        let a = answer(body);
-        SLOT_OVERHEAD + HEADER_BYTES + key.len() + "/test".len() + header_bytes(&a.headers) + body
+        let headers = header_bytes(&answer(body).headers);
+        let varints = [1, 0, key.len(), headers, body, 0]
+            .map(|v| segment::varint_len(v as u64))
+            .iter()
+            .sum::<usize>();
+        SLOT_OVERHEAD + segment::FIXED_HEADER + varints + key.len() + headers + body
+    }
+
+    /// What the owner entry of these tests' records (one scope, one route) is charged while a
+    /// record names it.
+    fn owner() -> usize {
+        OWNER_OVERHEAD + "/test".len()
     }
 
     #[tokio::test]
@@ -1885,7 +2154,7 @@ mod segment_tests {
         let (in_use, spare) = counts(&store);
         assert!(in_use >= 8, "500 answers of 1 KiB take {in_use} segments");
         assert_eq!(spare, 0);
-        assert_eq!(store.bytes(), 500 * charge("k000", 1_024));
+        assert_eq!(store.bytes(), 500 * charge("k000", 1_024) + owner());
         clock.advance(Duration::from_secs(2));
         assert_eq!(sweep_all(&store).await, 500);
         assert_eq!((store.len(), store.bytes()), (0, 0));
@@ -1905,14 +2174,14 @@ mod segment_tests {
         record(&store, &scope, "a", 300, 10).await;
         record(&store, &scope, "b", 300, 10).await;
         let (a, b) = (charge("a", 300), charge("b", 300));
-        assert_eq!(store.bytes(), a + b);
+        assert_eq!(store.bytes(), a + b + owner());
         assert!(store.forget(&scope, "a").await.unwrap());
         assert_eq!(store.len(), 1);
         // The scope is charged for what it holds; the store for the memory it holds.
         let share = lock(store.quota_shard(1)).get(&1).copied().unwrap();
-        assert_eq!((share.records, share.bytes), (1, b));
+        assert_eq!((share.records, share.bytes), (1, b + owner()));
         assert_eq!(holes(&store), a - SLOT_OVERHEAD);
-        assert_eq!(store.bytes(), b + a - SLOT_OVERHEAD);
+        assert_eq!(store.bytes(), b + owner() + a - SLOT_OVERHEAD);
         assert!(store.inspect(&scope, "a", false).await.unwrap().is_none());
         clock.advance(Duration::from_secs(11));
         assert_eq!(sweep_all(&store).await, 1, "a hole is not a record");
@@ -1963,12 +2232,88 @@ mod segment_tests {
             }) => assert_eq!(*replayed, answer(big)),
             other => panic!("{other:?}"),
         }
-        assert_eq!(store.bytes(), charge("big", big) + charge("small", 10));
+        assert_eq!(
+            store.bytes(),
+            charge("big", big) + charge("small", 10) + owner()
+        );
         clock.advance(Duration::from_secs(2));
         assert_eq!(sweep_all(&store).await, 2);
         assert_eq!((store.len(), store.bytes()), (0, 0));
         // The large one is freed; only the segment of the usual size is kept.
         assert_eq!(counts(&store), (0, 1));
+    }
+
+    /// A record's completion time is a 32-bit offset from its segment's first, and the time
+    /// from its claim a variable-length integer: a record completed a month after its segment
+    /// opened, by a handler that ran a month, goes into a segment of its own and keeps its
+    /// times to the millisecond.
+    #[tokio::test]
+    async fn a_record_completed_a_month_after_its_segment_opened_keeps_its_times() {
+        let clock = ManualClock::new();
+        let store = store(&clock, 4 << 10);
+        let scope = [7; 32];
+        let month = Duration::from_secs(30 * 86_400);
+        let retention = 3 * month;
+        let early = claim_req(&scope, "early");
+        assert_eq!(store.claim(&early).await.unwrap(), Claim::Acquired);
+        let ten = answer(10);
+        let done = store.complete(&scope, "early", early.token, &ten, retention);
+        assert!(done.await.unwrap());
+        clock.advance(month);
+        let late = ClaimRequest {
+            lease: 2 * month,
+            ..claim_req(&scope, "late")
+        };
+        assert_eq!(store.claim(&late).await.unwrap(), Claim::Acquired);
+        clock.advance(month + Duration::from_millis(7));
+        let ten = answer(10);
+        let done = store.complete(&scope, "late", late.token, &ten, retention);
+        assert!(done.await.unwrap());
+        assert_eq!(
+            counts(&store).0,
+            2,
+            "an offset past 32 bits opens a segment"
+        );
+        let (e, l) = (
+            store
+                .inspect(&scope, "early", false)
+                .await
+                .unwrap()
+                .unwrap(),
+            store.inspect(&scope, "late", false).await.unwrap().unwrap(),
+        );
+        let since = |a: Option<std::time::SystemTime>, b: Option<std::time::SystemTime>| {
+            a.unwrap().duration_since(b.unwrap()).unwrap()
+        };
+        assert_eq!(since(e.completed_at, e.created_at), Duration::ZERO);
+        assert_eq!(since(l.created_at, e.completed_at), month);
+        assert_eq!(
+            since(l.completed_at, l.created_at),
+            month + Duration::from_millis(7)
+        );
+        assert_eq!(since(l.expires_at.into(), l.completed_at), retention);
+        for key in ["early", "late"] {
+            match store.claim(&claim_req(&scope, key)).await.unwrap() {
+                Claim::Standing(Standing {
+                    state: StandingState::Completed(replayed),
+                    token,
+                    ..
+                }) => {
+                    assert_eq!(*replayed, answer(10), "{key}");
+                    let claimed = if key == "early" {
+                        early.token
+                    } else {
+                        late.token
+                    };
+                    assert_eq!(token, claimed, "{key}");
+                }
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+        clock.advance(retention + 2 * month);
+        assert_eq!(sweep_all(&store).await, 2);
+        assert_eq!((store.len(), store.bytes()), (0, 0));
+        assert_eq!(counts(&store).0, 0);
     }
 
     #[tokio::test]

@@ -1,41 +1,50 @@
 //! Where the memory store keeps completed answers: append-only segments, one queue of them per
 //! retention, so that each queue is in expiry order (the Segcache design, Yang et al., NSDI '21).
 //!
-//! A completed record is one run of bytes in a segment: a fixed header (its hash, quota bucket,
-//! times, fingerprint, status, the lengths of what follows, its charge and its scope), then its
-//! key, route, encoded headers, body and encoded trailers. Nothing is allocated or freed per
-//! record: segments are [`SEGMENT_BYTES`] long, allocated once and reused; an answer larger than a
-//! segment gets a segment of its own, counted in [`Segments::own_allocations`]. Records of one
-//! retention completed in one shard are appended in completion order, so each queue's records
-//! are in expiry order and the sweep walks a queue from its front until it meets a record that is
-//! not due. A record forgotten or taken over leaves its bytes where they are (a hole, counted by
-//! the store) until the walk passes it, and a segment the walk has passed entirely is reused.
+//! A completed record is one run of bytes in a segment: a fixed header (its token, fingerprint
+//! digest, owner, completion time, status and the 32 bits of its hash its index slot keeps), six
+//! variable-length integers (its fingerprint's version, how long before its completion it was
+//! claimed, and the lengths of what follows), then its key, encoded headers, body and encoded
+//! trailers. What many records share is not in the record: its scope, quota bucket and route are
+//! its shard's owner entry, named by a 4-byte id; its expiry is its completion time and its
+//! segment's retention; its completion time is a 32-bit offset from its segment's first. Nothing is allocated or freed per record: segments are
+//! [`SEGMENT_BYTES`] long, allocated once and reused; an answer larger than a segment gets a
+//! segment of its own, counted in [`Segments::own_allocations`]. Records of one retention
+//! completed in one shard are appended in completion order, so each queue's records are in expiry
+//! order and the sweep walks a queue from its front until it meets a record that is not due. A
+//! record forgotten or taken over is marked a hole and leaves its bytes where they are (counted
+//! by the store) until the walk passes it, and a segment the walk has passed entirely is reused.
 
 use std::collections::VecDeque;
 
 use crate::clock::Millis;
 use crate::fingerprint::Fingerprint;
-use crate::scope::ScopeHash;
-use crate::store::{RecordedResponse, encode_fields_into, header_bytes};
+use crate::store::{FencingToken, RecordedResponse, encode_fields_into, header_bytes};
 
 /// Bytes of a segment: about fifty 1 KiB answers.
 pub(super) const SEGMENT_BYTES: usize = 64 << 10;
 
-/// Bytes of a record's fixed header in its segment.
-pub(super) const HEADER_BYTES: usize = 124;
+/// Segments one shard may hold at once: a record's place in its index slot is a 15-bit segment
+/// id and a 16-bit offset (2 GiB of answers a shard).
+pub(super) const MAX_SEGMENTS: usize = 1 << 15;
 
-/// Offsets inside the header.
-const HASH: usize = 0;
-const BUCKET: usize = 8;
-const CREATED: usize = 16;
-const COMPLETED: usize = 24;
-const FP_VERSION: usize = 32;
-const FP_DIGEST: usize = 34;
-const STATUS: usize = 66;
-/// Five `u32` lengths: key, route, headers, body, trailers.
-const LENGTHS: usize = 68;
-const WEIGHT: usize = 88;
-const SCOPE: usize = 92;
+/// Bytes of a record's fixed header in its segment.
+pub(super) const FIXED_HEADER: usize = 54;
+
+/// Most bytes of a record's header: the fixed part, then as variable-length integers its
+/// fingerprint's version (16 bits), how long it ran (64 bits) and four 32-bit lengths.
+pub(super) const MAX_HEADER_BYTES: usize = FIXED_HEADER + 3 + 10 + 4 * 5;
+
+/// Offsets inside the fixed header.
+const TOKEN: usize = 0;
+const FP_DIGEST: usize = 8;
+const OWNER: usize = 40;
+const COMPLETED: usize = 44;
+const STATUS: usize = 48;
+const CHECK: usize = 50;
+
+/// The owner id of a hole: a record forgotten or taken over, whose owner entry may be gone.
+const HOLE: u32 = u32::MAX;
 
 /// Where a completed record starts: a segment's id and an offset in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,66 +55,118 @@ pub(super) struct Loc {
 
 /// What a completed record is made of, before it is written.
 pub(super) struct Parts<'a> {
-    pub(super) hash: u64,
-    pub(super) bucket: u64,
+    pub(super) token: FencingToken,
+    pub(super) check: u32,
     pub(super) created_at: Millis,
     pub(super) completed_at: Millis,
     pub(super) fingerprint: Fingerprint,
-    pub(super) scope: &'a ScopeHash,
     pub(super) key: &'a str,
-    pub(super) route: &'a str,
     pub(super) response: &'a RecordedResponse,
 }
 
 impl Parts<'_> {
-    /// The record's five lengths and its total, or `None` when one does not fit the header's
-    /// 32 bits (or the whole record does not fit an offset).
-    pub(super) fn lengths(&self) -> Option<([u32; 5], usize)> {
+    /// The record's four lengths (key, headers, body, trailers) and its total bytes, or `None`
+    /// when a length does not fit 32 bits (or the whole record does not fit an offset).
+    pub(super) fn lengths(&self) -> Option<([u32; 4], usize)> {
         let lens = [
             self.key.len(),
-            self.route.len(),
             header_bytes(&self.response.headers),
             self.response.body.len(),
             header_bytes(&self.response.trailers),
         ];
-        let total = HEADER_BYTES + lens.iter().sum::<usize>();
+        let mut header =
+            FIXED_HEADER + varint_len(self.fingerprint.version.into()) + varint_len(self.ran());
+        for len in lens {
+            header += varint_len(u32::try_from(len).ok()?.into());
+        }
+        let total = header + lens.iter().sum::<usize>();
         u32::try_from(total).ok()?;
         Some((lens.map(|l| l as u32), total))
     }
 
-    fn write(&self, lens: [u32; 5], weight: u32, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.hash.to_le_bytes());
-        out.extend_from_slice(&self.bucket.to_le_bytes());
-        out.extend_from_slice(&self.created_at.to_le_bytes());
-        out.extend_from_slice(&self.completed_at.to_le_bytes());
-        out.extend_from_slice(&self.fingerprint.version.to_le_bytes());
+    /// How long before its completion the record was claimed.
+    fn ran(&self) -> u64 {
+        self.completed_at.saturating_sub(self.created_at)
+    }
+
+    /// Writes the record, naming `owner`, its completion time as `completed` (an offset from
+    /// its segment's).
+    fn write(&self, owner: u32, lens: [u32; 4], completed: i32, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.token.0.to_le_bytes());
         out.extend_from_slice(&self.fingerprint.digest);
+        out.extend_from_slice(&owner.to_le_bytes());
+        out.extend_from_slice(&completed.to_le_bytes());
         out.extend_from_slice(&self.response.status.to_le_bytes());
+        out.extend_from_slice(&self.check.to_le_bytes());
+        put_varint(self.fingerprint.version.into(), out);
+        put_varint(self.ran(), out);
         for len in lens {
-            out.extend_from_slice(&len.to_le_bytes());
+            put_varint(len.into(), out);
         }
-        out.extend_from_slice(&weight.to_le_bytes());
-        out.extend_from_slice(self.scope);
         out.extend_from_slice(self.key.as_bytes());
-        out.extend_from_slice(self.route.as_bytes());
         self.response.encode_headers_into(out);
         out.extend_from_slice(&self.response.body);
         encode_fields_into(&self.response.trailers, out);
     }
 }
 
+/// Bytes of `v` as a variable-length integer (LEB128: seven bits a byte).
+pub(super) fn varint_len(v: u64) -> usize {
+    (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
+}
+
+fn put_varint(mut v: u64, out: &mut Vec<u8>) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// The variable-length integer at `*at`, which moves past it.
+fn varint_at(b: &[u8], at: &mut usize) -> u64 {
+    let mut v = 0;
+    for shift in (0..64).step_by(7) {
+        let byte = b[*at];
+        *at += 1;
+        v |= u64::from(byte & 0x7f) << shift;
+        if byte < 0x80 {
+            break;
+        }
+    }
+    v
+}
+
 /// A completed record read in place.
 #[derive(Clone, Copy)]
 pub(super) struct Record<'a> {
     bytes: &'a [u8],
+    /// The segment's time its completion time is an offset from, and the segment's retention.
+    base: Millis,
+    retention: Millis,
+    version: u16,
+    ran: u64,
+    /// Where the key starts, and the four lengths.
+    parts: usize,
+    lens: [u32; 4],
 }
 
 impl<'a> Record<'a> {
-    fn at(buf: &'a [u8], off: usize) -> Self {
-        let head = &buf[off..off + HEADER_BYTES];
-        let lens: usize = (0..5).map(|i| u32_at(head, LENGTHS + 4 * i) as usize).sum();
+    fn at(seg: &'a Segment, off: usize) -> Self {
+        let buf = &seg.buf[off..];
+        let mut at = FIXED_HEADER;
+        let version = varint_at(buf, &mut at) as u16;
+        let ran = varint_at(buf, &mut at);
+        let lens = [0; 4].map(|_| varint_at(buf, &mut at) as u32);
+        let len = at + lens.iter().map(|&l| l as usize).sum::<usize>();
         Self {
-            bytes: &buf[off..off + HEADER_BYTES + lens],
+            bytes: &buf[..len],
+            base: seg.base,
+            retention: seg.retention,
+            version,
+            ran,
+            parts: at,
+            lens,
         }
     }
 
@@ -114,25 +175,43 @@ impl<'a> Record<'a> {
         self.bytes.len()
     }
 
-    pub(super) fn hash(self) -> u64 {
-        u64_at(self.bytes, HASH)
+    pub(super) fn token(self) -> FencingToken {
+        FencingToken(u64::from_le_bytes(
+            self.bytes[TOKEN..TOKEN + 8].try_into().expect("8 bytes"),
+        ))
     }
 
-    pub(super) fn bucket(self) -> u64 {
-        u64_at(self.bytes, BUCKET)
+    /// The 32 bits of its hash its index slot keeps.
+    pub(super) fn check(self) -> u32 {
+        u32::from_le_bytes(self.bytes[CHECK..CHECK + 4].try_into().expect("4 bytes"))
     }
 
-    pub(super) fn created_at(self) -> Millis {
-        u64_at(self.bytes, CREATED)
+    /// Its owner entry's id, `None` for a hole.
+    pub(super) fn owner(self) -> Option<u32> {
+        let id = u32::from_le_bytes(self.bytes[OWNER..OWNER + 4].try_into().expect("4 bytes"));
+        (id != HOLE).then_some(id)
     }
 
     pub(super) fn completed_at(self) -> Millis {
-        u64_at(self.bytes, COMPLETED)
+        let offset = i32::from_le_bytes(
+            self.bytes[COMPLETED..COMPLETED + 4]
+                .try_into()
+                .expect("4 bytes"),
+        );
+        self.base.wrapping_add_signed(offset.into())
+    }
+
+    pub(super) fn created_at(self) -> Millis {
+        self.completed_at() - self.ran
+    }
+
+    pub(super) fn expires_at(self) -> Millis {
+        self.completed_at().saturating_add(self.retention)
     }
 
     pub(super) fn fingerprint(self) -> Fingerprint {
         Fingerprint {
-            version: u16::from_le_bytes([self.bytes[FP_VERSION], self.bytes[FP_VERSION + 1]]),
+            version: self.version,
             digest: self.bytes[FP_DIGEST..FP_DIGEST + 32]
                 .try_into()
                 .expect("32 bytes"),
@@ -143,43 +222,26 @@ impl<'a> Record<'a> {
         u16::from_le_bytes([self.bytes[STATUS], self.bytes[STATUS + 1]])
     }
 
-    /// What the record is charged, in the store and in its scope's share.
-    pub(super) fn weight(self) -> usize {
-        u32_at(self.bytes, WEIGHT) as usize
-    }
-
-    pub(super) fn scope(self) -> &'a [u8] {
-        &self.bytes[SCOPE..SCOPE + 32]
-    }
-
-    /// The `i`th variable part: 0 key, 1 route, 2 headers, 3 body, 4 trailers.
+    /// The `i`th variable part: 0 key, 1 headers, 2 body, 3 trailers.
     fn part(self, i: usize) -> &'a [u8] {
-        let start = HEADER_BYTES
-            + (0..i)
-                .map(|j| u32_at(self.bytes, LENGTHS + 4 * j) as usize)
-                .sum::<usize>();
-        &self.bytes[start..start + u32_at(self.bytes, LENGTHS + 4 * i) as usize]
+        let start = self.parts + self.lens[..i].iter().map(|&l| l as usize).sum::<usize>();
+        &self.bytes[start..start + self.lens[i] as usize]
     }
 
     pub(super) fn key(self) -> &'a [u8] {
         self.part(0)
     }
 
-    pub(super) fn route(self) -> &'a str {
-        // Written from a `&str`.
-        std::str::from_utf8(self.part(1)).unwrap_or_default()
-    }
-
     pub(super) fn headers(self) -> &'a [u8] {
-        self.part(2)
+        self.part(1)
     }
 
     pub(super) fn body(self) -> &'a [u8] {
-        self.part(3)
+        self.part(2)
     }
 
     pub(super) fn trailers(self) -> &'a [u8] {
-        self.part(4)
+        self.part(3)
     }
 
     /// The recorded answer, for a replay: its headers and trailers decoded, its body copied out
@@ -208,20 +270,16 @@ impl<'a> Record<'a> {
     }
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
 struct Segment {
     buf: Vec<u8>,
     /// Given to one answer too large for a segment: never appended to, never reused.
     own: bool,
     /// Bytes from the start that the sweep has passed: every record there is gone.
     swept: usize,
+    /// Its first record's completion time: each record's is a 32-bit offset from it.
+    base: Millis,
+    /// Its queue's retention.
+    retention: Millis,
 }
 
 /// The segments of one retention, oldest first; the last is the one appended to.
@@ -254,15 +312,17 @@ pub(super) enum Front<'a> {
 }
 
 impl Segments {
-    /// Writes a record into the open segment of its retention's queue (a new one when it does
-    /// not fit) and says where. `lens` and `total` are [`Parts::lengths`]' answer.
+    /// Writes a record naming `owner` into the open segment of its retention's queue (a new one
+    /// when it does not fit, or when its completion time is too far from the segment's first)
+    /// and says where. `lens` and `total` are [`Parts::lengths`]' answer. The shard holds fewer than
+    /// [`MAX_SEGMENTS`] segments (the store refuses claims before that).
     pub(super) fn append(
         &mut self,
         retention: Millis,
         parts: &Parts<'_>,
-        lens: [u32; 5],
+        owner: u32,
+        lens: [u32; 4],
         total: usize,
-        weight: u32,
     ) -> Loc {
         let q = match self.queues.iter().position(|q| q.retention == retention) {
             Some(q) => q,
@@ -274,9 +334,12 @@ impl Segments {
                 self.queues.len() - 1
             }
         };
+        let offset = |seg: &Segment| {
+            i32::try_from(i128::from(parts.completed_at) - i128::from(seg.base)).ok()
+        };
         let open = self.queues[q].segments.back().copied().filter(|&id| {
             let seg = self.by_id[id as usize].as_ref().expect("a queued segment");
-            !seg.own && seg.buf.len() + total <= SEGMENT_BYTES
+            !seg.own && seg.buf.len() + total <= SEGMENT_BYTES && offset(seg).is_some()
         });
         let id = match open {
             Some(id) => id,
@@ -290,14 +353,21 @@ impl Segments {
                         .pop()
                         .unwrap_or_else(|| Vec::with_capacity(SEGMENT_BYTES))
                 };
-                let id = self.add(Segment { buf, own, swept: 0 });
+                let id = self.add(Segment {
+                    buf,
+                    own,
+                    swept: 0,
+                    base: parts.completed_at,
+                    retention,
+                });
                 self.queues[q].segments.push_back(id);
                 id
             }
         };
         let seg = self.by_id[id as usize].as_mut().expect("a queued segment");
         let (off, capacity) = (seg.buf.len(), seg.buf.capacity());
-        parts.write(lens, weight, &mut seg.buf);
+        let completed = offset(seg).expect("checked above");
+        parts.write(owner, lens, completed, &mut seg.buf);
         debug_assert_eq!(seg.buf.len(), off + total);
         debug_assert_eq!(seg.buf.capacity(), capacity, "a segment grew");
         Loc {
@@ -315,6 +385,10 @@ impl Segments {
             }
             None => {
                 self.by_id.push(Some(seg));
+                debug_assert!(
+                    self.by_id.len() <= MAX_SEGMENTS,
+                    "a segment id past 15 bits"
+                );
                 (self.by_id.len() - 1) as u32
             }
         }
@@ -325,7 +399,22 @@ impl Segments {
         let seg = self.by_id[loc.seg as usize]
             .as_ref()
             .expect("a live segment");
-        Record::at(&seg.buf, loc.off as usize)
+        Record::at(seg, loc.off as usize)
+    }
+
+    /// Marks the record at `loc` a hole: its owner entry may be released and reused, and the
+    /// sweep passes it without looking it up.
+    pub(super) fn make_hole(&mut self, loc: Loc) {
+        let seg = self.by_id[loc.seg as usize]
+            .as_mut()
+            .expect("a live segment");
+        let at = loc.off as usize + OWNER;
+        seg.buf[at..at + 4].copy_from_slice(&HOLE.to_le_bytes());
+    }
+
+    /// Segments in use.
+    pub(super) fn in_use(&self) -> usize {
+        self.in_use
     }
 
     /// Number of retention queues (the sweep walks each).
@@ -354,7 +443,7 @@ impl Segments {
                 seg: id,
                 off: seg.swept as u32,
             },
-            Record::at(&seg.buf, seg.swept),
+            Record::at(seg, seg.swept),
         )
     }
 
@@ -388,5 +477,32 @@ impl Segments {
     #[cfg(test)]
     pub(super) fn counts(&self) -> (usize, usize) {
         (self.in_use, self.spare.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_variable_length_integer_reads_back_as_written_in_its_counted_bytes() {
+        for v in [
+            0,
+            1,
+            127,
+            128,
+            200,
+            16_383,
+            16_384,
+            u64::from(u32::MAX),
+            u64::MAX,
+        ] {
+            let mut out = Vec::new();
+            put_varint(v, &mut out);
+            assert_eq!(out.len(), varint_len(v), "{v}");
+            let mut at = 0;
+            assert_eq!(varint_at(&out, &mut at), v);
+            assert_eq!(at, out.len());
+        }
     }
 }
