@@ -24,7 +24,18 @@ pub(crate) fn key_missing(config: &Config, route: &str, at: Option<&KeySource>) 
     observe::count(Event::KeyMissing, route);
     observe::decided(Event::KeyMissing.name());
     let detail = match at {
-        None => "this endpoint requires an Idempotency-Key header".to_owned(),
+        // The configured header (`Config::key_header`, kept lowercase), in the contract's
+        // spelling when it is the default one.
+        None if config
+            .key_header()
+            .eq_ignore_ascii_case(crate::key::HEADER_NAME) =>
+        {
+            "this endpoint requires an Idempotency-Key header".to_owned()
+        }
+        None => format!(
+            "this endpoint requires an idempotency key in the {} header",
+            config.key_header()
+        ),
         Some(at) => match at.body_pointer() {
             Some(pointer) => {
                 format!("this endpoint requires an idempotency key in the JSON body at {pointer}")

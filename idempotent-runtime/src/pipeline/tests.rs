@@ -653,10 +653,17 @@ async fn the_key_header_is_a_setting() {
     let claimed = claimed(&handle, &custom, b"{}").await;
     assert_eq!(claimed.context.as_ref().unwrap().key().as_str(), "k");
     claimed.held.release().await;
-    // The default name is just another header now.
+    // The default name is just another header now, and the refusal names the configured one.
     let default_name = TestHead::keyed("k");
     let step = front::<Detached, _, _>(&handle, REQUIRED, &default_name, TestBody::stalled());
-    assert_eq!(refusal(step.await), ProblemCode::KeyRequired);
+    let Front::Refuse(problem) = step.await else {
+        panic!("not refused")
+    };
+    assert_eq!(problem.code(), ProblemCode::KeyRequired);
+    assert_eq!(
+        problem.detail(),
+        "this endpoint requires an idempotency key in the x-idempotency-key header"
+    );
     let bad = TestHead::default().header("x-idempotency-key", "a,b");
     let step = front::<Detached, _, _>(&handle, OPTIONAL, &bad, TestBody::stalled());
     assert_eq!(refusal(step.await), ProblemCode::KeyInvalid);
