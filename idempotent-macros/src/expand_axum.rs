@@ -52,11 +52,33 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
         }));
     }
 
+    // A handler that names no `State` takes the handle from whatever state the router has: the
+    // wrapper is generic over that state, bounded on `ProvidesIdempotency` (whose self type is
+    // the state, so rustc cannot guess it from the bound). A router without the handle in its
+    // state then fails at `post(handler)` with that trait's message, instead of rustc inferring
+    // the state to be the handle itself and reporting a `MethodRouter` type mismatch.
+    // `#[axum::debug_handler]` refuses generic functions: under it, the state stays inferred.
+    let debug_handler = handler.outer_attrs.iter().any(|a| {
+        a.path()
+            .segments
+            .last()
+            .is_some_and(|s| s.ident == "debug_handler")
+    });
+    let state_generic = !from_extension
+        && !debug_handler
+        && !handler
+            .params
+            .iter()
+            .any(|p| matches!(p.role, Role::State(_)));
+    let state_param = format_ident!("__IdempotentState");
     let source = if from_extension {
         quote!(#private::FromExtension)
+    } else if state_generic {
+        quote!(#private::FromStateOf<#state_param>)
     } else {
         quote!(#private::FromState)
     };
+    let generics = state_generic.then(|| quote!(<#state_param: #private::ProvidesIdempotency>));
     let item = handler.item;
     let endpoint = format_ident!("__idempotent_endpoint_{}", item.sig.ident);
     let cfgs: Vec<_> = handler
@@ -125,7 +147,7 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
     quote! {
         #endpoint_item
         #(#attrs)*
-        #vis async fn #name(#(#outer_inputs),*) -> #private::Response {
+        #vis async fn #name #generics(#(#outer_inputs),*) -> #private::Response {
             #(#probes)*
             #inner_fn
             #run

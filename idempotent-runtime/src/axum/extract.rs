@@ -8,6 +8,7 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 
 use super::adapter::{HANDLE_MISSING_FIX as FIX, prepare, route_of};
+use super::probe::ProvidesIdempotency;
 use crate::Idempotency;
 use crate::adapter::{self, Claimed, Entry, OuterStep, Served};
 use crate::config::{Endpoint, EndpointConfig};
@@ -30,6 +31,18 @@ where
 {
     fn handle(_: &http::Extensions, state: &S) -> Option<Idempotency> {
         Some(Idempotency::from_ref(state))
+    }
+}
+
+/// From the application state `S` the expansion names when the handler has no `State`
+/// parameter: `S: ProvidesIdempotency`, a bound rustc cannot solve by guessing `S` (see the
+/// expansion), so a router whose state lacks the handle is refused with that trait's message.
+#[derive(Debug)]
+pub struct FromStateOf<S>(PhantomData<fn() -> S>);
+
+impl<S: ProvidesIdempotency + 'static> HandleSource<S> for FromStateOf<S> {
+    fn handle(_: &http::Extensions, state: &S) -> Option<Idempotency> {
+        Some(state.idempotency())
     }
 }
 

@@ -72,7 +72,7 @@ pub mod __private {
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     pub use super::enlisted::EnlistedIdempotent;
     pub use super::extract::{
-        FromExtension, FromState, HandleSource, Idempotent, Via, context_missing,
+        FromExtension, FromState, FromStateOf, HandleSource, Idempotent, Via, context_missing,
     };
     pub use super::probe::ProvidesIdempotency;
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]

@@ -12,7 +12,8 @@ use crate::Idempotency;
 #[diagnostic::on_unimplemented(
     message = "the state `{Self}` does not provide the `Idempotency` handle #[idempotent] needs",
     label = "`Idempotency` cannot be taken from this state",
-    note = "implement `FromRef<{Self}> for Idempotency` (or `#[derive(FromRef)]` on the state with an \
+    note = "give the router the handle as its state (`.with_state(idempotency)`), or implement \
+            `FromRef<{Self}> for Idempotency` (or `#[derive(FromRef)]` on the state with an \
             `Idempotency` field), or take `Extension<Idempotency>` in the handler and add the handle \
             with `.layer(Extension(idempotency))`"
 )]
@@ -20,8 +21,19 @@ pub trait ProvidesIdempotency {
     /// The expansion's check: calling it needs `Self: ProvidesIdempotency`.
     #[doc(hidden)]
     fn provides_idempotency() {}
+
+    /// The handle in this state.
+    #[doc(hidden)]
+    fn idempotency(&self) -> Idempotency;
 }
 
 // The impl's bound (`FromRef`) is axum's, and would lead the reader there instead of to the fix.
 #[diagnostic::do_not_recommend]
-impl<S> ProvidesIdempotency for S where Idempotency: FromRef<S> {}
+impl<S> ProvidesIdempotency for S
+where
+    Idempotency: FromRef<S>,
+{
+    fn idempotency(&self) -> Idempotency {
+        Idempotency::from_ref(self)
+    }
+}
