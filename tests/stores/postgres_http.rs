@@ -122,7 +122,11 @@ async fn replays_answered_by_the_cache_are_the_caches_in_the_metrics_not_the_dat
             )
         };
         assert_eq!(claims("postgres"), Some(2.0), "{name}: {text}");
-        assert_eq!(claims("cache"), Some((REPLAYS - 1) as f64), "{name}: {text}");
+        assert_eq!(
+            claims("cache"),
+            Some((REPLAYS - 1) as f64),
+            "{name}: {text}"
+        );
         assert_eq!(
             sample(&text, "idempotent_replayed_total", &["route=\"/orders\""]),
             Some(REPLAYS as f64),
