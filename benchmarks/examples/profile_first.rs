@@ -5,7 +5,7 @@
 //! ```
 //!
 //! Variants: `bare`, `first` (`#[idempotent]` on the memory store, a new key each request),
-//! `replay` (one key).
+//! `replay` (one key), and `cached-first` / `cached-replay`, the same behind a `CachedStore`.
 
 use http_body_util::BodyExt;
 use idempotent_benchmarks as bench;
@@ -24,11 +24,14 @@ fn main() {
         let router = match variant.as_str() {
             "bare" => bench::bare_router(),
             "first" | "replay" => bench::idempotent_router(bench::unbounded_memory_store()),
-            _ => panic!("variant: bare | first | replay"),
+            "cached-first" | "cached-replay" => {
+                bench::idempotent_router(bench::cached_unbounded_memory_store())
+            }
+            _ => panic!("variant: bare | first | replay | cached-first | cached-replay"),
         };
         for i in 0..n {
             let key = match variant.as_str() {
-                "first" => format!("first-{i}"),
+                "first" | "cached-first" => format!("first-{i}"),
                 _ => "replayed".to_owned(),
             };
             let response = router

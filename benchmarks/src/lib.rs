@@ -100,6 +100,17 @@ pub fn unbounded_memory_store() -> Idempotency {
         .build()
 }
 
+/// [`unbounded_memory_store`]'s store behind a
+/// [`CachedStore`](idempotent_runtime::store::cache::CachedStore) of its defaults: what the cache
+/// adds to a request, measured against the same store without it.
+pub fn cached_unbounded_memory_store() -> Idempotency {
+    Idempotency::builder(idempotent_runtime::store::cache::CachedStore::new(
+        unbounded_memory(),
+    ))
+    .max_buffered_bytes(usize::MAX / 2)
+    .build()
+}
+
 /// The same memory store with a short `retention`, the steady state of a long-running service
 /// when `sweeper` is on (records are freed as fast as they arrive, so the store stops growing);
 /// with it off, expired records stay and the store grows as [`unbounded_memory_store`]'s does.

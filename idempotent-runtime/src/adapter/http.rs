@@ -17,6 +17,7 @@ use http_body::{Frame, SizeHint};
 use super::{Chunks, Head, Reply};
 use crate::REPLAYED_HEADER;
 use crate::scope::Identity;
+use crate::store::RecordedResponse;
 
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(crate::key::HEADER_NAME);
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -247,11 +248,27 @@ impl<B: HttpBody> Reply for http::Response<B> {
         http::Response::from_parts(head, B::wrap(Trailing { body, trailers }))
     }
 
+    /// The recorded values are sent as they are: each is a `Bytes` already (often a view of the
+    /// store's one copy of the answer), so it is checked, not copied.
+    fn replay(recorded: &RecordedResponse) -> Self {
+        let mut response = http::Response::new(B::from(recorded.body.clone()));
+        *response.status_mut() = StatusCode::from_u16(recorded.status).unwrap_or(StatusCode::OK);
+        let headers = response.headers_mut();
+        for (name, value) in &recorded.headers {
+            let name = HeaderName::from_bytes(name.as_bytes());
+            let value = HeaderValue::from_maybe_shared(value.clone());
+            if let (Ok(name), Ok(value)) = (name, value) {
+                headers.append(name, value);
+            }
+        }
+        response.with_trailers(&recorded.trailers).mark_replayed()
+    }
+
     fn mark_replayed(mut self) -> Self {
-        self.headers_mut().insert(
-            HeaderName::from_static(REPLAYED_HEADER),
-            HeaderValue::from_static("true"),
-        );
+        // Checked once, at compile time, rather than at every replay.
+        static NAME: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
+        static TRUE: HeaderValue = HeaderValue::from_static("true");
+        self.headers_mut().insert(NAME.clone(), TRUE.clone());
         self
     }
 

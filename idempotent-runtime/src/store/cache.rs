@@ -1,29 +1,33 @@
 //! A cache of completed records in front of a shared store ([the contract](crate::design) §5).
 //!
 //! A completed record never changes until it expires, so a process may keep the records it
-//! completed and answer a claim that meets one with the replay, without a round trip to the
+//! replayed and answer a claim that meets one with the replay, without a round trip to the
 //! store. The cache is bounded in bytes, never answers past a record's `expires_at`, and never
 //! holds a reservation: a claim that finds nothing here (or a reservation, or an expired copy)
 //! goes to the store, and every conditional write (complete, release, renew, reclaim) always
 //! does. The fingerprint is kept with the response, so a different request under a cached key
 //! is still refused (422).
 //!
-//! What the cache knows of a record's expiry is this process's clock at the moment it sent the
-//! completion, plus the retention: the store's own `expires_at` is that or later, as long as the
-//! two clocks agree. A copy is also re-checked with the store once it is
-//! [`max_age`](CachedStore::max_age) old (default 60 s), which bounds how long a record deleted
-//! elsewhere (by another process's admin `forget`) may still be replayed here.
+//! A record is kept from its first replay through this process (that replay costs the store's
+//! one read), not at its completion: a first request pays the cache one lookup that misses and
+//! nothing else (no copy, no allocation, no write to a shard), and most records are never
+//! replayed, so the bytes go to those that are. What the cache knows of a record's expiry is
+//! this process's clock just before it asked the store, plus what the store reported was left:
+//! the store's own `expires_at` is that or later, as long as the two clocks agree. A copy is
+//! also re-checked with the store once it is [`max_age`](CachedStore::max_age) old (default
+//! 60 s), which bounds how long a record deleted elsewhere (by another process's admin
+//! `forget`) may still be replayed here.
 //!
 //! # What it answers, and when it asks the store
 //!
-//! A completed record never changes until it expires, so this process keeps the records it completed
-//! (response, token and fingerprint) and answers a replay of one without a round trip; a different
-//! request under a cached key is still 422. Records completed by *another* replica are kept too, from
-//! their first replay here on (that replay costs the store's one read, which reports how long the
-//! record has left). It never holds a reservation (a key in progress always asks the store), never
-//! answers past the record's `expires_at` (judged by this process's clock from the moment it sent the
-//! completion or asked the store, so the host's clock must agree with the database's), and re-checks a
-//! copy with the store once it is `max_age` old (default 60 s). A `forget` through this process (the
+//! A completed record never changes until it expires, so this process keeps the records it replayed
+//! (response, token and fingerprint) and answers a later replay of one without a round trip; a
+//! different request under a cached key is still 422. A record is kept from its first replay here on,
+//! whichever replica completed it (that replay costs the store's one read, which reports how long the
+//! record has left), so a first request costs no more behind the cache than without it. It never
+//! holds a reservation (a key in progress always asks the store), never answers past the record's
+//! `expires_at` (judged by this process's clock from the moment it asked the store, so the host's
+//! clock must agree with the database's), and re-checks a copy with the store once it is `max_age` old (default 60 s). A `forget` through this process (the
 //! admin API) drops its copy for good: once the forget returns, this process never replays the record,
 //! even if replays raced it. **It is off by default**: a record deleted through another process (a
 //! `forget` on replica A, a manual `DELETE`) may still be replayed by a replica B that holds a copy
@@ -38,8 +42,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bytes::Bytes;
-use hashbrown::{HashMap, HashTable};
+use hashbrown::HashTable;
 
 use super::{
     Claim, ClaimRequest, FencingToken, RecordInfo, RecordedResponse, Standing, StandingState,
@@ -52,10 +55,6 @@ use crate::scope::ScopeHash;
 /// Bytes charged per cached record beyond its key and response weight.
 const ENTRY_OVERHEAD: usize = 160;
 
-/// Most claims a shard remembers between their claim and their completion (the fingerprint a
-/// completion is cached with); past it, a completion is simply not cached.
-const PENDING_PER_SHARD: usize = 4096;
-
 const SHARDS: usize = 16;
 
 struct Cached {
@@ -65,7 +64,7 @@ struct Cached {
     token: FencingToken,
     fingerprint: Fingerprint,
     response: Arc<RecordedResponse>,
-    /// This process's clock when the completion was sent, plus the retention.
+    /// This process's clock just before the store was asked, plus what the store reported left.
     expires_at: Millis,
     /// When to check with the store again that the record still stands.
     fresh_until: Millis,
@@ -80,13 +79,11 @@ struct Shard {
     /// `(hash, seq)` in insertion order: the oldest is evicted first. Pairs of entries already
     /// gone are skipped, and dropped when they outnumber the entries.
     order: VecDeque<(u64, u64)>,
-    /// Claims acquired through this cache and not yet settled: token → fingerprint.
-    pending: HashMap<u64, Fingerprint>,
     bytes: usize,
     next_seq: u64,
     /// Moves at each forget of a key of this shard, before and after the store's delete. A copy
-    /// read from the store (a replay that missed, a completion) is kept only if no forget moved
-    /// it since before the store was asked: the copy may be of a record the forget deleted.
+    /// read from the store (a replay that missed) is kept only if no forget moved it since before
+    /// the store was asked: the copy may be of a record the forget deleted.
     forgets: u64,
 }
 
@@ -127,8 +124,8 @@ impl Shard {
     }
 }
 
-/// A [`Store`] that answers replays of records it completed from memory, and sends everything
-/// else to `inner`.
+/// A [`Store`] that answers replays of records it has replayed before from memory, and sends
+/// everything else to `inner`.
 ///
 /// ```
 /// use idempotent_runtime::store::cache::CachedStore;
@@ -216,8 +213,7 @@ impl<S> CachedStore<S> {
     }
 
     /// Drops the copy of `(scope, key)`, e.g. after the record was deleted through this process.
-    /// A copy read from the store before this call is not put back by the replay or completion
-    /// that read it.
+    /// A copy read from the store before this call is not put back by the replay that read it.
     pub fn evict(&self, scope: &ScopeHash, key: &str) {
         let (hash, shard) = self.locate(scope, key);
         let mut shard = lock(shard);
@@ -298,26 +294,6 @@ impl<S> CachedStore<S> {
         }
     }
 
-    fn note_pending(&self, req: &ClaimRequest<'_>) {
-        let (_, shard) = self.locate(req.scope, req.key);
-        let mut shard = lock(shard);
-        if shard.pending.len() < PENDING_PER_SHARD {
-            shard.pending.insert(req.token.0, req.fingerprint);
-        }
-    }
-
-    /// The fingerprint noted at the claim `token` made, and the shard's forget count.
-    fn take_pending(
-        &self,
-        scope: &ScopeHash,
-        key: &str,
-        token: FencingToken,
-    ) -> (Option<Fingerprint>, u64) {
-        let (_, shard) = self.locate(scope, key);
-        let mut shard = lock(shard);
-        (shard.pending.remove(&token.0), shard.forgets)
-    }
-
     /// After the store answered a claim that found a copy due for a re-check: keep the copy
     /// fresh for another `max_age` if the same record (same token) still stands completed, drop
     /// it otherwise.
@@ -335,19 +311,6 @@ impl<S> CachedStore<S> {
             shard.remove(hash, |c| same(c) && c.token == held);
         }
     }
-}
-
-/// A copy of `response` that owns its body in a buffer of exactly its size. The runtime's body is
-/// often a view of the buffer its handler serialized into, slack included (a 1.1 KiB JSON answer
-/// in 2 KiB); a copy kept for minutes must not keep that buffer alive, or the cache would hold
-/// more than the `max_bytes` it counts.
-fn detached(response: &RecordedResponse) -> RecordedResponse {
-    RecordedResponse::new(
-        response.status,
-        response.headers.clone(),
-        Bytes::copy_from_slice(&response.body),
-    )
-    .with_trailers(response.trailers.clone())
 }
 
 /// The `store` label of the claims the cache answers itself.
@@ -379,15 +342,11 @@ impl<S: Store> CachedStore<S> {
             self.inner.claim(req).await?
         };
         match (&claim, held) {
-            (Claim::Acquired, _) => {
-                if let Some(held) = held {
-                    self.recheck(req, held, &claim, now);
-                }
-                self.note_pending(req);
-            }
-            (Claim::Standing(_), Some(held)) => self.recheck(req, held, &claim, now),
-            // A record completed elsewhere (another process, or before this one started):
-            // replayed from here on, until its expiry as the store reported it.
+            // A first request: nothing was looked up but the miss.
+            (Claim::Acquired, None) => {}
+            (_, Some(held)) => self.recheck(req, held, &claim, now),
+            // A record's first replay through this process (whichever completed it): replayed
+            // from here on, until its expiry as the store reported it.
             (Claim::Standing(standing), None) => {
                 self.keep(req.scope, req.key, standing, now, forgets);
             }
@@ -416,11 +375,12 @@ impl<S: Store> Store for CachedStore<S> {
         if claim == Claim::Acquired {
             // Whatever copy was held is of a record that is gone now.
             self.evict(req.scope, req.key);
-            self.note_pending(req);
         }
         Ok(claim)
     }
 
+    /// The store's: the record is kept here from its first replay, not now (a first request
+    /// pays the cache nothing beyond its claim's lookup).
     async fn complete(
         &self,
         scope: &ScopeHash,
@@ -429,23 +389,9 @@ impl<S: Store> Store for CachedStore<S> {
         response: &RecordedResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let (fingerprint, forgets) = self.take_pending(scope, key, token);
-        // Taken before the store stamps its own `expires_at`, so the copy never outlives it.
-        let sent_at = self.clock.now_millis();
-        let done = self
-            .inner
+        self.inner
             .complete(scope, key, token, response, retention)
-            .await?;
-        if let (true, Some(fingerprint)) = (done, fingerprint) {
-            let copy = Standing {
-                token,
-                fingerprint,
-                state: StandingState::Completed(Arc::new(detached(response))),
-                expires_in: Some(retention),
-            };
-            self.keep(scope, key, &copy, sent_at, forgets);
-        }
-        Ok(done)
+            .await
     }
 
     async fn release(
@@ -454,7 +400,6 @@ impl<S: Store> Store for CachedStore<S> {
         key: &str,
         token: FencingToken,
     ) -> Result<bool, StoreError> {
-        self.take_pending(scope, key, token);
         self.inner.release(scope, key, token).await
     }
 
@@ -482,11 +427,11 @@ impl<S: Store> Store for CachedStore<S> {
         self.inner.inspect(scope, key, with_response).await
     }
 
-    /// Drops this process's copy, then the record, then any copy a replay or completion put
-    /// back meanwhile; a replay or completion that read the store before the delete keeps no
-    /// copy after it ([`evict`](Self::evict)). So once this returns, this process never answers
-    /// the record again. Other processes may replay theirs until it is older than `max_age`
-    /// (the README says so).
+    /// Drops this process's copy, then the record, then any copy a replay put back meanwhile; a
+    /// replay that read the store before the delete keeps no copy after it
+    /// ([`evict`](Self::evict)). So once this returns, this process never answers the record
+    /// again. Other processes may replay theirs until it is older than `max_age` (the README
+    /// says so).
     async fn forget(&self, scope: &ScopeHash, key: &str) -> Result<bool, StoreError> {
         self.evict(scope, key);
         let forgotten = self.inner.forget(scope, key).await;
@@ -519,6 +464,8 @@ impl<S: Store> Store for CachedStore<S> {
 
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
+
     use super::*;
     use crate::clock::ManualClock;
     use crate::store::contract::{self, forwarding::Forwarding};
@@ -582,7 +529,8 @@ mod tests {
         completed_with(store, scope, key, &response(b"{}")).await
     }
 
-    /// Claims `key` (fingerprint 1) through the cache and completes it with `answer`.
+    /// Claims `key` (fingerprint 1) through the cache, completes it with `answer`, and replays
+    /// it once: that replay reads the store and keeps the copy here.
     async fn completed_with<S: Store>(
         store: &CachedStore<S>,
         scope: &ScopeHash,
@@ -597,6 +545,19 @@ mod tests {
                 .await
                 .unwrap()
         );
+        let hits = store.hits();
+        assert!(matches!(
+            store.claim(&req(scope, key, 1)).await.unwrap(),
+            Claim::Standing(Standing {
+                state: StandingState::Completed(_),
+                ..
+            })
+        ));
+        assert_eq!(
+            store.hits(),
+            hits,
+            "a first replay was answered from the cache"
+        );
         first.token
     }
 
@@ -605,6 +566,41 @@ mod tests {
             Claim::Standing(s) => s,
             Claim::Acquired => panic!("acquired a completed key"),
         }
+    }
+
+    /// A first request costs the cache one lookup that misses: its completion keeps nothing
+    /// here (no copy of the answer); its first replay reads the store and keeps the copy.
+    #[tokio::test]
+    async fn a_first_request_keeps_nothing_and_its_first_replay_keeps_the_copy() {
+        let clock = ManualClock::new();
+        let store = counting(&clock);
+        let scope = [8; 32];
+        let first = req(&scope, "k", 1);
+        assert_eq!(store.claim(&first).await.unwrap(), Claim::Acquired);
+        let answer = response(b"first");
+        assert!(
+            store
+                .complete(&scope, "k", first.token, &answer, first.retention)
+                .await
+                .unwrap()
+        );
+        assert_eq!(store.cached_bytes(), 0, "a completion kept a copy");
+        let claims = || store.inner().calls().claim.load(Ordering::Relaxed);
+        for (replay, reached) in [(1, 2), (2, 2)] {
+            let standing = standing(store.claim(&req(&scope, "k", 1)).await.unwrap());
+            assert_eq!(standing.token, first.token);
+            assert_eq!(
+                standing.state,
+                StandingState::Completed(Arc::new(answer.clone()))
+            );
+            assert_eq!(
+                claims(),
+                reached,
+                "replay {replay}: claims that reached the store"
+            );
+        }
+        assert_eq!(store.hits(), 1);
+        assert!(store.cached_bytes() > 0);
     }
 
     #[tokio::test]
@@ -739,6 +735,8 @@ mod tests {
             .complete(&scope, "k", first.token, &response(b"1"), first.retention)
             .await
             .unwrap();
+        // The first replay keeps the copy, the second is answered from it.
+        store.claim(&req(&scope, "k", 1)).await.unwrap();
         store.claim(&req(&scope, "k", 1)).await.unwrap();
         assert_eq!(store.hits(), 1);
         clock.advance(Duration::from_secs(3));
@@ -779,6 +777,7 @@ mod tests {
                 .complete(&scope, &key, r.token, &response(&BODY), r.retention)
                 .await
                 .unwrap();
+            store.claim(&req(&scope, &key, 1)).await.unwrap();
         }
         assert!(store.cached_bytes() <= SHARDS * 4 * (ENTRY_OVERHEAD + 1_100));
         assert!(store.cached_bytes() > 0);

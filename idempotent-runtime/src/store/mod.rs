@@ -159,24 +159,39 @@ impl RecordedResponse {
     /// Inverse of [`encode_headers`](Self::encode_headers) (and of
     /// [`encode_trailers`](Self::encode_trailers)); `None` on corrupt input.
     pub fn decode_headers(mut raw: &[u8]) -> Option<Vec<(String, Bytes)>> {
-        fn take<'a>(raw: &mut &'a [u8]) -> Option<&'a [u8]> {
-            let (len, rest) = raw.split_first_chunk::<4>()?;
-            let len = u32::from_be_bytes(*len) as usize;
-            if rest.len() < len {
-                return None;
-            }
-            let (v, rest) = rest.split_at(len);
-            *raw = rest;
-            Some(v)
-        }
         let mut headers = Vec::new();
         while !raw.is_empty() {
-            let name = String::from_utf8(take(&mut raw)?.to_vec()).ok()?;
-            let value = Bytes::copy_from_slice(take(&mut raw)?);
+            let name = String::from_utf8(take_field(&mut raw)?.to_vec()).ok()?;
+            let value = Bytes::copy_from_slice(take_field(&mut raw)?);
             headers.push((name, value));
         }
         Some(headers)
     }
+
+    /// [`decode_headers`](Self::decode_headers) of `buf`, each value a view of `buf` rather
+    /// than a copy of its own.
+    pub(crate) fn decode_headers_in(buf: &Bytes) -> Option<Vec<(String, Bytes)>> {
+        let mut raw = &buf[..];
+        let mut headers = Vec::new();
+        while !raw.is_empty() {
+            let name = std::str::from_utf8(take_field(&mut raw)?).ok()?.to_owned();
+            let value = buf.slice_ref(take_field(&mut raw)?);
+            headers.push((name, value));
+        }
+        Some(headers)
+    }
+}
+
+/// The next name or value of [`RecordedResponse::encode_headers`]' encoding, taken off `raw`.
+fn take_field<'a>(raw: &mut &'a [u8]) -> Option<&'a [u8]> {
+    let (len, rest) = raw.split_first_chunk::<4>()?;
+    let len = u32::from_be_bytes(*len) as usize;
+    if rest.len() < len {
+        return None;
+    }
+    let (v, rest) = rest.split_at(len);
+    *raw = rest;
+    Some(v)
 }
 
 /// A claim: install `token` for `(scope, key)` unless a live record stands there.

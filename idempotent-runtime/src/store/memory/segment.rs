@@ -244,18 +244,22 @@ impl<'a> Record<'a> {
         self.part(3)
     }
 
-    /// The recorded answer, for a replay: its headers and trailers decoded, its body copied out
-    /// of the segment (which is reused once the record expires).
+    /// The recorded answer, for a replay. Its headers, body and trailers are copied out of the
+    /// segment (which is reused once the record expires) in one copy, the record's tail, and
+    /// each value and the body is a view of that copy: nothing is copied twice.
     pub(super) fn response(self) -> RecordedResponse {
-        let fields = |raw: &[u8]| {
-            RecordedResponse::decode_headers(raw).expect("fields the store encoded itself")
+        let (headers, body) = (self.headers().len(), self.body().len());
+        let tail = headers + body + self.trailers().len();
+        let answer = bytes::Bytes::copy_from_slice(&self.bytes[self.bytes.len() - tail..]);
+        let fields = |raw: bytes::Bytes| {
+            RecordedResponse::decode_headers_in(&raw).expect("fields the store encoded itself")
         };
         RecordedResponse::new(
             self.status(),
-            fields(self.headers()),
-            bytes::Bytes::copy_from_slice(self.body()),
+            fields(answer.slice(..headers)),
+            answer.slice(headers..headers + body),
         )
-        .with_trailers(fields(self.trailers()))
+        .with_trailers(fields(answer.slice(headers + body..)))
     }
 
     /// Whether `response` is the answer recorded here.
