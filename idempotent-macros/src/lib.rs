@@ -62,11 +62,12 @@ mod types;
 /// handler writes through, and the response is recorded in it and committed before it is sent:
 /// see `idempotent_runtime::enlisted`.
 ///
-/// A handler that takes no `State` finds the handle in whatever state the router has, through
-/// `Idempotency: FromRef<S>`; the compiler then knows only the handle itself as such a state, so
-/// `.with_state(app_state)` fails with "expected `Idempotency`, found `AppState`". Give the
-/// handler a `State<AppState>` parameter with `impl FromRef<AppState> for Idempotency` (the
-/// error then names the missing impl at that type), or serve the router `.with_state(idempotency)`.
+/// A handler that takes no `State` finds the handle in whatever state the router has: the
+/// rewritten handler is generic over that state, bounded on `ProvidesIdempotency`. A router
+/// whose state cannot give the handle (no `.with_state(idempotency)`, or an `AppState` without
+/// `impl FromRef<AppState> for Idempotency`) is refused at `post(handler)` with that trait's
+/// message and the fix. Under `#[axum::debug_handler]`, which refuses generic functions, the
+/// handler is not made generic: name the state there (`#[axum::debug_handler(state = …)]`).
 ///
 /// In axum only the last extractor may take the body: `Bytes`, `String`, `Json`, `Form`,
 /// `RawForm` or `Request` before the last parameter is a compile error at that type.

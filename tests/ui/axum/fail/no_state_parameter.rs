@@ -7,12 +7,9 @@ struct AppState {
     orders: u32,
 }
 
-// The handler names no `State`, so the handle comes from the router's state through
-// `Idempotency: FromRef<S>`, and the only such state the compiler knows is the handle itself:
-// the error is rustc's "expected `Idempotency`, found `AppState`" at `.with_state`, which a
-// macro cannot reword. The attribute's docs say what it means (take `State<AppState>` with
-// `impl FromRef<AppState> for Idempotency`, or `.with_state(idempotency)`); this case records
-// the error so a better one shows up in review.
+// The handler names no `State`, so it takes the handle from the router's state, which here
+// cannot give it (no `FromRef<AppState> for Idempotency`): refused at `post(create)` with the
+// fix, not with rustc's "expected `Idempotency`, found `AppState`" at `.with_state`.
 #[idempotent(require_key)]
 async fn create(body: String) -> String {
     body
