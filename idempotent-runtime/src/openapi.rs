@@ -549,7 +549,10 @@ impl IdempotentPaths {
         self
     }
 
-    /// Only the listed operations (call once per operation), whatever their method.
+    /// Only the listed operations (call once per operation), whatever their method. Each must
+    /// be in the document the modifier is applied to: a missing one panics when the document is
+    /// built (see [`modify`](utoipa::Modify::modify)), so one modifier with `only` belongs to
+    /// one document.
     pub fn only(mut self, path: impl Into<String>, method: HttpMethod) -> Self {
         self.only.push((path.into(), method));
         self
