@@ -22,19 +22,20 @@
 //!
 //! A completed record never changes until it expires, so this process keeps the records it replayed
 //! (response, token and fingerprint) and answers a later replay of one without a round trip; a
-//! different request under a cached key is still 422. A record is kept from its first replay here on,
-//! whichever replica completed it (that replay costs the store's one read, which reports how long the
-//! record has left), so a first request costs no more behind the cache than without it. It never
+//! different request under a cached key is still 422. A record is kept from its first replay here
+//! on, whichever replica completed it (that replay costs the store's one read, which reports how
+//! long the record has left), so a first request pays the cache only a lookup that misses. It never
 //! holds a reservation (a key in progress always asks the store), never answers past the record's
 //! `expires_at` (judged by this process's clock from the moment it asked the store, so the host's
-//! clock must agree with the database's), and re-checks a copy with the store once it is `max_age` old (default 60 s). A `forget` through this process (the
-//! admin API) drops its copy for good: once the forget returns, this process never replays the record,
-//! even if replays raced it. **It is off by default**: a record deleted through another process (a
-//! `forget` on replica A, a manual `DELETE`) may still be replayed by a replica B that holds a copy
-//! until B's copy is `max_age` old — at most 60 s by default — a trade a deployment should choose, not
-//! inherit. Replays answered from the cache are counted as `store="cache"` in
-//! `idempotent_store_operation_seconds`, never as the shared store's claims. Enlisted endpoints see the
-//! `PostgresStore` behind the cache. The conformance servers take `--local-cache` to run with it.
+//! clock must agree with the database's), and re-checks a copy with the store once it is `max_age`
+//! old (default 60 s). A `forget` through this process (the admin API) drops its copy for good:
+//! once the forget returns, this process never replays the record, even if replays raced it. **It
+//! is off by default**: a record deleted through another process (a `forget` on replica A, a manual
+//! `DELETE`) may still be replayed by a replica B that holds a copy until B's copy is `max_age` old
+//! — at most 60 s by default — a trade a deployment should choose, not inherit. Replays answered
+//! from the cache are counted as `store="cache"` in `idempotent_store_operation_seconds`, never as
+//! the shared store's claims. Enlisted endpoints see the `PostgresStore` behind the cache. The
+//! conformance servers take `--local-cache` to run with it.
 
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
