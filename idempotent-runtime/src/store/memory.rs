@@ -1755,35 +1755,44 @@ mod sweep_tests {
         }
     }
 
-    /// `expiring` records that expire in 2 s beside `live` ones that outlive the test.
-    async fn store_with(clock: &ManualClock, expiring: usize, live: usize) -> MemoryStore {
-        let store = MemoryStore::builder()
+    /// A store of `shards` without per-scope bounds or headroom.
+    fn unbounded(clock: &ManualClock, shards: usize) -> MemoryStore {
+        MemoryStore::builder()
             .clock(clock.clone())
-            .shards(4)
+            .shards(shards)
             .limits(MemoryLimits {
                 max_records_per_scope: usize::MAX,
                 max_bytes_per_scope: usize::MAX,
                 response_headroom: 0,
                 ..MemoryLimits::default()
             })
-            .build();
+            .build()
+    }
+
+    /// Claims `key` of scope `[9; 32]` for `secs` and, when `complete`, completes it with the
+    /// same retention (which moves its expiry, leaving a stale pair in the queue).
+    async fn claimed(store: &MemoryStore, key: &str, secs: u64, complete: bool) {
         let scope = [9; 32];
-        let resp = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"{}"));
+        let req = claim_req(&scope, key, secs);
+        assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+        if complete {
+            let resp = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"{}"));
+            let retention = Duration::from_secs(secs);
+            assert!(
+                store
+                    .complete(&scope, key, req.token, &resp, retention)
+                    .await
+                    .unwrap()
+            );
+        }
+    }
+
+    /// `expiring` records that expire in 2 s beside `live` ones that outlive the test.
+    async fn store_with(clock: &ManualClock, expiring: usize, live: usize) -> MemoryStore {
+        let store = unbounded(clock, 4);
         for i in 0..expiring + live {
-            let key = format!("k{i}");
             let secs = if i < expiring { 1 } else { 3600 };
-            let req = claim_req(&scope, &key, secs);
-            assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
-            if i % 2 == 0 {
-                // Completing moves the expiry, leaving a stale pair in the queue.
-                let retention = Duration::from_secs(secs);
-                assert!(
-                    store
-                        .complete(&scope, &key, req.token, &resp, retention)
-                        .await
-                        .unwrap()
-                );
-            }
+            claimed(&store, &format!("k{i}"), secs, i % 2 == 0).await;
         }
         store
     }
@@ -1875,34 +1884,12 @@ mod sweep_tests {
         // Live reservations let the reservation queue keep many stale pairs: here 250, all
         // due, ahead of the 250 completed records the sweep must free.
         let clock = ManualClock::new();
-        let store = MemoryStore::builder()
-            .clock(clock.clone())
-            .shards(1)
-            .limits(MemoryLimits {
-                max_records_per_scope: usize::MAX,
-                max_bytes_per_scope: usize::MAX,
-                response_headroom: 0,
-                ..MemoryLimits::default()
-            })
-            .build();
-        let scope = [9; 32];
+        let store = unbounded(&clock, 1);
         for i in 0..100 {
-            let key = format!("live{i}");
-            let req = claim_req(&scope, &key, 3600);
-            assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
+            claimed(&store, &format!("live{i}"), 3600, false).await;
         }
-        let resp = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"{}"));
         for i in 0..250 {
-            let key = format!("k{i}");
-            let req = claim_req(&scope, &key, 1);
-            assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
-            let retention = Duration::from_secs(1);
-            assert!(
-                store
-                    .complete(&scope, &key, req.token, &resp, retention)
-                    .await
-                    .unwrap()
-            );
+            claimed(&store, &format!("k{i}"), 1, true).await;
         }
         clock.advance(Duration::from_secs(3));
         // A batch that frees fewer than asked tells the sweeper nothing more is due: each
@@ -1919,26 +1906,11 @@ mod sweep_tests {
         // One shard: 66 completed records leave 66 stale pairs, and the 67th claim's pair
         // makes the queue filter itself by the table as it is pushed.
         let clock = ManualClock::new();
-        let store = MemoryStore::builder()
-            .clock(clock.clone())
-            .shards(1)
-            .build();
-        let scope = [9; 32];
-        let resp = RecordedResponse::new(201, vec![], bytes::Bytes::from_static(b"{}"));
+        let store = unbounded(&clock, 1);
         for i in 0..66 {
-            let key = format!("k{i}");
-            let req = claim_req(&scope, &key, 1);
-            assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
-            let retention = Duration::from_secs(1);
-            assert!(
-                store
-                    .complete(&scope, &key, req.token, &resp, retention)
-                    .await
-                    .unwrap()
-            );
+            claimed(&store, &format!("k{i}"), 1, true).await;
         }
-        let left = claim_req(&scope, "left", 1);
-        assert_eq!(store.claim(&left).await.unwrap(), Claim::Acquired);
+        claimed(&store, "left", 1, false).await;
         clock.advance(Duration::from_secs(3));
         assert_eq!(store.sweep(500).await.unwrap(), 67);
         assert_eq!(store.len(), 0, "an expired reservation was never swept");
