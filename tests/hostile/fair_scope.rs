@@ -16,7 +16,33 @@ use crate::support;
 use crate::support::raw::{Answer, Server, key, post};
 
 macro_rules! both_servers {
-    ($($case:ident),* $(,)?) => {$(
+    (
+        every_store: [$($case:ident),* $(,)?],
+        memory_only: [$($memory_case:ident),* $(,)?] $(,)?
+    ) => {
+        $(both_servers!(@memory $case);)*
+        $(both_servers!(@memory $memory_case);)*
+
+        /// The cases that do not depend on the memory store, again with every server on
+        /// `--store mysql` (`MYSQL_URL`, each server in a database of its own; skipped when it
+        /// is unset, unless `IDEMPOTENT_REQUIRE_MYSQL=1`): who the caller is decides the scope
+        /// on every store.
+        #[cfg(feature = "mysql")]
+        mod on_mysql {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let Some(url) = support::mysql_url() else { return };
+                    for server in support::SERVERS {
+                        eprintln!("{} against {server} on MySQL", stringify!($case));
+                        support::harness::on_mysql(url.clone(), cases::$case(server)).await;
+                    }
+                }
+            )*
+        }
+    };
+    (@memory $case:ident) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $case() {
             for server in support::SERVERS {
@@ -24,15 +50,18 @@ macro_rules! both_servers {
                 cases::$case(server).await;
             }
         }
-    )*};
+    };
 }
 
 both_servers! {
-    a_flooding_scope_is_refused_alone_before_its_handler_runs,
-    clients_behind_a_trusted_proxy_are_scoped_by_the_forwarded_address,
-    a_client_behind_a_trusted_proxy_cannot_pick_its_own_scope,
-    the_resolver_and_credential_headers_decide_who_the_caller_is,
-    the_key_header_is_a_setting,
+    every_store: [
+        clients_behind_a_trusted_proxy_are_scoped_by_the_forwarded_address,
+        a_client_behind_a_trusted_proxy_cannot_pick_its_own_scope,
+        the_resolver_and_credential_headers_decide_who_the_caller_is,
+        the_key_header_is_a_setting,
+    ],
+    // Refused by the memory store's per-scope quota (a SQL store has none).
+    memory_only: [a_flooding_scope_is_refused_alone_before_its_handler_runs],
 }
 
 fn peer(last: u8) -> IpAddr {

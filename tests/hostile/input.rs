@@ -15,7 +15,32 @@ use crate::support;
 use crate::support::raw::{self, Answer, Server, key, post};
 
 macro_rules! hostile {
-    ($($case:ident),* $(,)?) => {$(
+    (
+        every_store: [$($case:ident),* $(,)?],
+        memory_only: [$($memory_case:ident),* $(,)?] $(,)?
+    ) => {
+        $(hostile!(@memory $case);)*
+        $(hostile!(@memory $memory_case);)*
+
+        /// The cases that do not depend on the memory store, again with every server on
+        /// `--store mysql` (`MYSQL_URL`, each server in a database of its own; skipped when it
+        /// is unset, unless `IDEMPOTENT_REQUIRE_MYSQL=1`).
+        #[cfg(feature = "mysql")]
+        mod on_mysql {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let Some(url) = support::mysql_url() else { return };
+                    for server in support::SERVERS {
+                        eprintln!("{} against {server} on MySQL", stringify!($case));
+                        support::harness::on_mysql(url.clone(), cases::$case(server)).await;
+                    }
+                }
+            )*
+        }
+    };
+    (@memory $case:ident) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $case() {
             for server in support::SERVERS {
@@ -23,19 +48,22 @@ macro_rules! hostile {
                 cases::$case(server).await;
             }
         }
-    )*};
+    };
 }
 
 hostile! {
-    keys_with_bytes_outside_visible_ascii_never_run,
-    keys_of_255_256_and_10000_characters,
-    header_twice_or_empty_is_400,
-    quoted_keys_with_bad_escapes_are_400,
-    bodies_at_the_cap_run_and_one_byte_over_is_413,
-    endless_chunked_body_is_cut_off_at_the_cap,
-    body_slower_than_body_timeout_is_408,
-    distinct_keys_past_the_scope_quota_are_503_store_full,
-    keys_never_appear_in_any_log_line,
+    every_store: [
+        keys_with_bytes_outside_visible_ascii_never_run,
+        keys_of_255_256_and_10000_characters,
+        header_twice_or_empty_is_400,
+        quoted_keys_with_bad_escapes_are_400,
+        bodies_at_the_cap_run_and_one_byte_over_is_413,
+        endless_chunked_body_is_cut_off_at_the_cap,
+        body_slower_than_body_timeout_is_408,
+        keys_never_appear_in_any_log_line,
+    ],
+    // The memory store's per-scope quota (a SQL store has none).
+    memory_only: [distinct_keys_past_the_scope_quota_are_503_store_full],
 }
 
 const ORDER: &[u8] = br#"{"sku":"book","quantity":1}"#;

@@ -23,6 +23,8 @@ pub struct Server {
     pub name: &'static str,
     pub addr: SocketAddr,
     process: Process,
+    /// What the server's store needs while it runs (a database of its own), dropped after it.
+    _store: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Server {
@@ -42,18 +44,23 @@ impl Server {
         Self::start_with_env(name, "127.0.0.1:0", options, &[("IDEMPOTENT_LOG", "trace")])
     }
 
-    /// Starts `name` listening on `addr` with extra environment variables.
+    /// Starts `name` listening on `addr` with extra environment variables, on the store the
+    /// running case chose ([`harness::on_mysql`](super::harness::on_mysql) and the like) unless
+    /// `options` pick one.
     pub fn start_with_env(
         name: &'static str,
         addr: &str,
         options: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
+        let (store, guard) = super::harness::store_options(options);
+        let options = options.iter().map(|o| o.to_string()).chain(store);
         let (process, addr) = start_server(name, addr, options, env, true);
         Self {
             name,
             addr,
             process,
+            _store: guard,
         }
     }
 
