@@ -1,9 +1,10 @@
 //! Faults a deployment has and a loopback does not: a replica cut off from its store by the
 //! network while another still reaches it ([`partition`]).
 //!
-//! The partition runs a conformance server inside a network namespace of the test's own, joined
-//! to the host by two `veth` pairs (one to its store, one to its clients), and partitions it by a
-//! `blackhole` queueing discipline (`tc`) on both ends of the store's pair. It needs root (or
+//! The partition runs two conformance servers (replicas A and B), each inside a network
+//! namespace of the test's own joined to the host by two `veth` pairs (one to its store, one to
+//! its clients), with subnets that never collide, and partitions A alone by a `blackhole`
+//! queueing discipline (`tc`) on both ends of A's store pair. It needs root (or
 //! `CAP_NET_ADMIN`) and `ip`/`tc` from iproute2; without them it says so and passes, unless
 //! `IDEMPOTENT_REQUIRE_NETNS=1` (CI), when it fails.
 //!

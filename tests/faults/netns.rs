@@ -1,6 +1,6 @@
-//! A network namespace of the test's own with two `veth` links to the host's namespace, and a
-//! partition of one of them. Only interfaces this module created are ever touched; everything
-//! is deleted on drop, whatever the test's outcome.
+//! Network namespaces of the test's own, one per replica, each with two `veth` links to the
+//! host's namespace, and a partition of one of them. Only interfaces this module created are ever
+//! touched; everything is deleted on drop, whatever the test's outcome.
 
 use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
@@ -14,7 +14,7 @@ pub struct Link {
     pub inner_ip: Ipv4Addr,
 }
 
-/// The namespace, its link to the store and its link to the clients.
+/// A namespace, its link to the store and its link to the clients.
 pub struct Netns {
     pub name: String,
     pub store: Link,
@@ -38,38 +38,20 @@ fn run(args: &[&str]) -> Result<(), String> {
 }
 
 impl Netns {
-    /// Creates it, or returns `None` after saying why the test skips (a panic under
-    /// `IDEMPOTENT_REQUIRE_NETNS=1`).
-    pub fn create() -> Option<Self> {
+    /// Two namespaces, `a` and `b`, whose subnets never collide with each other, or `None`
+    /// after saying why the test skips (a panic under `IDEMPOTENT_REQUIRE_NETNS=1`).
+    ///
+    /// The subnets are /30s in 10.231/16 (store links) and 10.232/16 (client links), numbered
+    /// by a 14-bit slot from a random token: `a` takes an even slot and `b` the odd one after it,
+    /// so the pair's four /30s are distinct by construction (and another pair's either all
+    /// collide with them, failing its `ip addr add`, or none do).
+    pub fn pair() -> Option<(Self, Self)> {
         let tag = idempotent_runtime::store::FencingToken::mint().0;
-        // Interface names are at most 15 bytes; the subnets are /30s in 10.231/16 and 10.232/16.
+        // Interface names are at most 15 bytes: `ids` + 6 hex digits + the replica + `n`.
         let id = format!("{:06x}", tag & 0xff_ffff);
-        let subnet = |first: u8| {
-            let n = (tag >> 24) as u16 & 0x3fff;
-            let (c, d) = ((n >> 6) as u8, ((n & 0x3f) as u8) * 4);
-            (
-                Ipv4Addr::new(10, first, c, d + 1),
-                Ipv4Addr::new(10, first, c, d + 2),
-            )
-        };
-        let (store_host, store_inner) = subnet(231);
-        let (client_host, client_inner) = subnet(232);
-        let ns = Self {
-            name: format!("idem-{id}"),
-            store: Link {
-                host: format!("ids{id}"),
-                inner: format!("ids{id}n"),
-                host_ip: store_host,
-                inner_ip: store_inner,
-            },
-            clients: Link {
-                host: format!("idc{id}"),
-                inner: format!("idc{id}n"),
-                host_ip: client_host,
-                inner_ip: client_inner,
-            },
-        };
-        if let Err(why) = run(&["ip", "netns", "add", &ns.name]) {
+        let slot = (tag >> 24) as u16 & 0x3ffe;
+        let a = Self::named(&id, 'a', slot);
+        if let Err(why) = run(&["ip", "netns", "add", &a.name]) {
             assert!(
                 std::env::var("IDEMPOTENT_REQUIRE_NETNS").as_deref() != Ok("1"),
                 "IDEMPOTENT_REQUIRE_NETNS=1 but no network namespace could be made: {why}"
@@ -77,50 +59,72 @@ impl Netns {
             eprintln!("no network namespace ({why}): skipping the partition test");
             return None;
         }
-        // From here on, drop deletes whatever was made.
-        let setup = || -> Result<(), String> {
-            run(&["ip", "-n", &ns.name, "link", "set", "lo", "up"])?;
-            for link in [&ns.store, &ns.clients] {
-                run(&[
-                    "ip",
-                    "link",
-                    "add",
-                    &link.host,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    &link.inner,
-                    "netns",
-                    &ns.name,
-                ])?;
-                run(&[
-                    "ip",
-                    "addr",
-                    "add",
-                    &format!("{}/30", link.host_ip),
-                    "dev",
-                    &link.host,
-                ])?;
-                run(&["ip", "link", "set", &link.host, "up"])?;
-                run(&[
-                    "ip",
-                    "-n",
-                    &ns.name,
-                    "addr",
-                    "add",
-                    &format!("{}/30", link.inner_ip),
-                    "dev",
-                    &link.inner,
-                ])?;
-                run(&["ip", "-n", &ns.name, "link", "set", &link.inner, "up"])?;
-            }
-            Ok(())
-        };
-        if let Err(why) = setup() {
-            panic!("setting up network namespace {}: {why}", ns.name);
+        // From here on, dropping `a` (and `b` once added) deletes whatever was made.
+        if let Err(why) = a.set_up() {
+            panic!("setting up network namespace {}: {why}", a.name);
         }
-        Some(ns)
+        let b = Self::named(&id, 'b', slot | 1);
+        if let Err(why) = run(&["ip", "netns", "add", &b.name]).and_then(|()| b.set_up()) {
+            panic!("setting up network namespace {}: {why}", b.name);
+        }
+        Some((a, b))
+    }
+
+    /// The names and addresses of replica `replica`'s namespace in subnet slot `slot`.
+    fn named(id: &str, replica: char, slot: u16) -> Self {
+        let (c, d) = ((slot >> 6) as u8, ((slot & 0x3f) as u8) * 4);
+        let link = |kind: char, second: u8| Link {
+            host: format!("id{kind}{id}{replica}"),
+            inner: format!("id{kind}{id}{replica}n"),
+            host_ip: Ipv4Addr::new(10, second, c, d + 1),
+            inner_ip: Ipv4Addr::new(10, second, c, d + 2),
+        };
+        Self {
+            name: format!("idem-{id}-{replica}"),
+            store: link('s', 231),
+            clients: link('c', 232),
+        }
+    }
+
+    /// Its loopback and both links, up and addressed (the namespace exists).
+    fn set_up(&self) -> Result<(), String> {
+        run(&["ip", "-n", &self.name, "link", "set", "lo", "up"])?;
+        for link in [&self.store, &self.clients] {
+            run(&[
+                "ip",
+                "link",
+                "add",
+                &link.host,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &link.inner,
+                "netns",
+                &self.name,
+            ])?;
+            run(&[
+                "ip",
+                "addr",
+                "add",
+                &format!("{}/30", link.host_ip),
+                "dev",
+                &link.host,
+            ])?;
+            run(&["ip", "link", "set", &link.host, "up"])?;
+            run(&[
+                "ip",
+                "-n",
+                &self.name,
+                "addr",
+                "add",
+                &format!("{}/30", link.inner_ip),
+                "dev",
+                &link.inner,
+            ])?;
+            run(&["ip", "-n", &self.name, "link", "set", &link.inner, "up"])?;
+        }
+        Ok(())
     }
 
     /// The command line prefix that runs a program inside the namespace.

@@ -1,16 +1,18 @@
 //! A replica partitioned from its store mid-handler for longer than its lease, while another
 //! replica still reaches the store (DESIGN.md §3: fencing, lease, "What once means").
 //!
-//! Replica A runs in a network namespace of the test's own and reaches the store through a TCP
-//! forwarder in this test listening on A's store link (PostgreSQL, MySQL and Redis listen on
-//! loopback only); replica B runs beside the test and reaches the store directly. A takes a slow
-//! request and the store link is cut; A's lease lapses, B reclaims the key on the client's retry
-//! (a new fencing token) and runs it; the link heals; A's handler ends and its completion reaches
-//! the store late and is refused by the token. Exactly one answer is recorded (B's), every retry
-//! replays it, A's refused completion is logged and counted `lease_lost`, and the handler ran
-//! twice, once on each replica: the window the contract names (a reclaim after a lost lease).
-//! A key sent to A during the partition gets a 503 (it never runs unrecorded), and runs once
-//! after the heal.
+//! Both replicas run in network namespaces of the test's own, A in one and B in another (their
+//! subnets distinct by construction, [`Netns::pair`]); each reaches the store through a TCP
+//! forwarder in this test listening on its own store link (PostgreSQL, MySQL and Redis listen on
+//! loopback only), and the clients reach each through its own client link. Only A's store link
+//! is ever cut. A takes a slow request and its store link is cut; A's lease lapses, B reclaims
+//! the key on the client's retry (a new fencing token) and runs it; the link heals; A's handler
+//! ends and its completion reaches the store late and is refused by the token. Exactly one
+//! answer is recorded (B's), every retry replays it, A's refused completion is logged and counted
+//! `lease_lost`, and the handler ran twice, once on each replica: the window the contract names
+//! (a reclaim after a lost lease); B's own counters show it ran the key once and replayed it
+//! after. A key sent to A during the partition gets a 503 (it never runs unrecorded), and runs
+//! once after the heal.
 
 use std::time::{Duration, Instant};
 
@@ -121,12 +123,15 @@ async fn metric(server: &Server, name: &str, route: &str) -> f64 {
 /// The whole story on one store. `store` is the `--store` value, `url` the store's URL (on
 /// loopback), `extra` the options both replicas share (a schema, a prefix).
 async fn partitioned_holder_is_fenced(store: &str, url: &str, extra: &[&str]) {
-    let Some(ns) = Netns::create() else {
+    let Some((ns, b_ns)) = Netns::pair() else {
         return;
     };
-    let (inner_url, upstream) = via(url, ns.store.host_ip, 0);
-    let forwarder = Forwarder::start(ns.store.host_ip, upstream).await;
-    let (inner_url, _) = via(&inner_url, ns.store.host_ip, forwarder.port);
+    // Each replica's way to the store: a forwarder on the host's end of its store link.
+    let (a_url, upstream) = via(url, ns.store.host_ip, 0);
+    let a_forwarder = Forwarder::start(ns.store.host_ip, upstream.clone()).await;
+    let (a_url, _) = via(&a_url, ns.store.host_ip, a_forwarder.port);
+    let b_forwarder = Forwarder::start(b_ns.store.host_ip, upstream).await;
+    let (b_url, _) = via(url, b_ns.store.host_ip, b_forwarder.port);
 
     let options = |url: &str| -> Vec<String> {
         let mut o: Vec<String> = ["--store", store, "--database-url", url, "--lease", LEASE]
@@ -135,9 +140,9 @@ async fn partitioned_holder_is_fenced(store: &str, url: &str, extra: &[&str]) {
         o.extend(extra.iter().map(|s| s.to_string()));
         o
     };
-    let a_options = options(&inner_url);
+    let a_options = options(&a_url);
     let a_options: Vec<&str> = a_options.iter().map(String::as_str).collect();
-    let b_options = options(url);
+    let b_options = options(&b_url);
     let b_options: Vec<&str> = b_options.iter().map(String::as_str).collect();
     let a = Server::start_via(
         &ns.exec(),
@@ -146,7 +151,15 @@ async fn partitioned_holder_is_fenced(store: &str, url: &str, extra: &[&str]) {
         &a_options,
         "warn",
     );
-    let b = Server::start_via(&[], SERVER, "127.0.0.1:0", &b_options, "warn");
+    let b = Server::start_via(
+        &b_ns.exec(),
+        SERVER,
+        &format!("{}:0", b_ns.clients.inner_ip),
+        &b_options,
+        "warn",
+    );
+    assert_eq!(a.addr.ip(), ns.clients.inner_ip);
+    assert_eq!(b.addr.ip(), b_ns.clients.inner_ip);
 
     let key = format!(
         "partition-{:016x}",
@@ -218,6 +231,20 @@ async fn partitioned_holder_is_fenced(store: &str, url: &str, extra: &[&str]) {
     }
     assert_eq!(a.runs("/slow").await + b.runs("/slow").await, 2);
     assert_eq!(state(&b, &key).await.as_deref(), Some("completed"));
+    // 0 double executions on B: its counters say it claimed the key once (by reclaiming it),
+    // ran it once, recorded its answer (nothing lost or unrecorded), and replayed it after.
+    assert_eq!(b.runs("/slow").await, 1);
+    assert_eq!(metric(&b, "idempotent_executed_total", "/slow").await, 1.0);
+    assert_eq!(metric(&b, "idempotent_reclaimed_total", "/slow").await, 1.0);
+    assert_eq!(metric(&b, "idempotent_replayed_total", "/slow").await, 1.0);
+    assert_eq!(
+        metric(&b, "idempotent_lease_lost_total", "/slow").await,
+        0.0
+    );
+    assert_eq!(
+        metric(&b, "idempotent_not_recorded_total", "/slow").await,
+        0.0
+    );
 
     // The request A took during the partition was refused, never run unrecorded; after the
     // heal its retry runs once, and the one after replays.
@@ -239,7 +266,7 @@ async fn partitioned_holder_is_fenced(store: &str, url: &str, extra: &[&str]) {
     let ran: Value = a.executions().await;
     assert_eq!(ran["/orders"], 1, "{ran}");
     assert_eq!(b.runs("/orders").await, 0);
-    drop((a, b, forwarder, ns));
+    drop((a, b, a_forwarder, b_forwarder, ns, b_ns));
 }
 
 #[cfg(feature = "postgres")]
