@@ -26,6 +26,7 @@
 //! and 422 for a reused key, is `idempotent-runtime/tests/adapter.rs`.
 
 use std::future::Future;
+use std::pin::Pin;
 
 use bytes::Bytes;
 use tracing::Instrument as _;
@@ -348,7 +349,7 @@ impl Claimed {
     ) -> (
         Idempotency,
         String,
-        impl Future<Output = Ended<R, T, E>> + use<R, T, E, Fut>,
+        Pin<Box<impl Future<Output = Ended<R, T, E>> + use<R, T, E, Fut>>>,
     )
     where
         Fut: Future<Output = Result<(R, T), E>>,
@@ -362,15 +363,20 @@ impl Claimed {
             span,
             ..
         } = inner;
-        let work = pipeline::work(handle.clone(), held, permit, route.clone(), served, handler)
-            .instrument(span);
+        // Boxed where it is made: the futures around it move a pointer, not its kilobytes.
+        let work = Box::pin(
+            pipeline::work(handle.clone(), held, permit, route.clone(), served, handler)
+                .instrument(span),
+        );
         (handle, route, work)
     }
 
     /// Settles `response` as this request's answer without running the handler (an
     /// extractor's rejection): recorded like any response of its status, or the key released.
     pub async fn settle<R: Reply>(self, response: R) -> R {
-        pipeline::settle(&self.handle, self.inner.held, response).await
+        // Boxed: a rejection is the rare path, and the extractor futures that may take it stay
+        // small without the settling's kilobytes.
+        Box::pin(pipeline::settle(&self.handle, self.inner.held, response)).await
     }
 
     /// [`run`](Self::run) for a handler that always answers: its response, or the 500 of a
@@ -668,6 +674,7 @@ pub use enlisted::{
 mod enlisted {
     use std::future::Future;
     use std::marker::PhantomData;
+    use std::pin::Pin;
 
     use bytes::Bytes;
     use tracing::Instrument as _;
@@ -857,7 +864,7 @@ mod enlisted {
         ) -> (
             Idempotency,
             String,
-            impl Future<Output = Ended<R, (), std::convert::Infallible>>,
+            Pin<Box<impl Future<Output = Ended<R, (), std::convert::Infallible>>>>,
         )
         where
             R: Reply,
@@ -872,9 +879,10 @@ mod enlisted {
                 span,
                 ..
             } = inner;
-            let work =
+            let work = Box::pin(
                 pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), handler)
-                    .instrument(span);
+                    .instrument(span),
+            );
             (handle, route, work)
         }
 

@@ -636,13 +636,13 @@ where
 /// than a typical handler on the memory store); there is no await point between that poll and
 /// the spawn, so started work always finishes, here or in its task.
 ///
-/// Not an `async fn`: the work is boxed when this is called, so the futures around it (the
+/// The work comes boxed (its maker boxes it where it is made), so the futures around it (the
 /// adapter's, the handler's) hold a pointer instead of the work's kilobytes, and do not copy
 /// them each time one is moved into the next.
 pub(crate) fn drive<'a, W, R, T, E, J, F>(
     handle: &'a Idempotency,
     route: &'a str,
-    work: W,
+    mut work: Pin<Box<W>>,
     spawn: F,
 ) -> impl Future<Output = Ended<R, T, E>> + 'a
 where
@@ -651,7 +651,6 @@ where
     F: FnOnce(Pin<Box<W>>) -> J + 'a,
     J: Future<Output = Result<Ended<R, T, E>, tokio::task::JoinError>>,
 {
-    let mut work = Box::pin(work);
     async move {
         let first = std::future::poll_fn(|cx| {
             Poll::Ready(panic::catch_unwind(AssertUnwindSafe(|| {
