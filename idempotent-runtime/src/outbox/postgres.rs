@@ -179,10 +179,10 @@ impl PgOutboxBuilder {
         // The head of each ordering key (no earlier pending message of that key, and none of
         // that key in flight under a live lease), and messages without a key, that are due and
         // not held by a live lease; rows another relay is claiming right now are skipped, not
-        // waited for. The lease is conditional on the row
-        // still qualifying (re-checked under its lock). A row already claimed `max_attempts`
-        // times ($4) is one whose relays kept stopping mid-publish (a failed publish records
-        // its outcome and dead-letters at the limit): it is dead-lettered here, not published.
+        // waited for. The lease is conditional on the row still qualifying (re-checked under
+        // its lock). A row already claimed `max_attempts` times ($4) is one whose relays kept
+        // stopping mid-publish (a failed publish records its outcome and dead-letters at the
+        // limit): it is dead-lettered here, not published.
         let claim_sql = format!(
             "WITH c AS (\
                SELECT o.id FROM {t} o \
@@ -409,9 +409,10 @@ impl PgOutbox {
     /// transaction-scoped advisory lock, held until the transaction ends), so that, per key,
     /// messages go out in the order their transactions commit. Consequences: a second
     /// transaction enqueuing the same key waits in its `enqueue` until the first commits or
-    /// rolls back (bounded by its `lock_timeout` if one is set, as the inbox's and the
-    /// PostgreSQL store's transactions do; past it, SQLSTATE 55P03 and the transaction must
-    /// roll back); keep such transactions short after their enqueue. Two transactions that
+    /// rolls back, at most its `lock_timeout` if one is set (an enlisted transaction has the
+    /// PostgreSQL store's, 1 s by default; an inbox handler's the inbox's, 5 s); past it,
+    /// SQLSTATE 55P03, and the transaction must roll back. Keep such transactions short after
+    /// their enqueue. Two transactions that
     /// enqueue several keys in different orders can deadlock: PostgreSQL detects it and aborts
     /// one (SQLSTATE 40P01); enqueue a transaction's keys in a fixed order (sorted, say).
     /// Messages without an ordering key take no lock. Being transaction-scoped, the lock works
