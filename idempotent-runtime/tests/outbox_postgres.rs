@@ -102,6 +102,8 @@ struct Recorder {
     max_delay_ms: u64,
     /// Whether (and how) a publish fails.
     verdict: Verdict,
+    /// If set, publishes wait here (in flight) until [`Recorder::open`].
+    gate: Option<tokio::sync::Semaphore>,
 }
 
 impl Recorder {
@@ -113,11 +115,43 @@ impl Recorder {
             delivered: Mutex::default(),
             max_delay_ms,
             verdict,
+            gate: None,
         })
     }
 
     fn ok() -> Arc<Self> {
         Self::new(0, Box::new(|_| None))
+    }
+
+    /// Succeeds, but each publish stays in flight until [`open`](Self::open).
+    fn gated() -> Arc<Self> {
+        Arc::new(Self {
+            running: Mutex::default(),
+            overlaps: AtomicUsize::new(0),
+            started: Mutex::default(),
+            delivered: Mutex::default(),
+            max_delay_ms: 0,
+            verdict: Box::new(|_| None),
+            gate: Some(tokio::sync::Semaphore::new(0)),
+        })
+    }
+
+    /// Lets held and later publishes finish.
+    fn open(&self) {
+        if let Some(gate) = &self.gate {
+            gate.add_permits(1);
+        }
+    }
+
+    fn started_ids(&self) -> Vec<String> {
+        let started = self.started.lock().unwrap();
+        started.iter().map(|(id, _)| id.clone()).collect()
+    }
+
+    /// Delivered ids in the order they were delivered.
+    fn delivered_in_order(&self) -> Vec<String> {
+        let delivered = self.delivered.lock().unwrap();
+        delivered.iter().map(|(id, _)| id.clone()).collect()
     }
 
     fn delivered_ids(&self) -> Vec<String> {
@@ -180,6 +214,10 @@ impl Publisher for Recorder {
             }
         }
         let _leave = Leave(self, d.id().to_owned(), key.clone());
+        if let Some(gate) = &self.gate {
+            // Once open, every waiter passes the one permit on.
+            drop(gate.acquire().await.unwrap());
+        }
         let delay = random_below(self.max_delay_ms + 1);
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -447,6 +485,196 @@ async fn per_ordering_key_one_in_flight_in_commit_order_through_failures() {
         let expected: Vec<_> = (0..PER_KEY).map(|n| format!("k{k}-{n:02}")).collect();
         assert_eq!(order, expected, "{key} out of commit order");
     }
+    db.drop_schema().await;
+}
+
+/// One `deliver_batch` of a relay publishing to `recorder`, in a task of its own (a gated
+/// recorder holds its publishes in flight).
+fn spawn_batch(
+    outbox: &PgOutbox,
+    recorder: &Arc<Recorder>,
+) -> tokio::task::JoinHandle<idempotent_runtime::outbox::Relayed> {
+    let relay = relay(outbox, recorder.clone());
+    tokio::spawn(async move { relay.deliver_batch().await.expect("deliver_batch") })
+}
+
+/// Waits until `batch` has claimed: it finished (it claimed nothing, or a publish it claimed is
+/// not held), or a publish started after `starts` others.
+async fn claimed(batch: &tokio::task::JoinHandle<impl Sized>, recorder: &Recorder, starts: usize) {
+    eventually("the relay's claim", || {
+        batch.is_finished() || recorder.starts() > starts
+    })
+    .await;
+}
+
+/// Two transactions enqueue one ordering key at once. The second waits in its `enqueue` until
+/// the first commits, so the first's message goes out first, and never beside the second's.
+/// (Without the key's lock, the second commits while the first is open, a relay publishes its
+/// message, and when the first commits another relay claims the first's message, earlier in
+/// `seq` and so the key's head, beside it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn overlapping_transactions_on_one_key_are_delivered_in_commit_order_one_at_a_time() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    // T1 enqueues K and stays open.
+    let mut t1 = db.pool.begin().await.unwrap();
+    let first = Message::new("first", "orders", "1").ordered_by("K");
+    assert_eq!(outbox.enqueue(&mut t1, first).await.unwrap(), Enqueued::New);
+    // T2 enqueues K and commits, in a task of its own.
+    let t2 = tokio::spawn({
+        let (pool, outbox) = (db.pool.clone(), outbox.clone());
+        async move {
+            let mut t2 = pool.begin().await.unwrap();
+            let second = Message::new("second", "orders", "2").ordered_by("K");
+            outbox.enqueue(&mut t2, second).await.unwrap();
+            t2.commit().await.unwrap();
+        }
+    });
+    // Only "not yet", never how long: T2 has not got past its enqueue while T1 is open.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t2_waited = !t2.is_finished();
+
+    // A relay while T1 is open: whatever it claims stays in flight until the gate opens.
+    let recorder = Recorder::gated();
+    let r1 = spawn_batch(&outbox, &recorder);
+    claimed(&r1, &recorder, 0).await;
+    t1.commit().await.unwrap();
+    t2.await.unwrap();
+    // Another relay once both committed, and a third while the second's claim is in flight.
+    let before = recorder.starts();
+    let r2 = spawn_batch(&outbox, &recorder);
+    claimed(&r2, &recorder, before).await;
+    let before = recorder.starts();
+    let r3 = spawn_batch(&outbox, &recorder);
+    claimed(&r3, &recorder, before).await;
+    assert!(
+        recorder.starts() <= 1,
+        "one message of the key in flight: {:?}",
+        recorder.started_ids()
+    );
+    recorder.open();
+    for batch in [r1, r2, r3] {
+        batch.await.unwrap();
+    }
+    let last = relay(&outbox, recorder.clone());
+    drain(&last, || recorder.delivered_ids().len() == 2).await;
+
+    assert_eq!(
+        recorder.overlaps.load(Ordering::SeqCst),
+        0,
+        "two messages of key K in flight at once: {:?}",
+        recorder.started_ids()
+    );
+    assert_eq!(
+        recorder.delivered_in_order(),
+        ["first", "second"],
+        "key K out of commit order"
+    );
+    assert!(
+        t2_waited,
+        "T2's enqueue of K returned while T1, which enqueued K first, was open"
+    );
+    assert_eq!(recorder.starts(), 2);
+    db.drop_schema().await;
+}
+
+/// An operator's retry puts a dead letter at the back of its key: after the key's message in
+/// flight and the one pending behind it, never beside either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retried_dead_letter_goes_after_its_keys_later_messages_never_beside_them() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    for (i, id) in ["poison", "after", "more"].into_iter().enumerate() {
+        let message = Message::new(id, "orders", "x").ordered_by("K");
+        db.commit_order(&outbox, i as i64, message).await;
+    }
+    // The key's head dies at its first try; the key moves on.
+    let failing = Recorder::new(
+        0,
+        Box::new(|d| (d.id() == "poison").then(|| PublishError::permanent("410 Gone"))),
+    );
+    let dead = relay(&outbox, failing).deliver_batch().await.unwrap();
+    assert_eq!((dead.claimed, dead.dead), (1, 1), "{dead:?}");
+
+    // "after" in flight (held), "more" pending behind it; the operator retries "poison" now.
+    let recorder = Recorder::gated();
+    let r1 = spawn_batch(&outbox, &recorder);
+    eventually("the key's next message is in flight", || {
+        recorder.started_ids() == ["after"]
+    })
+    .await;
+    assert!(outbox.retry("poison").await.unwrap());
+    let r2 = spawn_batch(&outbox, &recorder);
+    claimed(&r2, &recorder, 1).await;
+    assert_eq!(
+        recorder.started_ids(),
+        ["after"],
+        "claimed beside the key's message in flight"
+    );
+    recorder.open();
+    for batch in [r1, r2] {
+        batch.await.unwrap();
+    }
+    let last = relay(&outbox, recorder.clone());
+    drain(&last, || recorder.delivered_ids().len() == 3).await;
+
+    assert_eq!(recorder.overlaps.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        recorder.delivered_in_order(),
+        ["after", "more", "poison"],
+        "the retried message did not go to the back of its key"
+    );
+    let poison = outbox.inspect("poison").await.unwrap().unwrap();
+    assert_eq!((poison.state, poison.attempts), (State::Delivered, 1));
+    db.drop_schema().await;
+}
+
+/// Nothing of a key is claimed while a message of that key is in flight, even one that is
+/// earlier in `seq` (a row an earlier version of this crate wrote without the key's lock, in a
+/// transaction that committed late: during a rolling upgrade, say).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_in_flight_holds_its_key_whatever_the_order_of_the_rows() {
+    let Some(db) = Db::connect().await else {
+        return;
+    };
+    let outbox = db.outbox().await;
+    db.commit_order(
+        &outbox,
+        1,
+        Message::new("late", "orders", "x").ordered_by("K"),
+    )
+    .await;
+    let recorder = Recorder::gated();
+    let r1 = spawn_batch(&outbox, &recorder);
+    eventually("the key's message is in flight", || {
+        recorder.started_ids() == ["late"]
+    })
+    .await;
+    // Written as an unlocked enqueue whose transaction committed late would have left it.
+    db.exec(&format!(
+        "INSERT INTO {}.outbox_messages (seq, id, destination, ordering_key, payload) \
+         OVERRIDING SYSTEM VALUE VALUES (0, 'early', 'orders', 'K', '\\x78')",
+        db.schema
+    ))
+    .await;
+    let r2 = spawn_batch(&outbox, &recorder);
+    claimed(&r2, &recorder, 1).await;
+    assert_eq!(
+        recorder.started_ids(),
+        ["late"],
+        "claimed beside the key's message in flight"
+    );
+    recorder.open();
+    for batch in [r1, r2] {
+        batch.await.unwrap();
+    }
+    let last = relay(&outbox, recorder.clone());
+    drain(&last, || recorder.delivered_ids().len() == 2).await;
+    assert_eq!(recorder.overlaps.load(Ordering::SeqCst), 0);
     db.drop_schema().await;
 }
 
@@ -901,6 +1129,57 @@ async fn behind_a_transaction_pooler_it_enqueues_and_relays_by_polling() {
     let record = outbox.inspect("p-7").await.unwrap().unwrap();
     assert_eq!(record.state, State::Delivered);
     assert_eq!(outbox.stats().await.unwrap().pending, 0);
+
+    // The key's lock behind the pooler: a second transaction enqueuing the key waits for the
+    // first's commit.
+    let mut t1 = pool.begin().await.unwrap();
+    let first = Message::new("p-first", "orders", "x").ordered_by("j");
+    outbox.enqueue(&mut t1, first).await.unwrap();
+    let t2 = tokio::spawn({
+        let (pool, outbox) = (pool.clone(), outbox.clone());
+        async move {
+            let mut t2 = pool.begin().await.unwrap();
+            let second = Message::new("p-second", "orders", "x").ordered_by("j");
+            outbox.enqueue(&mut t2, second).await.unwrap();
+            t2.commit().await.unwrap();
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !t2.is_finished(),
+        "T2 got past its enqueue while T1 was open"
+    );
+    t1.commit().await.unwrap();
+    t2.await.unwrap();
+    // An operator's retry behind the pooler: the dead letter goes after the key's later message.
+    let healed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let h = healed.clone();
+    let failing = Recorder::new(
+        0,
+        Box::new(move |d| {
+            (d.id() == "p-first" && !h.load(Ordering::SeqCst))
+                .then(|| PublishError::permanent("410 Gone"))
+        }),
+    );
+    let polling = Relay::builder(outbox.clone(), failing.clone())
+        .poll_interval(Duration::from_millis(20))
+        .build();
+    drain(&polling, || failing.delivered_ids() == ["p-second"]).await;
+    assert_eq!(
+        outbox.inspect("p-first").await.unwrap().unwrap().state,
+        State::Dead
+    );
+    let mut tx = pool.begin().await.unwrap();
+    let third = Message::new("p-third", "orders", "x").ordered_by("j");
+    outbox.enqueue(&mut tx, third).await.unwrap();
+    tx.commit().await.unwrap();
+    healed.store(true, Ordering::SeqCst);
+    assert!(outbox.retry("p-first").await.unwrap());
+    drain(&polling, || failing.delivered_ids().len() == 3).await;
+    assert_eq!(
+        failing.delivered_in_order(),
+        ["p-second", "p-third", "p-first"]
+    );
     let mut tx = pool.begin().await.unwrap();
     sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .persistent(false)

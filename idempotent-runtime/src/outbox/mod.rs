@@ -27,10 +27,15 @@
 //!   message at once; a relay gives up its publish before its lease ends, so a late publish
 //!   cannot overlap the next relay's.
 //! - **Per ordering key, one in flight, in commit order.** A message with an ordering key is
-//!   claimed only when no earlier pending message of that key remains (earlier in the order the
-//!   rows were inserted; of two transactions enqueuing under one key at once, the first to
-//!   commit is seen first). A message failing under backoff holds its key's later messages back;
-//!   a dead-lettered one no longer does. Messages without a key go out in parallel.
+//!   claimed only when no earlier pending message of that key remains and none of its key is in
+//!   flight. "Earlier" is the order the rows were inserted, which per key is the order their
+//!   transactions commit: [`PgOutbox::enqueue`] takes a transaction-scoped lock on the key
+//!   before it writes the row, so **a second transaction enqueuing the same key waits in its
+//!   `enqueue` until the first commits or rolls back** (two transactions enqueuing several keys
+//!   in different orders can deadlock; PostgreSQL aborts one: enqueue keys in a fixed order). A
+//!   message failing under backoff holds its key's later messages back; a dead-lettered one no
+//!   longer does, and [`PgOutbox::retry`] puts it at the back of its key. Messages without a key
+//!   go out in parallel, and take no lock.
 //! - **Retries, then the dead letter.** A failed publish is retried with exponential backoff
 //!   (or after the receiver's `Retry-After`), and after `max_attempts` the message is
 //!   dead-lettered with its last error; [`PgOutbox::retry`] and [`PgOutbox::discard`] let an
@@ -46,8 +51,9 @@
 //! `webhook-id`, `Retry-After` honoured; feature `outbox-webhooks`), or any type implementing
 //! [`Publisher`].
 //!
-//! PostgreSQL first (feature `postgres`); the table and its statements are kept to what MySQL
-//! can also express.
+//! PostgreSQL only (feature `postgres`): the statements use `UPDATE … FROM … RETURNING`, arrays
+//! and `unnest`, `ON CONFLICT`, an identity column, advisory locks and `pg_notify`. An outbox on
+//! MySQL would need statements of its own.
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -154,7 +160,9 @@ impl Message {
     }
 
     /// Orders this message under `key`: messages with the same ordering key are delivered one
-    /// at a time, in commit order.
+    /// at a time, in commit order. Enqueuing it takes a lock on the key until the transaction
+    /// ends, so concurrent transactions enqueuing the same key wait for each other
+    /// ([`PgOutbox::enqueue`]).
     pub fn ordered_by(mut self, key: impl Into<String>) -> Self {
         self.ordering_key = Some(key.into());
         self

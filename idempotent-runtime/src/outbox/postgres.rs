@@ -147,9 +147,25 @@ impl PgOutboxBuilder {
         let t = &table.qualified;
         let digest = Sha256::digest(format!("idempotent-outbox:{t}"));
         let channel = format!("idempotent_outbox_{}", hex(&digest[..8]));
+        // The lock of an ordering key in this table: a transaction-scoped advisory lock on a
+        // 64-bit hash of the key, seeded by the table, taken before the row and its `seq`
+        // exist. The row is selected from the count of the lock's (zero or one) rows, so
+        // PostgreSQL takes the lock before it draws `seq`; a second transaction enqueuing the
+        // same key waits there until the first commits or rolls back, and its message's `seq`
+        // comes after. Within a key, `seq` order is then commit order. No key, no lock.
+        let lock_seed = i64::from_be_bytes(
+            Sha256::digest(format!("idempotent-outbox-lock:{t}"))[..8]
+                .try_into()
+                .expect("8 bytes"),
+        );
         let insert = format!(
             "INSERT INTO {t} (id, destination, ordering_key, header_names, header_values, payload) \
-             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (id) DO NOTHING RETURNING 1"
+             SELECT $1::text, $2::text, $3::text, $4::text[], $5::text[], $6::bytea \
+             FROM (SELECT count(*) AS n FROM (\
+               SELECT pg_advisory_xact_lock(hashtextextended($3::text, {lock_seed})) \
+               WHERE $3::text IS NOT NULL) AS l) AS k \
+             WHERE k.n >= 0 \
+             ON CONFLICT (id) DO NOTHING RETURNING 1"
         );
         // The notification is sent only for a row actually inserted, and PostgreSQL folds a
         // transaction's identical notifications into one, delivered at commit.
@@ -160,12 +176,13 @@ impl PgOutboxBuilder {
         } else {
             format!("WITH ins AS ({insert}) SELECT count(*) FROM ins")
         };
-        // The head of each ordering key (no earlier pending message of that key), and messages
-        // without a key, that are due and not held by a live lease; rows another relay is
-        // claiming right now are skipped, not waited for. The lease is conditional on the row
-        // still qualifying (re-checked under its lock). A row already claimed `max_attempts`
-        // times ($4) is one whose relays kept stopping mid-publish (a failed publish records
-        // its outcome and dead-letters at the limit): it is dead-lettered here, not published.
+        // The head of each ordering key (no earlier pending message of that key, and none of
+        // that key in flight under a live lease), and messages without a key, that are due and
+        // not held by a live lease; rows another relay is claiming right now are skipped, not
+        // waited for. The lease is conditional on the row still qualifying (re-checked under
+        // its lock). A row already claimed `max_attempts` times ($4) is one whose relays kept
+        // stopping mid-publish (a failed publish records its outcome and dead-letters at the
+        // limit): it is dead-lettered here, not published.
         let claim_sql = format!(
             "WITH c AS (\
                SELECT o.id FROM {t} o \
@@ -173,7 +190,8 @@ impl PgOutboxBuilder {
                  AND (o.lease_until IS NULL OR o.lease_until <= now()) \
                  AND (o.ordering_key IS NULL OR NOT EXISTS (\
                    SELECT 1 FROM {t} p WHERE p.state = 'pending' \
-                     AND p.ordering_key = o.ordering_key AND p.seq < o.seq)) \
+                     AND p.ordering_key = o.ordering_key \
+                     AND (p.seq < o.seq OR p.lease_until > now()))) \
                ORDER BY o.seq LIMIT $1 \
                FOR UPDATE OF o SKIP LOCKED) \
              UPDATE {t} o SET \
@@ -208,10 +226,17 @@ impl PgOutboxBuilder {
         let payload_sql = format!("SELECT payload FROM {t} WHERE id = $1");
         let dead_sql =
             format!("SELECT {RECORD_COLUMNS} FROM {t} WHERE state = 'dead' ORDER BY seq LIMIT $1");
+        // A retried message goes to the back of its key: a new `seq`, drawn under the key's
+        // lock (as an enqueue's), so after every message of its key enqueued before it,
+        // committed or not.
         let retry_sql = format!(
-            "UPDATE {t} SET state = 'pending', attempts = 0, available_at = now(), \
-               lease_until = NULL, lease_token = NULL \
-             WHERE id = $1 AND state = 'dead'"
+            "UPDATE {t} o SET state = 'pending', seq = DEFAULT, attempts = 0, \
+               available_at = now(), lease_until = NULL, lease_token = NULL \
+             FROM (SELECT count(*) AS n FROM (\
+               SELECT pg_advisory_xact_lock(hashtextextended(d.ordering_key, {lock_seed})) \
+               FROM {t} d WHERE d.id = $1 AND d.state = 'dead' \
+                 AND d.ordering_key IS NOT NULL) AS l) AS k \
+             WHERE o.id = $1 AND o.state = 'dead' AND k.n >= 0"
         );
         let discard_sql = format!("DELETE FROM {t} WHERE id = $1");
         // The delete re-checks the predicate; the batch is chosen once (a CTE), and two sweepers
@@ -379,6 +404,19 @@ impl PgOutbox {
     /// `sqlx::Transaction` as `&mut tx`, an [`EnlistedTx`](crate::enlisted::EnlistedTx) as
     /// `tx.conn()`, an inbox handler's connection): it is sent once that transaction commits,
     /// and never if it rolls back. One statement, one row; no other write.
+    ///
+    /// A message with an ordering key first takes a lock on that key in this outbox (a
+    /// transaction-scoped advisory lock, held until the transaction ends), so that, per key,
+    /// messages go out in the order their transactions commit. Consequences: a second
+    /// transaction enqueuing the same key waits in its `enqueue` until the first commits or
+    /// rolls back, at most its `lock_timeout` if one is set (an enlisted transaction has the
+    /// PostgreSQL store's, 1 s by default; an inbox handler's the inbox's, 5 s); past it,
+    /// SQLSTATE 55P03, and the transaction must roll back. Keep such transactions short after
+    /// their enqueue. Two transactions that
+    /// enqueue several keys in different orders can deadlock: PostgreSQL detects it and aborts
+    /// one (SQLSTATE 40P01); enqueue a transaction's keys in a fixed order (sorted, say).
+    /// Messages without an ordering key take no lock. Being transaction-scoped, the lock works
+    /// behind a transaction pooler.
     ///
     /// A message whose id is already in the outbox (pending, delivered within the retention,
     /// or dead) is not written again: [`Enqueued::AlreadyEnqueued`]. An invalid message is
@@ -576,6 +614,11 @@ impl PgOutbox {
 
     /// Puts a dead-lettered message back to be delivered now, its attempts counted from zero;
     /// `false` if `id` is not dead-lettered.
+    ///
+    /// A message with an ordering key goes to the back of its key: it is delivered after every
+    /// message of that key enqueued before the retry (one in flight or pending included), never
+    /// beside one. Like [`enqueue`](Self::enqueue), it takes the key's lock, so it waits for
+    /// transactions that enqueued the key and are still open.
     pub async fn retry(&self, id: &str) -> Result<bool, sqlx::Error> {
         let retried = self.affected_by_id(&self.s.retry_sql, id).await? > 0;
         if retried {
