@@ -26,7 +26,6 @@
 //! and 422 for a reused key, is `idempotent-runtime/tests/adapter.rs`.
 
 use std::future::Future;
-use std::pin::Pin;
 
 use bytes::Bytes;
 use tracing::Instrument as _;
@@ -325,8 +324,7 @@ impl Claimed {
         T: Send + 'static,
         E: Send + 'static,
     {
-        let (handle, route, work) = self.work(served, handler);
-        pipeline::drive(&handle, &route, work, tokio::spawn).await
+        pipeline::drive(self.work(served, handler), tokio::spawn).await
     }
 
     /// [`run`](Self::run) for a framework whose futures are not `Send` (actix-web): unfinished
@@ -338,19 +336,14 @@ impl Claimed {
         T: 'static,
         E: 'static,
     {
-        let (handle, route, work) = self.work(served, handler);
-        pipeline::drive(&handle, &route, work, tokio::task::spawn_local).await
+        pipeline::drive(self.work(served, handler), tokio::task::spawn_local).await
     }
 
     fn work<R, T, E, Fut>(
         self,
         served: Served,
         handler: Fut,
-    ) -> (
-        Idempotency,
-        String,
-        Pin<Box<impl Future<Output = Ended<R, T, E>> + use<R, T, E, Fut>>>,
-    )
+    ) -> pipeline::Work<impl Future<Output = Ended<R, T, E>> + use<R, T, E, Fut>>
     where
         Fut: Future<Output = Result<(R, T), E>>,
         R: Reply,
@@ -363,12 +356,15 @@ impl Claimed {
             span,
             ..
         } = inner;
-        // Boxed where it is made: the futures around it move a pointer, not its kilobytes.
-        let work = Box::pin(
+        let future = Box::pin(
             pipeline::work(handle.clone(), held, permit, route.clone(), served, handler)
                 .instrument(span),
         );
-        (handle, route, work)
+        pipeline::Work {
+            handle,
+            route,
+            future,
+        }
     }
 
     /// Settles `response` as this request's answer without running the handler (an
@@ -674,7 +670,6 @@ pub use enlisted::{
 mod enlisted {
     use std::future::Future;
     use std::marker::PhantomData;
-    use std::pin::Pin;
 
     use bytes::Bytes;
     use tracing::Instrument as _;
@@ -861,11 +856,7 @@ mod enlisted {
         fn work<R, F, Fut>(
             self,
             handler: F,
-        ) -> (
-            Idempotency,
-            String,
-            Pin<Box<impl Future<Output = Ended<R, (), std::convert::Infallible>>>>,
-        )
+        ) -> pipeline::Work<impl Future<Output = Ended<R, (), std::convert::Infallible>>>
         where
             R: Reply,
             F: FnOnce(EnlistedTx<DB>) -> Fut,
@@ -879,11 +870,15 @@ mod enlisted {
                 span,
                 ..
             } = inner;
-            let work = Box::pin(
+            let future = Box::pin(
                 pipeline::enlisted_work(handle.clone(), held, permit, route.clone(), handler)
                     .instrument(span),
             );
-            (handle, route, work)
+            pipeline::Work {
+                handle,
+                route,
+                future,
+            }
         }
 
         /// Runs `handler` with the transaction to its end where no client disconnect can
@@ -899,8 +894,7 @@ mod enlisted {
             F: FnOnce(EnlistedTx<DB>) -> Fut + Send + 'static,
             Fut: Future<Output = (EnlistedTx<DB>, R)> + Send + 'static,
         {
-            let (handle, route, work) = self.work(handler);
-            pipeline::drive(&handle, &route, work, tokio::spawn)
+            pipeline::drive(self.work(handler), tokio::spawn)
                 .await
                 .answer()
         }
@@ -913,9 +907,8 @@ mod enlisted {
             F: FnOnce(EnlistedTx<DB>) -> Fut + 'static,
             Fut: Future<Output = (EnlistedTx<DB>, R)> + 'static,
         {
-            let (handle, route, work) = self.work(handler);
             let spawn = tokio::task::spawn_local;
-            pipeline::drive(&handle, &route, work, spawn).await.answer()
+            pipeline::drive(self.work(handler), spawn).await.answer()
         }
 
         /// Settles `response` as this request's answer without running the handler (an

@@ -635,38 +635,41 @@ where
 /// first poll has nothing left to cancel, so it is answered without a task (a task costs more
 /// than a typical handler on the memory store); there is no await point between that poll and
 /// the spawn, so started work always finishes, here or in its task.
-///
-/// The work comes boxed (its maker boxes it where it is made), so the futures around it (the
-/// adapter's, the handler's) hold a pointer instead of the work's kilobytes, and do not copy
-/// them each time one is moved into the next.
-pub(crate) fn drive<'a, W, R, T, E, J, F>(
-    handle: &'a Idempotency,
-    route: &'a str,
-    mut work: Pin<Box<W>>,
-    spawn: F,
-) -> impl Future<Output = Ended<R, T, E>> + 'a
+pub(crate) async fn drive<W, R, T, E, J, F>(work: Work<W>, spawn: F) -> Ended<R, T, E>
 where
-    W: Future<Output = Ended<R, T, E>> + 'a,
+    W: Future<Output = Ended<R, T, E>>,
     R: Reply,
-    F: FnOnce(Pin<Box<W>>) -> J + 'a,
+    F: FnOnce(Pin<Box<W>>) -> J,
     J: Future<Output = Result<Ended<R, T, E>, tokio::task::JoinError>>,
 {
-    async move {
-        let first = std::future::poll_fn(|cx| {
-            Poll::Ready(panic::catch_unwind(AssertUnwindSafe(|| {
-                work.as_mut().poll(cx)
-            })))
-        })
-        .await;
-        match first {
-            Ok(Poll::Ready(ended)) => ended,
-            Ok(Poll::Pending) => match spawn(work).await {
-                Ok(ended) => ended,
-                Err(_) => Ended::Panicked(refuse(handle, &refusals::task_failed(route))),
-            },
-            Err(_) => Ended::Panicked(refuse(handle, &refusals::task_failed(route))),
-        }
+    let Work {
+        handle,
+        route,
+        future: mut work,
+    } = work;
+    let first = std::future::poll_fn(|cx| {
+        Poll::Ready(panic::catch_unwind(AssertUnwindSafe(|| {
+            work.as_mut().poll(cx)
+        })))
+    })
+    .await;
+    match first {
+        Ok(Poll::Ready(ended)) => ended,
+        Ok(Poll::Pending) => match spawn(work).await {
+            Ok(ended) => ended,
+            Err(_) => Ended::Panicked(refuse(&handle, &refusals::task_failed(&route))),
+        },
+        Err(_) => Ended::Panicked(refuse(&handle, &refusals::task_failed(&route))),
     }
+}
+
+/// A claimed request's work for [`drive`], boxed where it is made: the futures around it (the
+/// adapter's, the handler's) hold a pointer instead of the work's kilobytes, and do not copy
+/// them each time one is moved into the next.
+pub(crate) struct Work<W> {
+    pub(crate) handle: Idempotency,
+    pub(crate) route: String,
+    pub(crate) future: Pin<Box<W>>,
 }
 
 /// Records a recordable response before it is returned; releases the key otherwise (or, under

@@ -592,7 +592,7 @@ async fn a_panicking_handler_answers_500_and_releases_its_key() {
         Served::ByHandler,
         handler,
     );
-    let ended = drive(&handle, "/orders", Box::pin(work), tokio::spawn).await;
+    let ended = drive(boxed(&handle, work), tokio::spawn).await;
     let Ended::Panicked(answer) = ended else {
         panic!("not a panic");
     };
@@ -621,7 +621,7 @@ async fn pending_work_finishes_in_its_task_and_is_recorded() {
         Served::ByHandler,
         handler,
     );
-    match drive(&handle, "/orders", Box::pin(work), tokio::spawn).await {
+    match drive(boxed(&handle, work), tokio::spawn).await {
         Ended::Answered(sent, extra) => assert_eq!((sent.0.status, extra), (201, 7)),
         _ => panic!("not answered"),
     }
@@ -1398,4 +1398,13 @@ async fn a_waiting_duplicate_runs_when_the_first_releases_its_key() {
         waiting.await.unwrap(),
         "the waiting duplicate claimed the key and runs"
     );
+}
+
+/// `work` as [`drive`] takes it.
+fn boxed<W>(handle: &Idempotency, work: W) -> Work<W> {
+    Work {
+        handle: handle.clone(),
+        route: "/orders".to_owned(),
+        future: Box::pin(work),
+    }
 }
