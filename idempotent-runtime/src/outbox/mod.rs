@@ -4,7 +4,7 @@
 //! A handler that must publish `OrderPlaced`, call a webhook or send an email after its write has
 //! no safe moment to do it: published before the commit, a rollback leaves a message about
 //! nothing; published after it, a crash in between loses the message. The outbox writes the
-//! message **in the caller's transaction** instead ([`PgOutbox::enqueue`]), so it commits or
+//! message **in the caller's transaction** instead ([`PostgresOutbox::enqueue`]), so it commits or
 //! rolls back with the business rows, and a [`Relay`] delivers what committed, at least once,
 //! each message carrying its stable id so that the receiver deduplicates it: NATS JetStream's
 //! `Nats-Msg-Id`, RabbitMQ's `message_id`, a webhook's `Idempotency-Key` and `webhook-id`, or
@@ -33,11 +33,11 @@
 //!   a dead-lettered one no longer does. Messages without a key go out in parallel.
 //! - **Retries, then the dead letter.** A failed publish is retried with exponential backoff
 //!   (or after the receiver's `Retry-After`), and after `max_attempts` the message is
-//!   dead-lettered with its last error; [`PgOutbox::retry`] and [`PgOutbox::discard`] let an
-//!   operator decide. A publisher may call a failure permanent ([`PublishError::permanent`]):
-//!   dead at once.
+//!   dead-lettered with its last error; [`PostgresOutbox::retry`] and
+//!   [`PostgresOutbox::discard`] let an operator decide. A publisher may call a failure
+//!   permanent ([`PublishError::permanent`]): dead at once.
 //! - **Swept after a retention.** Delivered rows stay for the retention (default 7 days), so
-//!   [`PgOutbox::inspect`] answers "was it sent?" and re-enqueuing the same id within it is a
+//!   [`PostgresOutbox::inspect`] answers "was it sent?" and re-enqueuing the same id within it is a
 //!   no-op ([`Enqueued::AlreadyEnqueued`]); the sweeper deletes them after.
 //!
 //! Publishers, each behind its feature: `NatsPublisher` (NATS JetStream, `Nats-Msg-Id`; feature
@@ -73,7 +73,7 @@ pub use amqp::AmqpPublisher;
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub use nats::NatsPublisher;
-pub use postgres::{OutboxStats, PgOutbox, PgOutboxBuilder};
+pub use postgres::{OutboxStats, PostgresOutbox, PostgresOutboxBuilder};
 pub use relay::{Relay, RelayBuilder, Relayed};
 #[cfg(feature = "outbox-webhooks")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox-webhooks")))]
@@ -263,7 +263,7 @@ impl fmt::Display for InvalidMessage {
 
 impl StdError for InvalidMessage {}
 
-/// Why [`PgOutbox::enqueue`] wrote nothing. Non-exhaustive.
+/// Why [`PostgresOutbox::enqueue`] wrote nothing. Non-exhaustive.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum OutboxError {
@@ -304,7 +304,7 @@ impl StdError for OutboxError {
     }
 }
 
-/// Whether [`PgOutbox::enqueue`] wrote the message.
+/// Whether [`PostgresOutbox::enqueue`] wrote the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enqueued {
     /// Written in the caller's transaction: sent once it commits.
@@ -492,8 +492,8 @@ impl State {
     }
 }
 
-/// What [`PgOutbox::inspect`] and [`PgOutbox::dead_letters`] tell about a message (its payload
-/// only when asked).
+/// What [`PostgresOutbox::inspect`] and [`PostgresOutbox::dead_letters`] tell about a message
+/// (its payload only when asked).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OutboxRecord {
