@@ -15,11 +15,12 @@
 //! | `Err(`[`InboxError::Handler`]`)` | the handler failed; nothing was kept, no marker | nack |
 //! | `Err(`[`InboxError::Store`]`)` | the database failed; the outcome was rolled back | nack |
 //!
-//! Two inboxes share these results:
+//! The inboxes share these results:
 //!
-//! - `PostgresInbox` (feature `postgres`): the marker is a row in a `processed_messages` table
-//!   and the handler writes through the same transaction. Any number of consumer processes may
-//!   share it.
+//! - `PostgresInbox` (feature `postgres`), `MySqlInbox` (feature `mysql`, InnoDB) and
+//!   `SqliteInbox` (feature `sqlite`): the marker is a row in a `processed_messages` table and
+//!   the handler writes through the same transaction. Any number of consumer processes may share
+//!   one.
 //! - [`MemoryInbox`]: one process, for tests and for consumers whose effects are not in a database.
 //!   Its markers live as long as the process.
 
