@@ -41,9 +41,10 @@ impl<'a> ActixHead<'a> {
 pub(crate) fn captured(req: &dev::ServiceRequest, pattern: &dev::ResourceDef) -> Vec<String> {
     let mut path = req.match_info().clone();
     path.reset();
-    match pattern.capture_match_info(&mut path) {
-        true => decoded(&path),
-        false => Vec::new(),
+    if pattern.capture_match_info(&mut path) {
+        decoded(&path)
+    } else {
+        Vec::new()
     }
 }
 
