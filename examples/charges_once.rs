@@ -1,5 +1,5 @@
 //! A NATS core consumer that charges once per message id on the Redis store: no database, no
-//! inbox table, just `Idempotency::once` (DESIGN.md §6, "Plain functions").
+//! inbox table, just `Once::new` (DESIGN.md §6, "Plain functions").
 //!
 //! NATS core delivers at most once per subscriber, but producers retry a request whose reply
 //! they did not see, and two copies may reach two consumers of one queue group at the same
@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use idempotent_runtime::Idempotency;
-use idempotent_runtime::once::OnceError;
+use idempotent_runtime::once::{Once, OnceError};
 use idempotent_runtime::scope::{ClientId, Identity, Scope};
 use serde::{Deserialize, Serialize};
 
@@ -104,8 +104,7 @@ pub async fn handle(idempotency: &Idempotency, provider: &Provider, payload: &[u
     };
     // What makes two copies the same charge: the customer and the amount.
     let input = (&charge.customer, charge.amount);
-    let charged = idempotency
-        .once(&scope(), &charge.id)
+    let charged = Once::new(idempotency, &scope(), &charge.id)
         .name("charge")
         .wait(Duration::from_secs(5))
         .run(&input, || provider.charge(&charge))

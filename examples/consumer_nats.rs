@@ -1,7 +1,7 @@
 //! A NATS JetStream consumer that reserves stock in PostgreSQL through the inbox (DESIGN.md §6).
 //!
 //! JetStream delivers at least once. This consumer reserves stock for each order message inside
-//! `PgInbox::process`, so the reservation and the message's marker commit together: a copy
+//! `PostgresInbox::process`, so the reservation and the message's marker commit together: a copy
 //! delivered again is acked without reserving twice.
 //!
 //! The run publishes four messages and forces every kind of repeat:
@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
 use futures_util::StreamExt;
-use idempotent_runtime::inbox::{BoxFuture, InboxError, PgInbox, Processed};
+use idempotent_runtime::inbox::{BoxFuture, InboxError, PostgresInbox, Processed};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Row};
@@ -79,7 +79,7 @@ pub async fn setup_database(
     pool: &PgPool,
     names: &Names,
     available: i32,
-) -> Result<PgInbox, Error> {
+) -> Result<PostgresInbox, Error> {
     let s = &names.schema;
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE SCHEMA IF NOT EXISTS {s};
@@ -106,7 +106,7 @@ pub async fn setup_database(
     )))
     .execute(pool)
     .await?;
-    let inbox = PgInbox::builder(pool.clone(), names.durable.clone())
+    let inbox = PostgresInbox::builder(pool.clone(), names.durable.clone())
         .schema(s.clone())
         .build()?;
     inbox.migrate().await?;
@@ -240,7 +240,7 @@ pub struct Report {
 
 /// The consumer: the inbox, plus the faults it is told to simulate.
 pub struct StockConsumer {
-    inbox: PgInbox,
+    inbox: PostgresInbox,
     schema: String,
     shared: Arc<Shared>,
 }
@@ -259,7 +259,7 @@ struct Shared {
 
 impl StockConsumer {
     /// A consumer writing to `schema` through `inbox`.
-    pub fn new(inbox: PgInbox, schema: String) -> Self {
+    pub fn new(inbox: PostgresInbox, schema: String) -> Self {
         Self {
             inbox,
             schema,
@@ -269,7 +269,7 @@ impl StockConsumer {
 
     /// Another replica of this consumer (a second process, with its own inbox handle and
     /// pool), sharing the faults to simulate, the report and the ack count.
-    pub fn replica(&self, inbox: PgInbox) -> Self {
+    pub fn replica(&self, inbox: PostgresInbox) -> Self {
         Self {
             inbox,
             schema: self.schema.clone(),

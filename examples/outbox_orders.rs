@@ -34,8 +34,8 @@ use axum::{Json, Router};
 use futures_util::StreamExt;
 use idempotent_runtime::axum::idempotent;
 use idempotent_runtime::enlisted::EnlistedTx;
-use idempotent_runtime::inbox::{PgInbox, Processed};
-use idempotent_runtime::outbox::{Message, NatsPublisher, PgOutbox, Relay};
+use idempotent_runtime::inbox::{PostgresInbox, Processed};
+use idempotent_runtime::outbox::{Message, NatsPublisher, PostgresOutbox, Relay};
 use idempotent_runtime::store::postgres::PostgresStore;
 use idempotent_runtime::{Idempotency, IdempotencyContext};
 use serde::{Deserialize, Serialize};
@@ -110,14 +110,14 @@ fn store(pool: &PgPool, names: &Names) -> Result<PostgresStore, Error> {
 }
 
 /// The outbox of run `names`.
-pub fn outbox(pool: &PgPool, names: &Names) -> Result<PgOutbox, Error> {
-    Ok(PgOutbox::builder(pool.clone())
+pub fn outbox(pool: &PgPool, names: &Names) -> Result<PostgresOutbox, Error> {
+    Ok(PostgresOutbox::builder(pool.clone())
         .schema(&names.schema)
         .build()?)
 }
 
-fn inbox(pool: &PgPool, names: &Names) -> Result<PgInbox, Error> {
-    Ok(PgInbox::builder(pool.clone(), &names.durable)
+fn inbox(pool: &PgPool, names: &Names) -> Result<PostgresInbox, Error> {
+    Ok(PostgresInbox::builder(pool.clone(), &names.durable)
         .schema(&names.schema)
         .build()?)
 }
@@ -151,7 +151,7 @@ pub async fn setup_broker(
 #[derive(Clone)]
 struct App {
     idempotency: Idempotency,
-    outbox: PgOutbox,
+    outbox: PostgresOutbox,
     names: Names,
 }
 
@@ -271,7 +271,7 @@ async fn relay(
 
 /// Reserves stock for one delivered `OrderPlaced`, once per message id.
 pub async fn reserve(
-    inbox: &PgInbox,
+    inbox: &PostgresInbox,
     schema: &str,
     message_id: &str,
     event: OrderPlaced,

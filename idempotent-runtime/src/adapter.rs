@@ -653,6 +653,42 @@ impl RouterLayer {
     }
 }
 
+/// Route patterns compiled once each, for a router-level layer that runs before its
+/// framework's router has matched the request (actix-web's scope middleware), and so reads the
+/// path parameters of the pattern [`RouterLayer::step`] names itself: `T` is the framework's
+/// compiled pattern. Not `Sync`: one per service, which such a framework builds per worker.
+#[derive(Debug)]
+pub struct RoutePatterns<T> {
+    compiled: std::cell::RefCell<std::collections::HashMap<String, T>>,
+}
+
+impl<T> Default for RoutePatterns<T> {
+    fn default() -> Self {
+        let compiled = std::cell::RefCell::default();
+        Self { compiled }
+    }
+}
+
+impl<T> RoutePatterns<T> {
+    /// `read` over `pattern` compiled; `compile` runs the first time a pattern is met only.
+    pub fn with<A>(
+        &self,
+        pattern: &str,
+        compile: impl FnOnce(&str) -> T,
+        read: impl FnOnce(&T) -> A,
+    ) -> A {
+        let mut compiled = self.compiled.borrow_mut();
+        if let Some(known) = compiled.get(pattern) {
+            return read(known);
+        }
+        read(
+            compiled
+                .entry(pattern.to_owned())
+                .or_insert_with(|| compile(pattern)),
+        )
+    }
+}
+
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub use enlisted::{
     BufferedTx, ClaimedTx, enlisted_entry, front_enlisted, prepare_enlisted,

@@ -7,7 +7,7 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
 //! use idempotent_runtime::Idempotency;
-//! use idempotent_runtime::once::OnceError;
+//! use idempotent_runtime::once::{Once, OnceError};
 //! use idempotent_runtime::scope::{ClientId, Identity, Scope};
 //!
 //! let idempotency = Idempotency::memory();
@@ -15,12 +15,13 @@
 //! let billing = Scope::from_identity(&Identity::client(ClientId::OAuth("billing".into())), None).unwrap();
 //!
 //! let charge = |amount: u64| async move { Ok::<_, std::io::Error>(format!("ch_{amount}")) };
-//! let first = idempotency.once(&billing, "invoice-42").run(&1200u64, || charge(1200)).await;
-//! let again = idempotency.once(&billing, "invoice-42").run(&1200u64, || charge(1200)).await;
+//! let invoice = || Once::new(&idempotency, &billing, "invoice-42");
+//! let first = invoice().run(&1200u64, || charge(1200)).await;
+//! let again = invoice().run(&1200u64, || charge(1200)).await;
 //! assert_eq!(first.unwrap(), "ch_1200");
 //! assert_eq!(again.unwrap(), "ch_1200"); // recorded: the closure did not run again
 //!
-//! let changed = idempotency.once(&billing, "invoice-42").run(&999u64, || charge(999)).await;
+//! let changed = invoice().run(&999u64, || charge(999)).await;
 //! assert!(matches!(changed, Err(OnceError::InputChanged)));
 //! # }
 //! ```
@@ -115,7 +116,7 @@ impl<E: fmt::Display> fmt::Display for OnceError<E> {
 
 impl<E: fmt::Debug + fmt::Display> std::error::Error for OnceError<E> {}
 
-/// A call of a plain function under a key: [`Idempotency::once`], its settings, then
+/// A call of a plain function under a key: [`Once::new`], its settings, then
 /// [`run`](Self::run).
 #[must_use = "nothing runs until `run` is awaited"]
 pub struct Once<'a> {
@@ -139,13 +140,14 @@ impl fmt::Debug for Once<'_> {
     }
 }
 
-impl Idempotency {
-    /// A call that runs at most once per `(scope, key)`, with the runtime's lease, retention
-    /// and `wait_in_progress`; see [the module](crate::once).
-    pub fn once<'a>(&'a self, scope: &'a Scope, key: &'a str) -> Once<'a> {
-        let config = self.config();
-        Once {
-            handle: self,
+impl<'a> Once<'a> {
+    /// A call that runs at most once per `(scope, key)` under the handle `idempotency` (its
+    /// store), with the runtime's lease, retention and `wait_in_progress`; see
+    /// [the module](crate::once).
+    pub fn new(idempotency: &'a Idempotency, scope: &'a Scope, key: &'a str) -> Self {
+        let config = idempotency.config();
+        Self {
+            handle: idempotency,
             scope,
             key,
             name: "once",
@@ -154,9 +156,7 @@ impl Idempotency {
             wait: config.wait_in_progress(),
         }
     }
-}
 
-impl<'a> Once<'a> {
     /// What the function is, for metrics, traces and [`inspect`](Idempotency::inspect) (its
     /// "route"; default `once`). It is part of the fingerprint: one key used by two functions
     /// is [`OnceError::InputChanged`].

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idempotent_runtime::inbox::{BoxFuture, InboxError, PgInbox, Processed};
+use idempotent_runtime::inbox::{BoxFuture, InboxError, PostgresInbox, Processed};
 use idempotent_runtime::store::FencingToken;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection};
@@ -64,8 +64,8 @@ impl Db {
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
 
-    async fn inbox(&self, consumer: &str) -> PgInbox {
-        let inbox = PgInbox::builder(self.pool.clone(), consumer)
+    async fn inbox(&self, consumer: &str) -> PostgresInbox {
+        let inbox = PostgresInbox::builder(self.pool.clone(), consumer)
             .schema(&self.schema)
             .build()
             .unwrap();
@@ -81,7 +81,7 @@ impl Db {
         .await
     }
 
-    async fn markers(&self, inbox: &PgInbox, message_id: &str) -> i64 {
+    async fn markers(&self, inbox: &PostgresInbox, message_id: &str) -> i64 {
         self.scalar(&format!(
             "SELECT count(*) FROM {} WHERE consumer = '{}' AND message_id = '{message_id}'",
             inbox.qualified_table(),
@@ -234,7 +234,7 @@ async fn a_copy_meeting_an_uncommitted_marker_past_the_lock_timeout_is_busy() {
     let Some(db) = Db::connect().await else {
         return;
     };
-    let inbox = PgInbox::builder(db.pool.clone(), "reserve-stock")
+    let inbox = PostgresInbox::builder(db.pool.clone(), "reserve-stock")
         .schema(&db.schema)
         .lock_timeout(Duration::from_millis(200))
         .build()
@@ -357,7 +357,7 @@ async fn a_unique_violation_at_commit_is_a_duplicate_only_on_the_inboxs_constrai
         db.schema
     ))
     .await;
-    let deferred = PgInbox::builder(db.pool.clone(), "reserve-stock")
+    let deferred = PostgresInbox::builder(db.pool.clone(), "reserve-stock")
         .schema(&db.schema)
         .table("deferred_inbox")
         .build()
@@ -546,7 +546,7 @@ async fn the_background_sweeper_deletes_old_markers() {
     let Some(db) = Db::connect().await else {
         return;
     };
-    let inbox = PgInbox::builder(db.pool.clone(), "reserve-stock")
+    let inbox = PostgresInbox::builder(db.pool.clone(), "reserve-stock")
         .schema(&db.schema)
         .retention(Duration::from_secs(3600))
         .build()
@@ -583,7 +583,7 @@ async fn migrate_is_idempotent_from_several_processes_and_honours_a_renamed_tabl
     let Some(db) = Db::connect().await else {
         return;
     };
-    let inbox = PgInbox::builder(db.pool.clone(), "reserve-stock")
+    let inbox = PostgresInbox::builder(db.pool.clone(), "reserve-stock")
         .schema(format!("{}_inbox", db.schema))
         .table("consumer_markers")
         .build()
@@ -620,7 +620,7 @@ async fn migrate_is_idempotent_from_several_processes_and_honours_a_renamed_tabl
         db.schema
     ))
     .await;
-    let foreign = PgInbox::builder(db.pool.clone(), "c")
+    let foreign = PostgresInbox::builder(db.pool.clone(), "c")
         .schema(&db.schema)
         .table("foreign_markers")
         .build()
@@ -628,13 +628,13 @@ async fn migrate_is_idempotent_from_several_processes_and_honours_a_renamed_tabl
     assert!(foreign.migrate().await.is_err());
 
     assert!(
-        PgInbox::builder(db.pool.clone(), "c")
+        PostgresInbox::builder(db.pool.clone(), "c")
             .table("Bad-Name")
             .build()
             .is_err()
     );
     assert!(
-        PgInbox::builder(db.pool.clone(), "c")
+        PostgresInbox::builder(db.pool.clone(), "c")
             .schema("x\"; DROP TABLE y; --")
             .build()
             .is_err()

@@ -1,4 +1,4 @@
-//! Plain functions run once per key (`Idempotency::once`, DESIGN.md §6), on every store that
+//! Plain functions run once per key (`Once::new`, DESIGN.md §6), on every store that
 //! runs here: the memory store, the cache in front of it, SQLite, PostgreSQL and Redis
 //! (`DATABASE_URL`, `REDIS_URL`; skipped when unset unless CI's `IDEMPOTENT_REQUIRE_*` says
 //! otherwise). Each store gets the same cases: 64 concurrent callers with one key, a changed
@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempotent_runtime::Idempotency;
-use idempotent_runtime::once::OnceError;
+use idempotent_runtime::once::{Once, OnceError};
 use idempotent_runtime::scope::{ClientId, Identity, Scope};
 use idempotent_runtime::store::cache::CachedStore;
 use idempotent_runtime::store::memory::MemoryStore;
@@ -55,8 +55,7 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
 
     // 64 callers at once: one runs, the others get its output or "in progress".
     let calls = (0..64).map(|_| {
-        idempotency
-            .once(&billing, "invoice-1")
+        Once::new(idempotency, &billing, "invoice-1")
             .name("charge")
             .run(&1200u64, charge(1200))
     });
@@ -83,8 +82,7 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
     }
     assert!(outputs >= 1);
     // Later calls return the recorded output without running.
-    let again = idempotency
-        .once(&billing, "invoice-1")
+    let again = Once::new(idempotency, &billing, "invoice-1")
         .name("charge")
         .run(&1200u64, charge(1200))
         .await
@@ -93,8 +91,7 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 
     // Another input, or another function, under the same key is refused.
-    let changed = idempotency
-        .once(&billing, "invoice-1")
+    let changed = Once::new(idempotency, &billing, "invoice-1")
         .name("charge")
         .run(&999u64, charge(999))
         .await;
@@ -102,8 +99,7 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
         matches!(changed, Err(OnceError::InputChanged)),
         "{changed:?}"
     );
-    let renamed = idempotency
-        .once(&billing, "invoice-1")
+    let renamed = Once::new(idempotency, &billing, "invoice-1")
         .name("refund")
         .run(&1200u64, charge(1200))
         .await;
@@ -112,8 +108,7 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
         "{renamed:?}"
     );
     // Another scope is another key space.
-    let other = idempotency
-        .once(&job(&format!("payroll-{unique}")), "invoice-1")
+    let other = Once::new(idempotency, &job(&format!("payroll-{unique}")), "invoice-1")
         .name("charge")
         .run(&1200u64, charge(1200))
         .await;
@@ -123,13 +118,9 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
     // A map's order does not change the input.
     let a: HashMap<String, u64> = (0..32).map(|i| (format!("k{i}"), i)).collect();
     let b: HashMap<String, u64> = (0..32).rev().map(|i| (format!("k{i}"), i)).collect();
-    let first = idempotency
-        .once(&billing, "map")
-        .run(&a, || async { Ok::<_, ()>(1u8) });
+    let first = Once::new(idempotency, &billing, "map").run(&a, || async { Ok::<_, ()>(1u8) });
     assert_eq!(first.await.unwrap(), 1);
-    let second = idempotency
-        .once(&billing, "map")
-        .run(&b, || async { Ok::<_, ()>(2u8) });
+    let second = Once::new(idempotency, &billing, "map").run(&b, || async { Ok::<_, ()>(2u8) });
     assert_eq!(
         second.await.unwrap(),
         1,
@@ -137,19 +128,16 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
     );
 
     // An error releases the key: the next call runs.
-    let failed = idempotency
-        .once(&billing, "flaky")
+    let failed = Once::new(idempotency, &billing, "flaky")
         .run("x", || async { Err::<u8, _>("provider down") })
         .await;
     assert!(matches!(failed, Err(OnceError::Failed("provider down"))));
-    let retried = idempotency
-        .once(&billing, "flaky")
-        .run("x", || async { Ok::<_, &str>(7u8) });
+    let retried =
+        Once::new(idempotency, &billing, "flaky").run("x", || async { Ok::<_, &str>(7u8) });
     assert_eq!(retried.await.unwrap(), 7);
 
     // A panic releases the key too.
-    let panicked = idempotency
-        .once(&billing, "panics")
+    let panicked = Once::new(idempotency, &billing, "panics")
         .run("x", || async {
             if true {
                 panic!("on purpose");
@@ -158,17 +146,14 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
         })
         .await;
     assert!(matches!(panicked, Err(OnceError::Panicked)));
-    let after = idempotency
-        .once(&billing, "panics")
-        .run("x", || async { Ok::<_, ()>(3u8) });
+    let after = Once::new(idempotency, &billing, "panics").run("x", || async { Ok::<_, ()>(3u8) });
     assert_eq!(after.await.unwrap(), 3);
 
     // Waiting: all 64 callers get the output.
     let waited = Arc::new(AtomicUsize::new(0));
     let calls = (0..64).map(|_| {
         let waited = Arc::clone(&waited);
-        idempotency
-            .once(&billing, "waits")
+        Once::new(idempotency, &billing, "waits")
             .wait(Duration::from_secs(20))
             .run("x", move || async move {
                 waited.fetch_add(1, Ordering::SeqCst);
@@ -181,13 +166,10 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
     assert_eq!(waited.load(Ordering::SeqCst), 1);
 
     // A bad key is refused before anything runs.
-    let bad = idempotency
-        .once(&billing, "two words")
-        .run("x", || async { Ok::<_, ()>(0u8) });
+    let bad = Once::new(idempotency, &billing, "two words").run("x", || async { Ok::<_, ()>(0u8) });
     assert!(matches!(bad.await, Err(OnceError::InvalidKey(_))));
     // A dropped call (the caller gave up) leaves the key to the next one after its lease.
-    let short = idempotency
-        .once(&billing, "dropped")
+    let short = Once::new(idempotency, &billing, "dropped")
         .lease(Duration::from_millis(300))
         .run("x", std::future::pending::<Result<u8, ()>>);
     assert!(
@@ -200,8 +182,7 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
     let crashed_runs = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&crashed_runs);
     let mut crashing = Box::pin(
-        idempotency
-            .once(&billing, "crash")
+        Once::new(idempotency, &billing, "crash")
             .lease(Duration::from_millis(600))
             .run("x", move || async move {
                 counted.fetch_add(1, Ordering::SeqCst);
@@ -211,16 +192,13 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
     let started = tokio::time::timeout(Duration::from_millis(300), crashing.as_mut()).await;
     assert!(started.is_err(), "the function is running");
     std::mem::forget(crashing);
-    let during = idempotency
-        .once(&billing, "crash")
-        .run("x", || async { Ok::<_, ()>(9u8) });
+    let during = Once::new(idempotency, &billing, "crash").run("x", || async { Ok::<_, ()>(9u8) });
     assert!(
         matches!(during.await, Err(OnceError::InProgress { .. })),
         "held by its lease"
     );
     let counted = Arc::clone(&crashed_runs);
-    let after = idempotency
-        .once(&billing, "crash")
+    let after = Once::new(idempotency, &billing, "crash")
         .wait(Duration::from_secs(10))
         .run("x", move || async move {
             counted.fetch_add(1, Ordering::SeqCst);
@@ -232,14 +210,11 @@ async fn cases(idempotency: &Idempotency, unique: &str) {
         2,
         "the crashed run and one more"
     );
-    let replay = idempotency
-        .once(&billing, "crash")
-        .run("x", || async { Ok::<_, ()>(0u8) });
+    let replay = Once::new(idempotency, &billing, "crash").run("x", || async { Ok::<_, ()>(0u8) });
     assert_eq!(replay.await.unwrap(), 9);
 
     // Its key is released when it is dropped, or lapses with its lease: the next call runs.
-    let value = idempotency
-        .once(&billing, "dropped")
+    let value = Once::new(idempotency, &billing, "dropped")
         .wait(Duration::from_secs(10))
         .run("x", || async { Ok::<_, ()>(5u8) })
         .await
@@ -349,8 +324,7 @@ async fn crash_child() {
         return;
     };
     let idempotency = handle(SqliteStore::open(&path).await.expect("open"));
-    let _ = idempotency
-        .once(&job("crash"), "k")
+    let _ = Once::new(&idempotency, &job("crash"), "k")
         .lease(Duration::from_secs(1))
         .run("x", || async {
             use std::io::Write as _;
@@ -402,7 +376,7 @@ async fn a_killed_process_holds_its_key_for_its_lease_then_the_next_call_runs_on
     let runs = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&runs);
     let scope = job("crash");
-    let call = || idempotency.once(&scope, "k").lease(Duration::from_secs(1));
+    let call = || Once::new(&idempotency, &scope, "k").lease(Duration::from_secs(1));
     let during = call().run("x", || async { Ok::<_, ()>(1u8) }).await;
     assert!(
         matches!(during, Err(OnceError::InProgress { .. })),

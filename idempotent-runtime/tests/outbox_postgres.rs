@@ -15,9 +15,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotent_runtime::inbox::{PgInbox, Processed};
+use idempotent_runtime::inbox::{PostgresInbox, Processed};
 use idempotent_runtime::outbox::{
-    Delivery, Enqueued, Message, OutboxError, PgOutbox, PublishError, Publisher, Relay, State,
+    Delivery, Enqueued, Message, OutboxError, PostgresOutbox, PublishError, Publisher, Relay, State,
 };
 use idempotent_runtime::store::FencingToken;
 use sqlx::AssertSqlSafe;
@@ -55,8 +55,8 @@ impl Db {
             .unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
 
-    async fn outbox(&self) -> PgOutbox {
-        let outbox = PgOutbox::builder(self.pool.clone())
+    async fn outbox(&self) -> PostgresOutbox {
+        let outbox = PostgresOutbox::builder(self.pool.clone())
             .schema(&self.schema)
             .build()
             .unwrap();
@@ -65,7 +65,7 @@ impl Db {
     }
 
     /// Commits an order and its message in one transaction.
-    async fn commit_order(&self, outbox: &PgOutbox, id: i64, message: Message) -> Enqueued {
+    async fn commit_order(&self, outbox: &PostgresOutbox, id: i64, message: Message) -> Enqueued {
         let mut tx = self.pool.begin().await.unwrap();
         sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {}.orders (id) VALUES ($1) ON CONFLICT DO NOTHING",
@@ -259,7 +259,7 @@ async fn eventually(what: &str, done: impl Fn() -> bool) {
     panic!("never: {what}");
 }
 
-fn relay(outbox: &PgOutbox, publisher: Arc<Recorder>) -> Relay<Arc<Recorder>> {
+fn relay(outbox: &PostgresOutbox, publisher: Arc<Recorder>) -> Relay<Arc<Recorder>> {
     Relay::builder(outbox.clone(), publisher)
         .backoff(Duration::from_millis(10), Duration::from_millis(40))
         .poll_interval(Duration::from_millis(20))
@@ -491,7 +491,7 @@ async fn per_ordering_key_one_in_flight_in_commit_order_through_failures() {
 /// One `deliver_batch` of a relay publishing to `recorder`, in a task of its own (a gated
 /// recorder holds its publishes in flight).
 fn spawn_batch(
-    outbox: &PgOutbox,
+    outbox: &PostgresOutbox,
     recorder: &Arc<Recorder>,
 ) -> tokio::task::JoinHandle<idempotent_runtime::outbox::Relayed> {
     let relay = relay(outbox, recorder.clone());
@@ -913,7 +913,7 @@ async fn a_running_relay_delivers_what_committed_while_none_ran_and_wakes_on_com
     let Some(db) = Db::connect().await else {
         return;
     };
-    let outbox = PgOutbox::builder(db.pool.clone())
+    let outbox = PostgresOutbox::builder(db.pool.clone())
         .schema(&db.schema)
         .notify(true)
         .build()
@@ -953,7 +953,7 @@ async fn the_sweep_deletes_only_delivered_messages_past_the_retention() {
     let Some(db) = Db::connect().await else {
         return;
     };
-    let outbox = PgOutbox::builder(db.pool.clone())
+    let outbox = PostgresOutbox::builder(db.pool.clone())
         .schema(&db.schema)
         .retention(Duration::from_millis(1))
         .build()
@@ -1005,7 +1005,7 @@ async fn the_inbox_keyed_by_the_message_id_closes_the_loop() {
         db.schema
     ))
     .await;
-    let inbox = PgInbox::builder(db.pool.clone(), "reserve-stock")
+    let inbox = PostgresInbox::builder(db.pool.clone(), "reserve-stock")
         .schema(&db.schema)
         .build()
         .unwrap();
@@ -1013,7 +1013,7 @@ async fn the_inbox_keyed_by_the_message_id_closes_the_loop() {
 
     /// Hands each message to the consumer twice, as a broker redelivering would.
     struct Twice {
-        inbox: PgInbox,
+        inbox: PostgresInbox,
         schema: String,
     }
     impl Publisher for Twice {
@@ -1087,7 +1087,7 @@ async fn behind_a_transaction_pooler_it_enqueues_and_relays_by_polling() {
         .await
         .expect("connect to PGBOUNCER_URL");
     let schema = format!("outbox_pooled_{:016x}", FencingToken::mint().0);
-    let outbox = PgOutbox::builder(pool.clone())
+    let outbox = PostgresOutbox::builder(pool.clone())
         .schema(&schema)
         .transaction_pooler(true)
         .build()

@@ -15,8 +15,8 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream;
 use idempotent_runtime::outbox::{
-    AmqpPublisher, Delivery, Enqueued, Message, NatsPublisher, PgOutbox, Publisher, Relay, State,
-    WebhookPublisher,
+    AmqpPublisher, Delivery, Enqueued, Message, NatsPublisher, PostgresOutbox, Publisher, Relay,
+    State, WebhookPublisher,
 };
 use idempotent_runtime::store::FencingToken;
 use idempotent_runtime::webhook::StandardWebhooks;
@@ -533,7 +533,7 @@ async fn webhook_destination_that_is_not_a_url_is_permanent() {
 // ---- The relay through each publisher, from PostgreSQL ----------------------------------------
 
 /// An outbox in a schema of its own, migrated.
-async fn outbox() -> Option<(PgPool, PgOutbox, String)> {
+async fn outbox() -> Option<(PgPool, PostgresOutbox, String)> {
     let url = support::database_url()?;
     let pool = PgPoolOptions::new()
         .max_connections(8)
@@ -541,7 +541,7 @@ async fn outbox() -> Option<(PgPool, PgOutbox, String)> {
         .await
         .expect("connect to DATABASE_URL");
     let schema = format!("outbox_pub_test_{}", unique());
-    let outbox = PgOutbox::builder(pool.clone())
+    let outbox = PostgresOutbox::builder(pool.clone())
         .schema(&schema)
         .build()
         .unwrap();
@@ -560,7 +560,7 @@ async fn drop_schema(pool: &PgPool, schema: &str) {
 /// more in a transaction rolled back. Returns the committed ids and the rolled-back one.
 async fn enqueue(
     pool: &PgPool,
-    outbox: &PgOutbox,
+    outbox: &PostgresOutbox,
     n: usize,
     destination: impl Fn(usize) -> String,
 ) -> (BTreeSet<String>, String) {
@@ -588,7 +588,7 @@ async fn enqueue(
 }
 
 /// Runs `deliver_batch` until a batch claims nothing; every message must be delivered.
-async fn relay_all<P: Publisher>(outbox: &PgOutbox, publisher: P, n: usize) {
+async fn relay_all<P: Publisher>(outbox: &PostgresOutbox, publisher: P, n: usize) {
     let relay = Relay::builder(outbox.clone(), publisher)
         .batch(4)
         .listen(false)
@@ -606,7 +606,7 @@ async fn relay_all<P: Publisher>(outbox: &PgOutbox, publisher: P, n: usize) {
 }
 
 async fn assert_outbox_says_delivered(
-    outbox: &PgOutbox,
+    outbox: &PostgresOutbox,
     committed: &BTreeSet<String>,
     rolled_back: &str,
 ) {

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::fingerprint::Fingerprint;
-use idempotent_runtime::inbox::{BoxFuture, PgInbox, Processed};
+use idempotent_runtime::inbox::{BoxFuture, PostgresInbox, Processed};
 use idempotent_runtime::scope::ScopeHash;
 use idempotent_runtime::store::postgres::{PostgresStore, PostgresStoreBuilder};
 use idempotent_runtime::store::{
@@ -392,7 +392,7 @@ async fn the_inbox_behind_pgbouncer_runs_each_message_once() {
         .connect(&db.pooled)
         .await
         .expect("connect through PgBouncer");
-    let inbox = PgInbox::builder(pool, "billing")
+    let inbox = PostgresInbox::builder(pool, "billing")
         .schema(&db.schema)
         .transaction_pooler(true)
         .build()

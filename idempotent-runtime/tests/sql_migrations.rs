@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use idempotent_runtime::clock::ManualClock;
 use idempotent_runtime::fingerprint::Fingerprint;
-use idempotent_runtime::inbox::{PgInbox, Processed};
+use idempotent_runtime::inbox::{PostgresInbox, Processed};
 use idempotent_runtime::store::postgres::PostgresStore;
 use idempotent_runtime::store::sqlite::SqliteStore;
 use idempotent_runtime::store::{
@@ -105,7 +105,7 @@ fn inbox_inline_ddl(schema: &str) -> String {
     )
 }
 
-async fn mark(inbox: &PgInbox, message: &str) -> Processed<()> {
+async fn mark(inbox: &PostgresInbox, message: &str) -> Processed<()> {
     inbox
         .process(message, |_conn| {
             Box::pin(async { Ok::<_, sqlx::Error>(()) })
@@ -139,7 +139,7 @@ async fn two_replicas_migrate_a_fresh_schema_at_once_and_record_each_version_wit
     assert_eq!(db.versions("records_migrations").await, expected);
 
     let inbox = || {
-        PgInbox::builder(db.pool.clone(), "c")
+        PostgresInbox::builder(db.pool.clone(), "c")
             .schema(&db.schema)
             .build()
             .unwrap()
@@ -154,7 +154,9 @@ async fn two_replicas_migrate_a_fresh_schema_at_once_and_record_each_version_wit
     inbox().migrate().await.expect("again");
     assert_eq!(
         db.versions("processed_messages_migrations").await,
-        expected_checksums(&PgInbox::migrations(Some(&db.schema), "processed_messages").unwrap())
+        expected_checksums(
+            &PostgresInbox::migrations(Some(&db.schema), "processed_messages").unwrap()
+        )
     );
     assert_eq!(
         db.tables().await,
@@ -250,7 +252,7 @@ async fn an_inbox_table_created_by_the_inline_ddl_is_adopted_and_keeps_its_marke
         db.schema
     ))
     .await;
-    let inbox = PgInbox::builder(db.pool.clone(), "c")
+    let inbox = PostgresInbox::builder(db.pool.clone(), "c")
         .schema(&db.schema)
         .build()
         .unwrap();
@@ -261,7 +263,9 @@ async fn an_inbox_table_created_by_the_inline_ddl_is_adopted_and_keeps_its_marke
     inbox.migrate().await.expect("and again");
     assert_eq!(
         db.versions("processed_messages_migrations").await,
-        expected_checksums(&PgInbox::migrations(Some(&db.schema), "processed_messages").unwrap()),
+        expected_checksums(
+            &PostgresInbox::migrations(Some(&db.schema), "processed_messages").unwrap()
+        ),
         "version 1 recorded, the table adopted"
     );
     assert_eq!(
@@ -323,14 +327,14 @@ async fn the_postgres_ddl_applied_by_sqlxs_migrator_passes_the_store_contract() 
     .await;
     store.pool().close().await;
 
-    let migrator = PgInbox::migrations(Some(&db.schema), "markers")
+    let migrator = PostgresInbox::migrations(Some(&db.schema), "markers")
         .unwrap()
         .migrator();
     migrator
         .run(&db.pool)
         .await
         .expect("the inbox's DDL by sqlx");
-    let inbox = PgInbox::builder(db.pool.clone(), "c")
+    let inbox = PostgresInbox::builder(db.pool.clone(), "c")
         .schema(&db.schema)
         .table("markers")
         .build()
@@ -379,7 +383,7 @@ async fn a_bad_table_name_is_a_typed_error() {
         panic!("{e:?}")
     };
     assert_eq!(name.name(), "1x");
-    let e = PgInbox::builder(pool, "c")
+    let e = PostgresInbox::builder(pool, "c")
         .table("Upper")
         .build()
         .unwrap_err();

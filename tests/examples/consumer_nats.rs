@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use example::{Names, ReserveStock, StockConsumer};
-use idempotent_runtime::inbox::PgInbox;
+use idempotent_runtime::inbox::PostgresInbox;
 use idempotent_runtime::store::FencingToken;
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgPoolOptions;
@@ -88,7 +88,7 @@ async fn redelivered_messages_reserve_stock_once() {
         .connect(&database_url)
         .await
         .expect("connect to DATABASE_URL");
-    let inbox_b = PgInbox::builder(pool_b, names.durable.clone())
+    let inbox_b = PostgresInbox::builder(pool_b, names.durable.clone())
         .schema(names.schema.clone())
         .build()
         .unwrap();

@@ -19,6 +19,7 @@
 pub mod harness;
 pub mod raw;
 mod services;
+mod urls;
 
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
@@ -28,10 +29,11 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
 #[cfg(feature = "mysql")]
-pub use services::{MysqlDatabase, mysql_url};
-pub use services::{
-    PooledDatabase, Schema, database_url, example_binary, pgbouncer_url, redis_url, required,
-};
+pub use services::MysqlDatabase;
+pub use services::{PooledDatabase, Schema, example_binary};
+#[cfg(feature = "mysql")]
+pub use urls::mysql_url;
+pub use urls::{database_url, pgbouncer_url, redis_url, required};
 
 /// The conformance servers the suites run against; each is an example of the root package.
 #[cfg(not(feature = "actix"))]

@@ -1,5 +1,5 @@
-//! The services the integration tests may use, a schema of their own in the database, and the
-//! example binaries they start as servers.
+//! A schema of the test's own in the database, a database of its own behind PgBouncer (and on
+//! MySQL), and the example binaries the tests start as servers; the services' URLs are `urls.rs`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -7,42 +7,7 @@ use std::sync::Mutex;
 
 use sqlx::Connection;
 
-/// `DATABASE_URL`, or `None` after saying the test skips. With `IDEMPOTENT_REQUIRE_DB=1` (CI) a
-/// missing URL fails the test instead, so database tests cannot silently skip there.
-pub fn database_url() -> Option<String> {
-    match std::env::var("DATABASE_URL") {
-        Ok(url) => Some(url),
-        Err(_) if required("IDEMPOTENT_REQUIRE_DB") => {
-            panic!("IDEMPOTENT_REQUIRE_DB=1 but DATABASE_URL is unset")
-        }
-        Err(_) => {
-            eprintln!("DATABASE_URL is unset: skipping this PostgreSQL test");
-            None
-        }
-    }
-}
-
-/// `REDIS_URL`, or `None` after saying the test skips. With `IDEMPOTENT_REQUIRE_REDIS=1` (CI) a
-/// missing URL fails the test instead, so Redis tests cannot silently skip there.
-pub fn redis_url() -> Option<String> {
-    match std::env::var("REDIS_URL") {
-        Ok(url) => Some(url),
-        Err(_) if required("IDEMPOTENT_REQUIRE_REDIS") => {
-            panic!("IDEMPOTENT_REQUIRE_REDIS=1 but REDIS_URL is unset")
-        }
-        Err(_) => {
-            eprintln!("REDIS_URL is unset: skipping this Redis test");
-            None
-        }
-    }
-}
-
-/// Whether CI's `switch` is set (`IDEMPOTENT_REQUIRE_DB=1`, `IDEMPOTENT_REQUIRE_REDIS=1`,
-/// `IDEMPOTENT_REQUIRE_BROKER=1`): a service the test needs must then be there, and its absence
-/// fails the test instead of skipping it.
-pub fn required(switch: &str) -> bool {
-    std::env::var(switch).as_deref() == Ok("1")
-}
+use super::urls::{database_url, pgbouncer_url};
 
 /// A PostgreSQL schema of the test's own, dropped with it, so tests run in parallel and leave
 /// nothing behind.
@@ -102,25 +67,6 @@ impl Drop for Schema {
             });
         })
         .join();
-    }
-}
-
-/// `PGBOUNCER_URL` (PgBouncer in transaction pooling mode in front of `DATABASE_URL`'s server,
-/// passing every database name through, as `scripts/pgbouncer start` runs it), or `None` after
-/// saying the test skips. With `IDEMPOTENT_REQUIRE_PGBOUNCER=1` (CI) a missing URL fails the
-/// test instead.
-pub fn pgbouncer_url() -> Option<String> {
-    match std::env::var("PGBOUNCER_URL") {
-        Ok(url) => Some(url),
-        Err(_) if required("IDEMPOTENT_REQUIRE_PGBOUNCER") => {
-            panic!(
-                "IDEMPOTENT_REQUIRE_PGBOUNCER=1 but PGBOUNCER_URL is unset (scripts/pgbouncer start)"
-            )
-        }
-        Err(_) => {
-            eprintln!("PGBOUNCER_URL is unset: skipping this test behind PgBouncer");
-            None
-        }
     }
 }
 
@@ -247,22 +193,6 @@ pub fn example_binary(name: &str) -> PathBuf {
         built.push(name.to_owned());
     }
     profile_dir.join("examples").join(name)
-}
-
-#[cfg(feature = "mysql")]
-/// `MYSQL_URL`, or `None` after saying the test skips. With `IDEMPOTENT_REQUIRE_MYSQL=1` (CI) a
-/// missing URL fails the test instead, so MySQL tests cannot silently skip there.
-pub fn mysql_url() -> Option<String> {
-    match std::env::var("MYSQL_URL") {
-        Ok(url) => Some(url),
-        Err(_) if std::env::var("IDEMPOTENT_REQUIRE_MYSQL").as_deref() == Ok("1") => {
-            panic!("IDEMPOTENT_REQUIRE_MYSQL=1 but MYSQL_URL is unset")
-        }
-        Err(_) => {
-            eprintln!("MYSQL_URL is unset: skipping this MySQL/MariaDB test");
-            None
-        }
-    }
 }
 
 /// A MySQL/MariaDB database of the test's own (`idem_<prefix>_<random>`), dropped with it.

@@ -23,7 +23,7 @@ use axum::routing::post;
 use idempotent_benchmarks::{Order, order_body};
 use idempotent_runtime::enlisted::EnlistedTx;
 use idempotent_runtime::outbox::{
-    AmqpPublisher, Message, NatsPublisher, PgOutbox, Publisher, Relay,
+    AmqpPublisher, Message, NatsPublisher, PostgresOutbox, Publisher, Relay,
 };
 use idempotent_runtime::store::postgres::PostgresStore;
 use idempotent_runtime::{Idempotency, IdempotencyContext};
@@ -74,7 +74,7 @@ fn unique() -> String {
 }
 
 /// A fresh schema holding an outbox (and the requests' tables).
-async fn fresh_schema(pool: &PgPool) -> (String, PgOutbox) {
+async fn fresh_schema(pool: &PgPool) -> (String, PostgresOutbox) {
     let schema = format!("outbox_bench_{}", unique());
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE SCHEMA {schema}; CREATE TABLE {schema}.orders (id bigserial PRIMARY KEY, body jsonb NOT NULL)"
@@ -82,7 +82,7 @@ async fn fresh_schema(pool: &PgPool) -> (String, PgOutbox) {
     .execute(pool)
     .await
     .expect("create schema");
-    let outbox = PgOutbox::builder(pool.clone())
+    let outbox = PostgresOutbox::builder(pool.clone())
         .schema(&schema)
         .build()
         .expect("outbox");
@@ -91,8 +91,8 @@ async fn fresh_schema(pool: &PgPool) -> (String, PgOutbox) {
 }
 
 /// The outbox of `schema`, notifying relays at commit.
-async fn notifying(pool: &PgPool, schema: &str) -> PgOutbox {
-    PgOutbox::builder(pool.clone())
+async fn notifying(pool: &PgPool, schema: &str) -> PostgresOutbox {
+    PostgresOutbox::builder(pool.clone())
         .schema(schema)
         .notify(true)
         .build()
@@ -106,7 +106,7 @@ async fn drop_schema(pool: &PgPool, schema: &str) {
 }
 
 /// Commits `n` messages of 1 KiB to `destination`, 100 a transaction.
-async fn fill(pool: &PgPool, outbox: &PgOutbox, n: usize, destination: &str) {
+async fn fill(pool: &PgPool, outbox: &PostgresOutbox, n: usize, destination: &str) {
     let body = order_body();
     for chunk in 0..n.div_ceil(100) {
         let mut tx = pool.begin().await.expect("begin");
@@ -125,7 +125,7 @@ async fn fill(pool: &PgPool, outbox: &PgOutbox, n: usize, destination: &str) {
 
 /// Runs `relays` relays until the outbox is empty; messages per second.
 async fn drain<P: Publisher + Clone>(
-    outbox: &PgOutbox,
+    outbox: &PostgresOutbox,
     publisher: P,
     relays: usize,
     n: usize,
@@ -160,7 +160,7 @@ async fn drain<P: Publisher + Clone>(
 #[derive(Clone)]
 struct App {
     idempotency: Idempotency,
-    outbox: Option<PgOutbox>,
+    outbox: Option<PostgresOutbox>,
     schema: Arc<str>,
 }
 
@@ -276,7 +276,7 @@ async fn first_requests(app: App, seconds: u64) -> f64 {
     count.load(Ordering::Relaxed) as f64 / seconds as f64
 }
 
-async fn lag_percentiles(pool: &PgPool, outbox: &PgOutbox) -> (f64, f64, i64) {
+async fn lag_percentiles(pool: &PgPool, outbox: &PostgresOutbox) -> (f64, f64, i64) {
     sqlx::query_as(AssertSqlSafe(format!(
         "SELECT (percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - enqueued_at)) * 1000)::float8, \
                 (percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - enqueued_at)) * 1000)::float8, \

@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
-use actix_web::error::PayloadError;
+use actix_web::error::{InternalError, PayloadError};
 use actix_web::http::StatusCode;
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
@@ -33,6 +33,18 @@ impl<'a> ActixHead<'a> {
     pub(crate) fn matched(req: &'a HttpRequest) -> Self {
         let (route, params) = (req.match_pattern(), decoded(req.match_info()));
         Self { req, route, params }
+    }
+}
+
+/// The decoded path parameters `pattern` captures in the request's path, for the middleware,
+/// which runs before the router matched it.
+pub(crate) fn captured(req: &dev::ServiceRequest, pattern: &dev::ResourceDef) -> Vec<String> {
+    let mut path = req.match_info().clone();
+    path.reset();
+    if pattern.capture_match_info(&mut path) {
+        decoded(&path)
+    } else {
+        Vec::new()
     }
 }
 
@@ -192,6 +204,12 @@ pub(crate) fn publish(
         req.extensions_mut().insert(context.clone());
     }
     context
+}
+
+/// `response` as the error actix-web's extractors and services fail with (`message` is what
+/// actix logs).
+pub(crate) fn failed(message: &'static str, response: HttpResponse) -> actix_web::Error {
+    InternalError::from_response(message, response).into()
 }
 
 /// The handle registered as application data (`web::Data<Idempotency>`, or a plain

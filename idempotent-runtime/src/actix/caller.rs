@@ -2,10 +2,9 @@
 
 use futures_util::future::LocalBoxFuture;
 
-use actix_web::error::InternalError;
-use actix_web::{FromRequest, HttpRequest, HttpResponse, dev};
+use actix_web::{FromRequest, HttpRequest, dev};
 
-use super::adapter::{ActixHead, HANDLE_MISSING_FIX, handle_of};
+use super::adapter::{ActixHead, HANDLE_MISSING_FIX, failed, handle_of};
 use crate::adapter::{self, Head as _};
 
 /// The caller's scope, resolved exactly as the request pipeline resolves it for a keyed
@@ -65,12 +64,7 @@ impl FromRequest for adapter::CallerScope {
                     HANDLE_MISSING_FIX,
                 )),
             };
-            resolved.map_err(refused)
+            resolved.map_err(|answer| failed("the caller's scope was not resolved", answer))
         })
     }
-}
-
-/// The pipeline's answer as the error actix's extractors return.
-fn refused(response: HttpResponse) -> actix_web::Error {
-    InternalError::from_response("the caller's scope was not resolved", response).into()
 }

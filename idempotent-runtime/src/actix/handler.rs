@@ -5,7 +5,7 @@ use std::future::Future;
 
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, dev, web};
 
-use super::adapter::{ActixHead, HANDLE_MISSING_FIX, handle_of, publish};
+use super::adapter::{ActixHead, HANDLE_MISSING_FIX as FIX, handle_of, publish};
 use crate::adapter::{self, Entry, Extracted, OuterStep, Served};
 use crate::config::EndpointConfig;
 use crate::context::IdempotencyContext;
@@ -66,8 +66,6 @@ where
     };
     claimed.answer_local(Served::ByHandler, run).await
 }
-
-use HANDLE_MISSING_FIX as FIX;
 
 /// The rewritten enlisted handler's body: as [`handle`], with the transaction handed to
 /// `handler` and back, then recorded in and committed.

@@ -1,19 +1,16 @@
 //! The scope-level opt-in: [`IdempotencyMiddleware`].
 
-use std::cell::RefCell;
-use std::collections::HashMap;
 use std::future::{Ready, ready};
 use std::rc::Rc;
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{self, ResourceDef, Service, ServiceRequest, ServiceResponse, Transform};
-use actix_web::error::InternalError;
 use actix_web::{Error, HttpMessage, HttpResponse};
 use futures_util::future::LocalBoxFuture;
 
 use super::adapter::{self, ActixHead, HANDLE_MISSING_FIX};
 use crate::adapter::{
-    self as sequence, Ended, LayerStep, OuterStep, Prepared, RouterLayer, Served,
+    self as sequence, Ended, LayerStep, OuterStep, Prepared, RoutePatterns, RouterLayer, Served,
 };
 use crate::config::EndpointConfig;
 
@@ -89,9 +86,9 @@ where
 pub struct IdempotencyService<S> {
     service: Rc<S>,
     layer: RouterLayer,
-    // Route patterns compiled once per worker, to read the path parameters of a request whose
-    // resource has not been matched yet (a scope middleware runs before the scope's router).
-    patterns: Rc<RefCell<HashMap<String, ResourceDef>>>,
+    // Compiled once per worker: a scope middleware runs before the scope's router, so it reads
+    // the path parameters of the route the request will match itself.
+    patterns: Rc<RoutePatterns<ResourceDef>>,
 }
 
 impl<S> std::fmt::Debug for IdempotencyService<S> {
@@ -99,22 +96,6 @@ impl<S> std::fmt::Debug for IdempotencyService<S> {
         f.debug_struct("IdempotencyService")
             .field("endpoint", self.layer.endpoint())
             .finish_non_exhaustive()
-    }
-}
-
-impl<S> IdempotencyService<S> {
-    /// The decoded path parameters of `pattern` in this request's path.
-    fn params(&self, req: &ServiceRequest, pattern: &str) -> Vec<String> {
-        let mut patterns = self.patterns.borrow_mut();
-        let def = patterns
-            .entry(pattern.to_owned())
-            .or_insert_with(|| ResourceDef::new(pattern));
-        let mut path = req.match_info().clone();
-        path.reset();
-        if !def.capture_match_info(&mut path) {
-            return Vec::new();
-        }
-        adapter::decoded(&path)
     }
 }
 
@@ -151,7 +132,9 @@ where
                 (handle, pattern)
             }
         };
-        let params = self.params(&req, &pattern);
+        let compile = |pattern: &str| ResourceDef::new(pattern);
+        let capture = |def: &ResourceDef| adapter::captured(&req, def);
+        let params = self.patterns.with(&pattern, compile, capture);
         let layer = self.layer.clone();
         let steps = async move {
             let payload = req.take_payload();
@@ -183,8 +166,7 @@ where
                 Ended::Answered(response, req) => Ok(ServiceResponse::new(req, response)),
                 Ended::Failed(error) => Err(error),
                 Ended::Panicked(response) => {
-                    let message = "the idempotent handler panicked";
-                    Err(InternalError::from_response(message, response).into())
+                    Err(adapter::failed("the idempotent handler panicked", response))
                 }
             }
         };

@@ -125,11 +125,8 @@ impl FromRequest for IdempotencyContext {
 
     fn from_request(req: &HttpRequest, _: &mut dev::Payload) -> Self::Future {
         let context = req.extensions().get::<IdempotencyContext>().cloned();
-        ready(context.ok_or_else(|| {
-            let response: actix_web::HttpResponse = crate::adapter::context_missing();
-            let message = "this request has no idempotency context";
-            actix_web::error::InternalError::from_response(message, response).into()
-        }))
+        let message = "this request has no idempotency context";
+        ready(context.ok_or_else(|| adapter::failed(message, crate::adapter::context_missing())))
     }
 }
 

@@ -2,8 +2,9 @@
 //! poem adapter the same way): [`Head`] over a request's [`Parts`](http::request::Parts)
 //! ([`HttpHead`]), [`Chunks`] over any body that implements [`HttpBody`] (trailers kept when a
 //! response is recorded), and [`Reply`] for `http::Response<B>`, trailers included. An adapter
-//! over such a framework implements [`HttpBody`] for its body type (one constructor) and
-//! finds the route, the path parameters and the peer address its framework's way.
+//! over such a framework implements [`HttpBody`] for its body type (one constructor),
+//! finds the route, the path parameters and the peer address its framework's way, and takes
+//! a whole `http::Request` through [`prepare`] (or [`prepare_enlisted`]).
 
 use std::net::IpAddr;
 use std::pin::Pin;
@@ -14,10 +15,12 @@ use futures_util::StreamExt as _;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, request};
 use http_body::{Frame, SizeHint};
 
-use super::{Chunks, Head, Reply};
-use crate::REPLAYED_HEADER;
+use super::{Chunks, Claimed, Head, Prepared, Reply};
+use crate::config::EndpointConfig;
+use crate::context::IdempotencyContext;
 use crate::scope::Identity;
 use crate::store::RecordedResponse;
+use crate::{Idempotency, REPLAYED_HEADER};
 
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(crate::key::HEADER_NAME);
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -89,6 +92,63 @@ impl Head for HttpHead<'_> {
     fn with_identity<T>(&self, f: impl FnOnce(Option<&Identity>) -> T) -> T {
         f(self.parts.extensions.get::<Identity>())
     }
+}
+
+/// [`adapter::prepare`](super::prepare) over a whole `http::Request`: takes it apart, reads
+/// its head with `head` (from its parts, and from what `read` took from them first: axum's path
+/// parameters come from an extractor that needs the parts mutably), runs the steps before the
+/// handler, and puts the request back together, with the buffered body and the claimed
+/// request's [`IdempotencyContext`] in its extensions when the key is held. `Err` is the
+/// answer to send instead of running the handler.
+pub async fn prepare<B: HttpBody, P>(
+    handle: &Idempotency,
+    endpoint: &EndpointConfig,
+    request: http::Request<B>,
+    read: impl FnOnce(&mut request::Parts) -> P,
+    head: impl for<'a> FnOnce(&'a request::Parts, &'a P) -> HttpHead<'a>,
+) -> Result<(http::Request<B>, Option<Claimed>), http::Response<B>> {
+    let (mut parts, body) = request.into_parts();
+    let read = read(&mut parts);
+    let prepared = super::prepare(handle, endpoint, &head(&parts, &read), body).await;
+    match prepared {
+        Prepared::Pass(body) => Ok((http::Request::from_parts(parts, body), None)),
+        Prepared::Answer(answer) => Err(answer),
+        Prepared::Claimed(claimed) => {
+            let body = rebuilt(&mut parts, claimed.context(), claimed.body());
+            Ok((http::Request::from_parts(parts, body), Some(claimed)))
+        }
+    }
+}
+
+/// [`prepare`] in enlisted mode ([`adapter::prepare_enlisted`](super::prepare_enlisted)): the
+/// claim inside the transaction the handler then writes through.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub async fn prepare_enlisted<DB: crate::enlisted::Enlistable, B: HttpBody, P>(
+    handle: &Idempotency,
+    endpoint: &EndpointConfig,
+    request: http::Request<B>,
+    read: impl FnOnce(&mut request::Parts) -> P,
+    head: impl for<'a> FnOnce(&'a request::Parts, &'a P) -> HttpHead<'a>,
+) -> Result<(http::Request<B>, super::ClaimedTx<DB>), http::Response<B>> {
+    let (mut parts, body) = request.into_parts();
+    let read = read(&mut parts);
+    let head = head(&parts, &read);
+    let claimed = super::prepare_enlisted(handle, endpoint, &head, body).await?;
+    drop(head);
+    let body = rebuilt(&mut parts, claimed.context(), claimed.body());
+    Ok((http::Request::from_parts(parts, body), claimed))
+}
+
+/// The claimed request's body, its context put in the extensions.
+fn rebuilt<B: HttpBody>(
+    parts: &mut request::Parts,
+    context: Option<&IdempotencyContext>,
+    body: &Bytes,
+) -> B {
+    if let Some(context) = context {
+        parts.extensions.insert(context.clone());
+    }
+    B::from(body.clone())
 }
 
 /// A framework's body type over the [`http_body`] traits, as the sequence reads and rebuilds

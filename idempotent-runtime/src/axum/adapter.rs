@@ -1,22 +1,18 @@
-//! axum's half of the adapter: its request head in the sequence's terms (an
-//! [`HttpHead`](crate::adapter::http::HttpHead) with axum's matched route, path parameters and
-//! peer address), its body as an [`HttpBody`], and the glue every axum entry point shares.
+//! axum's half of the adapter: its request head in the sequence's terms (an [`HttpHead`] with
+//! axum's matched route, path parameters and peer address, for
+//! [`adapter::http::prepare`](crate::adapter::http::prepare)), its body as an [`HttpBody`],
+//! and the glue every axum entry point shares.
 
 use std::net::{IpAddr, SocketAddr};
 
 use axum::body::Body;
 use axum::extract::connect_info::MockConnectInfo;
-use axum::extract::{ConnectInfo, FromRequestParts, MatchedPath, RawPathParams, Request};
-use axum::response::Response;
+use axum::extract::{ConnectInfo, FromRequestParts, MatchedPath, RawPathParams};
 use bytes::Bytes;
 use futures_util::FutureExt as _;
 use http::request::Parts;
 
-use crate::Idempotency;
-use crate::adapter;
 use crate::adapter::http::{HttpBody, HttpHead};
-use crate::config::EndpointConfig;
-use crate::context::IdempotencyContext;
 
 impl HttpBody for Body {
     fn wrap<T>(body: T) -> Self
@@ -27,8 +23,7 @@ impl HttpBody for Body {
     }
 }
 
-/// The request's head as the sequence reads it. The path parameters are read from the
-/// router's extension (ready at once) into `params`, which the head borrows.
+/// The request's head as the sequence reads it, borrowing the path parameters [`params`] read.
 pub(crate) fn head<'a>(parts: &'a Parts, params: &'a Option<RawPathParams>) -> HttpHead<'a> {
     let extensions = &parts.extensions;
     let route = extensions.get::<MatchedPath>().map(MatchedPath::as_str);
@@ -36,6 +31,7 @@ pub(crate) fn head<'a>(parts: &'a Parts, params: &'a Option<RawPathParams>) -> H
     HttpHead::new(parts, route, params.collect(), peer(extensions))
 }
 
+/// The path parameters, read from the router's extension (ready at once).
 pub(crate) fn params(parts: &mut Parts) -> Option<RawPathParams> {
     let params = RawPathParams::from_request_parts(parts, &()).now_or_never();
     params.and_then(Result::ok)
@@ -52,51 +48,6 @@ fn peer(extensions: &http::Extensions) -> Option<IpAddr> {
     connected.map(|ConnectInfo(addr)| addr.ip()).or_else(mock)
 }
 
-/// Takes the request apart for [`adapter::prepare`] (key, body, scope, claim) and puts it back
-/// together, with the buffered body and the context when the key is held; `Err` is the answer
-/// instead of the handler's.
-pub(crate) async fn prepare(
-    handle: &Idempotency,
-    endpoint: &EndpointConfig,
-    request: Request,
-) -> Result<(Request, Option<adapter::Claimed>), Response> {
-    let (mut parts, body) = request.into_parts();
-    let params = params(&mut parts);
-    let prepared = adapter::prepare(handle, endpoint, &head(&parts, &params), body).await;
-    match prepared {
-        adapter::Prepared::Pass(body) => Ok((Request::from_parts(parts, body), None)),
-        adapter::Prepared::Answer(answer) => Err(answer),
-        adapter::Prepared::Claimed(claimed) => {
-            let body = rebuilt(&mut parts, claimed.context(), claimed.body());
-            Ok((Request::from_parts(parts, body), Some(claimed)))
-        }
-    }
-}
-
-/// The claimed request's body, its context put in the extensions.
-fn rebuilt(parts: &mut Parts, context: Option<&IdempotencyContext>, body: &Bytes) -> Body {
-    if let Some(context) = context {
-        parts.extensions.insert(context.clone());
-    }
-    Body::from(body.clone())
-}
-
-/// [`prepare`] in enlisted mode: the claim inside the transaction the handler writes through.
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-pub(crate) async fn prepare_enlisted<DB: crate::enlisted::Enlistable>(
-    handle: &Idempotency,
-    endpoint: &EndpointConfig,
-    request: Request,
-) -> Result<(Request, adapter::ClaimedTx<DB>), Response> {
-    let (mut parts, body) = request.into_parts();
-    let params = params(&mut parts);
-    let head = head(&parts, &params);
-    let claimed = adapter::prepare_enlisted(handle, endpoint, &head, body).await?;
-    drop(head);
-    let body = rebuilt(&mut parts, claimed.context(), claimed.body());
-    Ok((Request::from_parts(parts, body), claimed))
-}
-
 /// The matched route of a request, `""` outside one.
 pub(crate) fn route_of(extensions: &http::Extensions) -> &str {
     extensions
@@ -104,6 +55,6 @@ pub(crate) fn route_of(extensions: &http::Extensions) -> &str {
         .map_or("", MatchedPath::as_str)
 }
 
-/// The fix to log when a handler finds no [`Idempotency`] handle in the request extensions.
+/// The fix to log when a handler finds no [`Idempotency`](crate::Idempotency) handle in the request extensions.
 pub(crate) const HANDLE_MISSING_FIX: &str =
     "add `.layer(Extension(idempotency))` to the router, or take it from the state (FromRef)";

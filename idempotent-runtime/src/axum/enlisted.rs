@@ -7,8 +7,9 @@ use std::marker::PhantomData;
 use axum::extract::{FromRequest, Request};
 use axum::response::{IntoResponse, Response};
 
-use super::adapter::{HANDLE_MISSING_FIX, prepare_enlisted, route_of};
+use super::adapter::{HANDLE_MISSING_FIX, head, params, route_of};
 use super::extract::{HandleSource, Via};
+use crate::adapter::http::prepare_enlisted;
 use crate::adapter::{self, ClaimedTx, OuterStep};
 use crate::config::{Endpoint, EndpointConfig};
 use crate::context::IdempotencyContext;
@@ -77,7 +78,8 @@ where
         let outer = extensions.get::<OuterStep>().copied();
         let handle = Src::handle(extensions, state);
         let handle = adapter::enlisted_entry::<Response>(outer, handle, route_of(extensions), fix)?;
-        let (request, claimed) = prepare_enlisted::<DB>(&handle, Self::ENDPOINT, request).await?;
+        let prepared = prepare_enlisted::<DB, _, _>(&handle, Self::ENDPOINT, request, params, head);
+        let (request, claimed) = prepared.await?;
         let extracted = T::from_request(request, state).await;
         match extracted.map_err(IntoResponse::into_response) {
             Ok(value) => Ok(Self {

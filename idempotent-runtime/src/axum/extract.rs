@@ -7,7 +7,7 @@ use axum::extract::{FromRef, FromRequest, FromRequestParts, OptionalFromRequestP
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 
-use super::adapter::{HANDLE_MISSING_FIX as FIX, prepare, route_of};
+use super::adapter::{HANDLE_MISSING_FIX as FIX, head, params, route_of};
 use super::probe::ProvidesIdempotency;
 use crate::Idempotency;
 use crate::adapter::{self, Claimed, Entry, OuterStep, Served};
@@ -130,7 +130,9 @@ where
         let (request, claimed) = match entry {
             Entry::Answer(answer) => return Err(answer),
             Entry::Outer | Entry::Bypass => (request, None),
-            Entry::Sequence(handle) => prepare(&handle, Self::ENDPOINT, request).await?,
+            Entry::Sequence(handle) => {
+                adapter::http::prepare(&handle, Self::ENDPOINT, request, params, head).await?
+            }
         };
         let context = claimed.as_ref().map_or(context, |c| c.context().cloned());
         let extracted = T::from_request(request, state).await;

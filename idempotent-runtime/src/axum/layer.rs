@@ -9,8 +9,9 @@ use axum::response::{IntoResponse, Response};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::adapter::{HANDLE_MISSING_FIX, prepare};
+use super::adapter::{HANDLE_MISSING_FIX, head, params};
 use crate::Idempotency;
+use crate::adapter::http::prepare;
 use crate::adapter::{LayerStep, OuterStep, RouterLayer, Served};
 use crate::config::EndpointConfig;
 
@@ -120,7 +121,7 @@ where
         request.extensions_mut().insert(outer);
         let (handle, layer) = (self.handle.clone(), self.layer.clone());
         Box::pin(async move {
-            let response = match prepare(&handle, layer.endpoint(), request).await {
+            let response = match prepare(&handle, layer.endpoint(), request, params, head).await {
                 Err(answer) => answer,
                 Ok((request, None)) => inner.call(request).await.into_response(),
                 Ok((request, Some(claimed))) => {

@@ -1,9 +1,9 @@
 //! axum 0.8 integration: the `#[idempotent]` attribute, the [`Idempotent`] extractor it wraps a
 //! handler's last parameter in, and [`IdempotencyLayer`] for whole routers.
 //!
-//! The store comes from the application state (`Idempotency: FromRef<AppState>`, checked
-//! at compile time), or from the request extensions when the handler takes an
-//! `Extension<Idempotency>` parameter. The caller's identity is an
+//! The [`Idempotency`](crate::Idempotency) handle comes from the application state
+//! (`Idempotency: FromRef<AppState>`, checked at compile time), or from the request extensions
+//! when the handler takes an `Extension<Idempotency>` parameter. The caller's identity is an
 //! [`Identity`](crate::scope::Identity) the application's authentication inserts into the request
 //! extensions. Authentication runs before the idempotency step, an outer layer in tower terms: a
 //! layer added *after* the [`IdempotencyLayer`] (`.route_layer(idempotency).layer(auth)`, so it

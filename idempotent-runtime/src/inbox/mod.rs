@@ -15,10 +15,12 @@
 //! | `Err(`[`InboxError::Handler`]`)` | the handler failed; nothing was kept, no marker | nack |
 //! | `Err(`[`InboxError::Store`]`)` | the database failed; the outcome was rolled back | nack |
 //!
-//! Two inboxes share these results:
+//! The inboxes share these results:
 //!
-//! - `PgInbox` (feature `postgres`): the marker is a row in a `processed_messages` table and the
-//!   handler writes through the same transaction. Any number of consumer processes may share it.
+//! - `PostgresInbox` (feature `postgres`), `MySqlInbox` (feature `mysql`, InnoDB) and
+//!   `SqliteInbox` (feature `sqlite`): the marker is a row in a `processed_messages` table and
+//!   the handler writes through the same transaction. Any number of consumer processes may share
+//!   one.
 //! - [`MemoryInbox`]: one process, for tests and for consumers whose effects are not in a database.
 //!   Its markers live as long as the process.
 
@@ -42,7 +44,7 @@ mod sqlite;
 pub use mysql::{MySqlInbox, MySqlInboxBuilder};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use postgres::{PgInbox, PgInboxBuilder};
+pub use postgres::{PostgresInbox, PostgresInboxBuilder};
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use sqlite::{SqliteInbox, SqliteInboxBuilder};
@@ -56,8 +58,9 @@ pub(crate) const DEFAULT_TABLE: &str = "processed_messages";
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A boxed, `Send` future borrowing for `'a`: what a [`PgInbox`](crate::inbox) handler returns
-/// (write `Box::pin(async move { … })`). Re-exported so callers need no `futures` dependency.
+/// A boxed, `Send` future borrowing for `'a`: what a [`PostgresInbox`](crate::inbox) handler
+/// returns (write `Box::pin(async move { … })`). Re-exported so callers need no `futures`
+/// dependency.
 pub use futures_util::future::BoxFuture;
 
 /// How long markers are kept by default before the sweeper deletes them: 7 days.
@@ -104,7 +107,7 @@ impl<T> Processed<T> {
 pub enum InboxError<E> {
     /// The handler returned this error; its changes were rolled back.
     Handler(E),
-    /// The inbox's own storage failed (for `PgInbox`, a `sqlx::Error` inside: connecting,
+    /// The inbox's own storage failed (for `PostgresInbox`, a `sqlx::Error` inside: connecting,
     /// inserting the marker, or committing). Downcast with
     /// `err.downcast_ref::<sqlx::Error>()`.
     Store(Box<dyn std::error::Error + Send + Sync + 'static>),

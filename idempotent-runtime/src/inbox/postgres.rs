@@ -48,11 +48,11 @@ const MIGRATIONS: &[Step] = &[Step {
 /// [`InboxError::Store`] rather than committing nothing and acking.
 ///
 /// ```no_run
-/// use idempotent_runtime::inbox::{InboxError, PgInbox, Processed};
+/// use idempotent_runtime::inbox::{InboxError, PostgresInbox, Processed};
 /// use sqlx::PgPool;
 ///
 /// # async fn example(pool: PgPool, message_id: &str, sku: &str, qty: i32) -> Result<(), InboxError<sqlx::Error>> {
-/// let inbox = PgInbox::new(pool, "reserve-stock");
+/// let inbox = PostgresInbox::new(pool, "reserve-stock");
 /// inbox.migrate().await.map_err(|e| InboxError::Store(e.into()))?;
 ///
 /// let sku = sku.to_owned();
@@ -76,7 +76,7 @@ const MIGRATIONS: &[Step] = &[Step {
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
-pub struct PgInbox {
+pub struct PostgresInbox {
     pool: PgPool,
     s: Arc<Settings>,
 }
@@ -94,9 +94,9 @@ struct Settings {
     named: bool,
 }
 
-impl fmt::Debug for PgInbox {
+impl fmt::Debug for PostgresInbox {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgInbox")
+        f.debug_struct("PostgresInbox")
             .field("consumer", &self.s.consumer)
             .field("table", &self.s.table.qualified)
             .field("lock_timeout", &self.s.lock_timeout)
@@ -105,10 +105,10 @@ impl fmt::Debug for PgInbox {
     }
 }
 
-/// Configures a [`PgInbox`]; from [`PgInbox::builder`].
+/// Configures a [`PostgresInbox`]; from [`PostgresInbox::builder`].
 #[derive(Debug, Clone)]
 #[must_use]
-pub struct PgInboxBuilder {
+pub struct PostgresInboxBuilder {
     pool: PgPool,
     consumer: String,
     schema: Option<String>,
@@ -120,7 +120,7 @@ pub struct PgInboxBuilder {
 
 use crate::sql::InvalidName;
 
-impl PgInboxBuilder {
+impl PostgresInboxBuilder {
     /// The schema holding the table (default: the connection's `search_path`). `migrate()`
     /// creates it if missing.
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
@@ -142,7 +142,7 @@ impl PgInboxBuilder {
         self
     }
 
-    /// How long markers are kept before [`PgInbox::sweep`] deletes them (default 7 days). A
+    /// How long markers are kept before [`PostgresInbox::sweep`] deletes them (default 7 days). A
     /// copy redelivered after that runs again: keep it longer than the broker may redeliver.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
@@ -158,9 +158,9 @@ impl PgInboxBuilder {
     ///
     /// ```no_run
     /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-    /// use idempotent_runtime::inbox::PgInbox;
+    /// use idempotent_runtime::inbox::PostgresInbox;
     ///
-    /// let inbox = PgInbox::builder(pool, "billing").transaction_pooler(true).build()?;
+    /// let inbox = PostgresInbox::builder(pool, "billing").transaction_pooler(true).build()?;
     /// inbox.migrate().await?;
     /// # Ok(()) }
     /// ```
@@ -173,7 +173,7 @@ impl PgInboxBuilder {
     /// [`store::InvalidName`](crate::store::InvalidName), the SQL stores' own naming error: a
     /// lowercase SQL identifier (`[a-z_][a-z0-9_]*`; table names up to 50 bytes, schema names
     /// up to 63) is accepted.
-    pub fn build(self) -> Result<PgInbox, InvalidName> {
+    pub fn build(self) -> Result<PostgresInbox, InvalidName> {
         let table = TableName::new(INBOX_NAMES, self.schema.as_deref(), &self.table)?;
         let qualified = &table.qualified;
         let lock_ms = self.lock_timeout.as_millis().clamp(1, i32::MAX as u128);
@@ -192,7 +192,7 @@ impl PgInboxBuilder {
              WHERE m.consumer = $1 AND m.message_id = batch.message_id \
                AND m.processed_at < now() - $2::bigint * interval '1 millisecond'"
         );
-        Ok(PgInbox {
+        Ok(PostgresInbox {
             pool: self.pool,
             s: Arc::new(Settings {
                 constraint: format!("{}_pkey", table.name),
@@ -234,7 +234,7 @@ fn sqlstate(e: &sqlx::Error) -> Option<String> {
         .and_then(|d| d.code().map(|c| c.into_owned()))
 }
 
-impl PgInbox {
+impl PostgresInbox {
     /// An inbox for `consumer` in table `processed_messages`, with the default lock timeout
     /// (5 s) and retention (7 days).
     pub fn new(pool: PgPool, consumer: impl Into<String>) -> Self {
@@ -245,8 +245,8 @@ impl PgInbox {
 
     /// Configures an inbox for `consumer`: markers are per consumer, so several consumers of the
     /// same messages may share one table.
-    pub fn builder(pool: PgPool, consumer: impl Into<String>) -> PgInboxBuilder {
-        PgInboxBuilder {
+    pub fn builder(pool: PgPool, consumer: impl Into<String>) -> PostgresInboxBuilder {
+        PostgresInboxBuilder {
             pool,
             consumer: consumer.into(),
             schema: None,
@@ -319,9 +319,9 @@ impl PgInbox {
     /// `migrate()` for a table, never both (see [`Migrations`]).
     ///
     /// ```
-    /// use idempotent_runtime::inbox::PgInbox;
+    /// use idempotent_runtime::inbox::PostgresInbox;
     ///
-    /// let migrations = PgInbox::migrations(None, "processed_messages")?;
+    /// let migrations = PostgresInbox::migrations(None, "processed_messages")?;
     /// assert!(migrations.iter().next().unwrap().sql.contains("\"processed_messages_pkey\""));
     /// # Ok::<(), idempotent_runtime::store::InvalidName>(())
     /// ```
@@ -474,7 +474,7 @@ impl PgInbox {
     /// the handle is aborted. Must be called inside a Tokio runtime.
     ///
     /// ```no_run
-    /// # async fn example(inbox: idempotent_runtime::inbox::PgInbox) {
+    /// # async fn example(inbox: idempotent_runtime::inbox::PostgresInbox) {
     /// let sweeper = inbox.spawn_sweeper();
     /// // … consume …
     /// sweeper.abort();

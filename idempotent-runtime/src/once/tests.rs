@@ -53,8 +53,7 @@ async fn a_requests_record_under_the_key_is_another_input() {
         record::claim(store, &claim, |_| false).await,
         Ok(Verdict::Acquired { .. })
     ));
-    let ran = handle
-        .once(&scope, "shared")
+    let ran = Once::new(&handle, &scope, "shared")
         .run("x", || async { Ok::<_, ()>(1u8) })
         .await;
     assert!(matches!(ran, Err(OnceError::InputChanged)), "{ran:?}");

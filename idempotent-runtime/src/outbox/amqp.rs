@@ -48,14 +48,14 @@ const PERSISTENT: u8 = 2;
 /// ([`with_channels`](Self::with_channels)) for a relay that publishes batches concurrently.
 ///
 /// ```no_run
-/// use idempotent_runtime::outbox::{AmqpPublisher, PgOutbox, Relay};
+/// use idempotent_runtime::outbox::{AmqpPublisher, PostgresOutbox, Relay};
 /// use lapin::{Connection, ConnectionProperties};
 ///
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let properties = ConnectionProperties::default().enable_auto_recover();
 /// let connection = Connection::connect("amqp://127.0.0.1:5672/%2f", properties).await?;
 /// let publisher = AmqpPublisher::new(connection.create_channel().await?, "orders").await?;
-/// let relay = Relay::new(PgOutbox::new(pool), publisher);
+/// let relay = Relay::new(PostgresOutbox::new(pool), publisher);
 /// relay.run_until(async { tokio::signal::ctrl_c().await.unwrap_or(()) }).await;
 /// # Ok(())
 /// # }

@@ -4,7 +4,7 @@
 //! A handler that must publish `OrderPlaced`, call a webhook or send an email after its write has
 //! no safe moment to do it: published before the commit, a rollback leaves a message about
 //! nothing; published after it, a crash in between loses the message. The outbox writes the
-//! message **in the caller's transaction** instead ([`PgOutbox::enqueue`]), so it commits or
+//! message **in the caller's transaction** instead ([`PostgresOutbox::enqueue`]), so it commits or
 //! rolls back with the business rows, and a [`Relay`] delivers what committed, at least once,
 //! each message carrying its stable id so that the receiver deduplicates it: NATS JetStream's
 //! `Nats-Msg-Id`, RabbitMQ's `message_id`, a webhook's `Idempotency-Key` and `webhook-id`, or
@@ -29,20 +29,20 @@
 //! - **Per ordering key, one in flight, in commit order.** A message with an ordering key is
 //!   claimed only when no earlier pending message of that key remains and none of its key is in
 //!   flight. "Earlier" is the order the rows were inserted, which per key is the order their
-//!   transactions commit: [`PgOutbox::enqueue`] takes a transaction-scoped lock on the key
+//!   transactions commit: [`PostgresOutbox::enqueue`] takes a transaction-scoped lock on the key
 //!   before it writes the row, so **a second transaction enqueuing the same key waits in its
 //!   `enqueue` until the first commits or rolls back** (two transactions enqueuing several keys
 //!   in different orders can deadlock; PostgreSQL aborts one: enqueue keys in a fixed order). A
 //!   message failing under backoff holds its key's later messages back; a dead-lettered one no
-//!   longer does, and [`PgOutbox::retry`] puts it at the back of its key. Messages without a key
+//!   longer does, and [`PostgresOutbox::retry`] puts it at the back of its key. Messages without a key
 //!   go out in parallel, and take no lock.
 //! - **Retries, then the dead letter.** A failed publish is retried with exponential backoff
 //!   (or after the receiver's `Retry-After`), and after `max_attempts` the message is
-//!   dead-lettered with its last error; [`PgOutbox::retry`] and [`PgOutbox::discard`] let an
-//!   operator decide. A publisher may call a failure permanent ([`PublishError::permanent`]):
-//!   dead at once.
+//!   dead-lettered with its last error; [`PostgresOutbox::retry`] and
+//!   [`PostgresOutbox::discard`] let an operator decide. A publisher may call a failure
+//!   permanent ([`PublishError::permanent`]): dead at once.
 //! - **Swept after a retention.** Delivered rows stay for the retention (default 7 days), so
-//!   [`PgOutbox::inspect`] answers "was it sent?" and re-enqueuing the same id within it is a
+//!   [`PostgresOutbox::inspect`] answers "was it sent?" and re-enqueuing the same id within it is a
 //!   no-op ([`Enqueued::AlreadyEnqueued`]); the sweeper deletes them after.
 //!
 //! Publishers, each behind its feature: `NatsPublisher` (NATS JetStream, `Nats-Msg-Id`; feature
@@ -79,7 +79,7 @@ pub use amqp::AmqpPublisher;
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub use nats::NatsPublisher;
-pub use postgres::{OutboxStats, PgOutbox, PgOutboxBuilder};
+pub use postgres::{OutboxStats, PostgresOutbox, PostgresOutboxBuilder};
 pub use relay::{Relay, RelayBuilder, Relayed};
 #[cfg(feature = "outbox-webhooks")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox-webhooks")))]
@@ -162,7 +162,7 @@ impl Message {
     /// Orders this message under `key`: messages with the same ordering key are delivered one
     /// at a time, in commit order. Enqueuing it takes a lock on the key until the transaction
     /// ends, so concurrent transactions enqueuing the same key wait for each other
-    /// ([`PgOutbox::enqueue`]).
+    /// ([`PostgresOutbox::enqueue`]).
     pub fn ordered_by(mut self, key: impl Into<String>) -> Self {
         self.ordering_key = Some(key.into());
         self
@@ -271,7 +271,7 @@ impl fmt::Display for InvalidMessage {
 
 impl StdError for InvalidMessage {}
 
-/// Why [`PgOutbox::enqueue`] wrote nothing. Non-exhaustive.
+/// Why [`PostgresOutbox::enqueue`] wrote nothing. Non-exhaustive.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum OutboxError {
@@ -312,7 +312,7 @@ impl StdError for OutboxError {
     }
 }
 
-/// Whether [`PgOutbox::enqueue`] wrote the message.
+/// Whether [`PostgresOutbox::enqueue`] wrote the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enqueued {
     /// Written in the caller's transaction: sent once it commits.
@@ -500,8 +500,8 @@ impl State {
     }
 }
 
-/// What [`PgOutbox::inspect`] and [`PgOutbox::dead_letters`] tell about a message (its payload
-/// only when asked).
+/// What [`PostgresOutbox::inspect`] and [`PostgresOutbox::dead_letters`] tell about a message
+/// (its payload only when asked).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OutboxRecord {

@@ -36,7 +36,7 @@ const MSG_ID: &str = "Nats-Msg-Id";
 ///   operator, perhaps after the service started) and the same answer comes from a clustered
 ///   stream while it has no leader; retries mend both, and a message that keeps failing is
 ///   dead-lettered after the relay's `max_attempts` with this error, for an operator to
-///   [`retry`](super::PgOutbox::retry) once the stream exists. Called permanent, it would
+///   [`retry`](super::PostgresOutbox::retry) once the stream exists. Called permanent, it would
 ///   dead-letter every message of such a deploy at once.
 /// - Timeouts waiting for the acknowledgement, a dropped connection, the client's own limit of
 ///   acknowledgements in flight, other errors of the server: retried.
@@ -48,12 +48,12 @@ const MSG_ID: &str = "Nats-Msg-Id";
 /// (`jetstream::ContextBuilder::timeout`, 5 s by default); keep it well under the relay's lease.
 ///
 /// ```no_run
-/// use idempotent_runtime::outbox::{NatsPublisher, PgOutbox, Relay};
+/// use idempotent_runtime::outbox::{NatsPublisher, PostgresOutbox, Relay};
 ///
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let client = async_nats::connect("127.0.0.1:4222").await?;
 /// let publisher = NatsPublisher::new(async_nats::jetstream::new(client));
-/// let relay = Relay::new(PgOutbox::new(pool), publisher);
+/// let relay = Relay::new(PostgresOutbox::new(pool), publisher);
 /// relay.run_until(async { tokio::signal::ctrl_c().await.unwrap_or(()) }).await;
 /// # Ok(())
 /// # }

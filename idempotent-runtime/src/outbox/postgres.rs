@@ -38,10 +38,10 @@ const RECORD_COLUMNS: &str = "id, destination, ordering_key, state, attempts, la
 /// handler's, or any sqlx transaction. A [`Relay`](super::Relay) delivers what committed.
 ///
 /// ```no_run
-/// use idempotent_runtime::outbox::{Message, PgOutbox};
+/// use idempotent_runtime::outbox::{Message, PostgresOutbox};
 ///
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// let outbox = PgOutbox::new(pool.clone());
+/// let outbox = PostgresOutbox::new(pool.clone());
 /// outbox.migrate().await?;
 ///
 /// let mut tx = pool.begin().await?;
@@ -53,7 +53,7 @@ const RECORD_COLUMNS: &str = "id, destination, ordering_key, state, attempts, la
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
-pub struct PgOutbox {
+pub struct PostgresOutbox {
     pool: PgPool,
     s: Arc<Settings>,
 }
@@ -77,9 +77,9 @@ struct Settings {
     stats_sql: Arc<str>,
 }
 
-impl fmt::Debug for PgOutbox {
+impl fmt::Debug for PostgresOutbox {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgOutbox")
+        f.debug_struct("PostgresOutbox")
             .field("table", &self.s.table.qualified)
             .field("notify", &self.s.notify)
             .field("retention", &self.s.retention)
@@ -87,10 +87,10 @@ impl fmt::Debug for PgOutbox {
     }
 }
 
-/// Configures a [`PgOutbox`]; from [`PgOutbox::builder`].
+/// Configures a [`PostgresOutbox`]; from [`PostgresOutbox::builder`].
 #[derive(Debug, Clone)]
 #[must_use]
-pub struct PgOutboxBuilder {
+pub struct PostgresOutboxBuilder {
     pool: PgPool,
     schema: Option<String>,
     table: String,
@@ -99,7 +99,7 @@ pub struct PgOutboxBuilder {
     transaction_pooler: bool,
 }
 
-impl PgOutboxBuilder {
+impl PostgresOutboxBuilder {
     /// The schema holding the table (default: the connection's `search_path`). `migrate()`
     /// creates it if missing.
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
@@ -113,14 +113,14 @@ impl PgOutboxBuilder {
         self
     }
 
-    /// How long delivered messages are kept before [`PgOutbox::sweep`] deletes them (default
+    /// How long delivered messages are kept before [`PostgresOutbox::sweep`] deletes them (default
     /// 7 days). Within it, enqueuing the same id again is a no-op.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
         self
     }
 
-    /// Whether [`enqueue`](PgOutbox::enqueue) wakes listening relays with a `NOTIFY` that
+    /// Whether [`enqueue`](PostgresOutbox::enqueue) wakes listening relays with a `NOTIFY` that
     /// PostgreSQL delivers at commit (default `false`: relays poll, every 100 ms by default).
     /// A notifying commit takes a lock that serialises every notifying commit on the server:
     /// in one run of `outbox_bench` (16 concurrent enlisted first requests) the message alone
@@ -142,7 +142,7 @@ impl PgOutboxBuilder {
 
     /// The outbox, or the schema or table name it refuses: a lowercase SQL identifier
     /// (`[a-z_][a-z0-9_]*`; table names up to 50 bytes, schema names up to 63).
-    pub fn build(self) -> Result<PgOutbox, InvalidName> {
+    pub fn build(self) -> Result<PostgresOutbox, InvalidName> {
         let table = TableName::new(OUTBOX_NAMES, self.schema.as_deref(), &self.table)?;
         let t = &table.qualified;
         let digest = Sha256::digest(format!("idempotent-outbox:{t}"));
@@ -256,7 +256,7 @@ impl PgOutboxBuilder {
                (SELECT COALESCE((extract(epoch FROM now() - min(enqueued_at)) * 1000)::bigint, 0) \
                   FROM {t} WHERE state = 'pending')"
         );
-        Ok(PgOutbox {
+        Ok(PostgresOutbox {
             pool: self.pool,
             s: Arc::new(Settings {
                 table,
@@ -343,9 +343,9 @@ fn millis(d: Duration) -> i64 {
     d.as_millis().min(i64::MAX as u128) as i64
 }
 
-impl PgOutbox {
+impl PostgresOutbox {
     /// An outbox in table `outbox_messages`, keeping delivered messages 7 days, found by
-    /// relays polling (see [`PgOutboxBuilder::notify`]).
+    /// relays polling (see [`PostgresOutboxBuilder::notify`]).
     pub fn new(pool: PgPool) -> Self {
         Self::builder(pool)
             .build()
@@ -353,8 +353,8 @@ impl PgOutbox {
     }
 
     /// Configures an outbox.
-    pub fn builder(pool: PgPool) -> PgOutboxBuilder {
-        PgOutboxBuilder {
+    pub fn builder(pool: PgPool) -> PostgresOutboxBuilder {
+        PostgresOutboxBuilder {
             pool,
             schema: None,
             table: DEFAULT_TABLE.to_owned(),
@@ -390,9 +390,9 @@ impl PgOutbox {
     /// The DDL [`migrate`](Self::migrate) applies, rendered for `table` in `schema`.
     ///
     /// ```
-    /// use idempotent_runtime::outbox::PgOutbox;
+    /// use idempotent_runtime::outbox::PostgresOutbox;
     ///
-    /// let migrations = PgOutbox::migrations(None, "outbox_messages")?;
+    /// let migrations = PostgresOutbox::migrations(None, "outbox_messages")?;
     /// assert!(migrations.iter().next().unwrap().sql.contains("\"outbox_messages_pkey\""));
     /// # Ok::<(), idempotent_runtime::store::InvalidName>(())
     /// ```

@@ -14,7 +14,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
-use super::postgres::{Claimed, Failed, PgOutbox};
+use super::postgres::{Claimed, Failed, PostgresOutbox};
 use super::{PublishError, Publisher};
 
 /// Messages a relay claims at once by default (each published concurrently).
@@ -46,7 +46,7 @@ const STATS_EVERY: Duration = Duration::from_secs(10);
 /// interval passes, or a commit notifies it (`LISTEN`) when the outbox notifies.
 ///
 /// ```no_run
-/// use idempotent_runtime::outbox::{Delivery, PgOutbox, PublishError, Publisher, Relay};
+/// use idempotent_runtime::outbox::{Delivery, PostgresOutbox, PublishError, Publisher, Relay};
 ///
 /// struct Print;
 /// impl Publisher for Print {
@@ -57,13 +57,13 @@ const STATS_EVERY: Duration = Duration::from_secs(10);
 /// }
 ///
 /// # async fn example(pool: sqlx::PgPool) {
-/// let outbox = PgOutbox::new(pool);
+/// let outbox = PostgresOutbox::new(pool);
 /// let relay = Relay::new(outbox, Print);
 /// tokio::spawn(relay.run_until(async { tokio::signal::ctrl_c().await.unwrap_or(()) }));
 /// # }
 /// ```
 pub struct Relay<P> {
-    outbox: PgOutbox,
+    outbox: PostgresOutbox,
     publisher: Arc<P>,
     s: Settings,
     wake: Arc<Notify>,
@@ -92,7 +92,7 @@ impl<P> fmt::Debug for Relay<P> {
 /// Configures a [`Relay`]; from [`Relay::builder`].
 #[must_use]
 pub struct RelayBuilder<P> {
-    outbox: PgOutbox,
+    outbox: PostgresOutbox,
     publisher: P,
     s: Settings,
 }
@@ -194,12 +194,12 @@ fn jitter() -> f64 {
 
 impl<P: Publisher> Relay<P> {
     /// A relay with the default settings.
-    pub fn new(outbox: PgOutbox, publisher: P) -> Self {
+    pub fn new(outbox: PostgresOutbox, publisher: P) -> Self {
         Self::builder(outbox, publisher).build()
     }
 
     /// Configures a relay.
-    pub fn builder(outbox: PgOutbox, publisher: P) -> RelayBuilder<P> {
+    pub fn builder(outbox: PostgresOutbox, publisher: P) -> RelayBuilder<P> {
         let listen = outbox.channel().is_some();
         RelayBuilder {
             outbox,
@@ -469,7 +469,7 @@ fn observe_failure(
             #[cfg(feature = "metrics")]
             metrics::counter!("idempotent_outbox_dead_total", "destination" => destination.to_owned())
                 .increment(1);
-            tracing::error!(message = id, destination, attempt, error = %error, permanent = error.is_permanent(), "outbox: message dead-lettered; retry or discard it with PgOutbox::retry / discard");
+            tracing::error!(message = id, destination, attempt, error = %error, permanent = error.is_permanent(), "outbox: message dead-lettered; retry or discard it with PostgresOutbox::retry / discard");
         }
         Failed::LeaseLost => {
             tracing::info!(message = id, destination, attempt, error = %error, "outbox: publish failed after the claim's lease passed to another relay");

@@ -46,8 +46,8 @@ const OWN_HEADERS: [&str; 4] = [
 /// | a destination that is not an `http(s)` URL, an id containing `.` | permanent |
 ///
 /// A permanent failure dead-letters the message at once, with the answer as its last error,
-/// for an operator to [`retry`](super::PgOutbox::retry) once the endpoint is mended or
-/// [`discard`](super::PgOutbox::discard).
+/// for an operator to [`retry`](super::PostgresOutbox::retry) once the endpoint is mended or
+/// [`discard`](super::PostgresOutbox::discard).
 ///
 /// # Transport
 ///
@@ -63,7 +63,7 @@ const OWN_HEADERS: [&str; 4] = [
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use idempotent_runtime::outbox::{Message, PgOutbox, Relay, WebhookPublisher};
+/// use idempotent_runtime::outbox::{Message, PostgresOutbox, Relay, WebhookPublisher};
 /// use idempotent_runtime::webhook::StandardWebhooks;
 ///
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -71,7 +71,7 @@ const OWN_HEADERS: [&str; 4] = [
 /// let publisher = WebhookPublisher::builder(signer)
 ///     .timeout(Duration::from_secs(5))
 ///     .build()?;
-/// let outbox = PgOutbox::new(pool.clone());
+/// let outbox = PostgresOutbox::new(pool.clone());
 ///
 /// let mut tx = pool.begin().await?;
 /// let event = Message::new("order-42-paid", "http://partner.example/hooks", r#"{"order":42}"#)

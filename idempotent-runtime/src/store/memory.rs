@@ -1000,7 +1000,13 @@ impl Discharges {
     fn record(&mut self, weight: usize, bucket: u64) {
         self.bytes += weight;
         self.records += 1;
-        match self.buckets.iter_mut().rev().take(4).find(|b| b.0 == bucket) {
+        match self
+            .buckets
+            .iter_mut()
+            .rev()
+            .take(4)
+            .find(|b| b.0 == bucket)
+        {
             Some(share) => {
                 share.1 += 1;
                 share.2 += weight;
