@@ -737,26 +737,6 @@ impl MemoryStore {
 
     /// Frees a record's charge: all of it from its scope, all but `kept` from the store (the
     /// bytes of a hole it leaves in a segment, freed when the sweep passes it).
-    /// [`discharge`](Self::discharge) of everything one eviction walk freed.
-    fn discharge_all(&self, freeing: Discharges) {
-        if freeing.bytes > 0 {
-            self.bytes.fetch_sub(freeing.bytes, Ordering::AcqRel);
-        }
-        if freeing.records > 0 {
-            self.records.fetch_sub(freeing.records, Ordering::AcqRel);
-        }
-        for (bucket, records, bytes) in freeing.buckets {
-            let mut quotas = lock(self.quota_shard(bucket));
-            if let Some(share) = quotas.get_mut(&bucket) {
-                share.records -= records;
-                share.bytes -= bytes;
-                if share.records == 0 {
-                    quotas.remove(&bucket);
-                }
-            }
-        }
-    }
-
     fn discharge(&self, weight: usize, bucket: u64, kept: usize) {
         self.bytes.fetch_sub(weight - kept, Ordering::AcqRel);
         self.records.fetch_sub(1, Ordering::AcqRel);
@@ -895,7 +875,6 @@ impl MemoryStore {
     /// shard holds. When that bound stops it first, more may be due: [`Evicted::cut_short`].
     fn evict_expired(&self, shard: &mut Shard, now: Millis, limit: usize) -> Evicted {
         let mut freed = 0;
-        let mut freeing = Discharges::default();
         let mut pops = limit.saturating_mul(POPS_PER_EVICTION);
         while freed < limit && pops > 0 {
             let Some(&Reverse((due, check))) = shard.reserved_expiry.peek() else {
@@ -922,7 +901,7 @@ impl MemoryStore {
                     unreachable!("found as a reservation")
                 };
                 let (weight, bucket) = shard.reserved.remove(idx);
-                freeing.record(weight, bucket);
+                self.discharge(weight, bucket, 0);
                 freed += 1;
             }
         }
@@ -945,7 +924,7 @@ impl MemoryStore {
             match rec.owner() {
                 None => {
                     *hole_bytes -= len;
-                    freeing.bytes += len;
+                    self.bytes.fetch_sub(len, Ordering::AcqRel);
                     pops -= 1;
                 }
                 // Not due: neither is anything behind it in this group.
@@ -963,7 +942,7 @@ impl MemoryStore {
                         .expect("a completed record's slot")
                         .remove();
                     let (bucket, owner_freed) = owners.release(&self.hasher, id);
-                    freeing.record(SLOT_OVERHEAD + len + owner_freed, bucket);
+                    self.discharge(SLOT_OVERHEAD + len + owner_freed, bucket, 0);
                     freed += 1;
                 }
             }
@@ -974,44 +953,9 @@ impl MemoryStore {
             let _ = shard.segments.front(q);
         }
         shard.segments.drop_empty_queues();
-        self.discharge_all(freeing);
         Evicted {
             freed,
             cut_short: freed < limit && pops == 0,
-        }
-    }
-}
-
-/// What one [`MemoryStore::evict_expired`] walk freed, taken off the store's and the scopes'
-/// counts once at its end ([`MemoryStore::discharge_all`]) instead of once a record (two
-/// atomics and a quota lock each). Until then the counts are higher than what is held: a
-/// claim meanwhile is judged a little more strictly, never more loosely.
-#[derive(Default)]
-struct Discharges {
-    /// Bytes freed from the store's bound: records' weights and holes passed.
-    bytes: usize,
-    records: usize,
-    /// `(bucket, records, bytes)` per scope: the records of a walk mostly share a few owners,
-    /// so a record looks only at the last few entries, and a bucket may appear twice.
-    buckets: Vec<(u64, usize, usize)>,
-}
-
-impl Discharges {
-    fn record(&mut self, weight: usize, bucket: u64) {
-        self.bytes += weight;
-        self.records += 1;
-        match self
-            .buckets
-            .iter_mut()
-            .rev()
-            .take(4)
-            .find(|b| b.0 == bucket)
-        {
-            Some(share) => {
-                share.1 += 1;
-                share.2 += weight;
-            }
-            None => self.buckets.push((bucket, 1, weight)),
         }
     }
 }
