@@ -506,13 +506,12 @@ impl<'a> Records<'a> {
         }
     }
 
-    /// What stands in `slot` by `now`.
+    /// What stands in `slot` by `now`. A completed record is read from its segment once.
     fn standing(self, slot: &Slot, now: Millis) -> Standing {
-        let expires_at = self.expires_at(slot);
-        let (fingerprint, state) = match slot.place() {
+        let (token, fingerprint, expires_at, state) = match slot.place() {
             Place::Reserved(r) => {
                 let r = &self.reserved[r];
-                let state = if now >= expires_at {
+                let state = if now >= r.expires_at {
                     StandingState::Expired
                 } else if now < r.lease_until {
                     StandingState::Running {
@@ -521,22 +520,23 @@ impl<'a> Records<'a> {
                 } else {
                     StandingState::Abandoned
                 };
-                (r.fingerprint, state)
+                (r.token, r.fingerprint, r.expires_at, state)
             }
             Place::Completed(loc) => {
                 let rec = self.segments.get(loc);
+                let expires_at = rec.expires_at();
                 let state = if now >= expires_at {
                     StandingState::Expired
                 } else {
                     StandingState::Completed(Arc::new(rec.response()))
                 };
-                (rec.fingerprint(), state)
+                (rec.token(), rec.fingerprint(), expires_at, state)
             }
         };
         let expires_in = matches!(state, StandingState::Completed(_))
             .then(|| Duration::from_millis(expires_at - now));
         Standing {
-            token: self.token(slot),
+            token,
             fingerprint,
             state,
             expires_in,
@@ -983,12 +983,15 @@ impl Store for MemoryStore {
                 records.is(s, check, req.scope, req.key)
             })
             .copied();
-        match found {
-            Some(slot) if now >= records.expires_at(&slot) => {
-                self.take_over(&mut shard, check, req, now)
-            }
-            Some(slot) => Ok(Claim::Standing(records.standing(&slot, now))),
-            None => self.insert_new(&mut shard, check, req, now),
+        let Some(slot) = found else {
+            return self.insert_new(&mut shard, check, req, now);
+        };
+        // One read of a completed record's segment: what stands, expired or not.
+        let standing = records.standing(&slot, now);
+        if matches!(standing.state, StandingState::Expired) {
+            self.take_over(&mut shard, check, req, now)
+        } else {
+            Ok(Claim::Standing(standing))
         }
     }
 
