@@ -163,7 +163,9 @@ pub enum Front<B, R> {
 /// A request that holds its key: run the handler, then settle.
 pub struct Claimed {
     handle: Idempotency,
-    inner: pipeline::Admitted<Reservation>,
+    /// Boxed: a `Claimed` is handed from step to step (and through the framework's extractor
+    /// and handler futures) by value, and moving a pointer is cheaper than its few hundred bytes.
+    inner: Box<pipeline::Admitted<Reservation>>,
 }
 
 impl std::fmt::Debug for Claimed {
@@ -217,7 +219,7 @@ impl Buffered {
             span,
         } = self;
         let claimed = pipeline::claim::<Detached, _, R>(&handle, head, inner);
-        let inner = claimed.instrument(span).await?;
+        let inner = Box::new(claimed.instrument(span).await?);
         Ok(Claimed { handle, inner })
     }
 
@@ -355,7 +357,7 @@ impl Claimed {
             route,
             span,
             ..
-        } = inner;
+        } = *inner;
         let future = Box::pin(
             pipeline::work(handle.clone(), held, permit, route.clone(), served, handler)
                 .instrument(span),
