@@ -53,7 +53,9 @@ pub async fn on_redis<F: std::future::Future>(url: String, case: F) -> F::Output
 /// The store options for a server started now: none (memory), Redis under a fresh prefix, or
 /// MySQL or PostgreSQL behind PgBouncer in a fresh database (kept alive by the returned guard).
 /// Servers of both kinds ([`Server`] here and [`raw::Server`](super::raw::Server)) take them.
-pub(super) fn store_options(options: &[&str]) -> (Vec<String>, Option<Box<dyn std::any::Any + Send + Sync>>) {
+pub(super) fn store_options(
+    options: &[&str],
+) -> (Vec<String>, Option<Box<dyn std::any::Any + Send + Sync>>) {
     if options.contains(&"--store") {
         return (Vec::new(), None);
     }
