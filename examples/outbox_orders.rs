@@ -15,7 +15,7 @@
 //!   not acked before a crash or a lost connection comes back `redelivered`, and the inbox
 //!   answers it `Duplicate`).
 //!
-//! Each role prints a line per delivery it receives (`received <id>`, `redelivered` when the
+//! The consumer prints a line per delivery it receives (`received <id>`, `redelivered` when the
 //! broker says so) and per outcome (`done <id>` / `duplicate <id>`): the end-to-end test counts
 //! deliveries from them.
 //!
@@ -429,7 +429,7 @@ pub mod amqp {
     use super::{Error, Names, OrderPlaced, inbox, outbox, outcome_word, reserve, say};
 
     /// Deliveries the broker sends the consumer ahead of its acks.
-    pub const PREFETCH: u16 = 16;
+    pub const PREFETCH: u16 = 32;
 
     /// How long the roles wait before reconnecting, or retrying a delivery in place.
     const PAUSE: Duration = Duration::from_millis(200);

@@ -3,13 +3,17 @@
 //! broker, once with NATS JetStream and once with RabbitMQ (feature `rabbitmq`), through one
 //! test body. Orders are posted with duplicates while the relay and the consumer are SIGKILLed
 //! and restarted, every backend of the example's database connections is terminated, and
-//! every broker connection is cut (the processes reach the broker through a proxy in this
-//! test). Afterwards: exactly N orders, each of the N messages delivered to the consumer at
-//! least once (counted from the consumer's `received` lines, redeliveries included), exactly N
-//! reservations, each customer's events in commit order, nothing pending or dead. On NATS the
-//! stream holds N messages (JetStream deduplicated what the relay published again by
-//! `Nats-Msg-Id`) and the order checked is the stream's; on RabbitMQ the queue is left empty and
-//! the order checked is the one the consumer applied the reservations in.
+//! every broker connection is cut (the relay and the consumer reach the broker through proxies
+//! of the test's). Before each consumer SIGKILL, the consumer's proxy holds back what it sends
+//! while it applies a round of orders, so that it dies with those deliveries applied and not
+//! acked: the broker delivers them again, and the inbox answers `Duplicate`.
+//!
+//! Afterwards: exactly N orders, each of the N messages delivered to the consumer at least once
+//! (counted from the consumer's `received` lines, redeliveries included), exactly N
+//! reservations, at least as many inbox duplicates as deliveries applied and unacked at the
+//! kills, nothing pending or dead, and each customer's events in commit order: on NATS in the
+//! stream, which holds exactly N messages (JetStream deduplicated what the relay published again
+//! by `Nats-Msg-Id`); on RabbitMQ in the order the consumer applied them, the queue left empty.
 //!
 //! Needs `DATABASE_URL` (skips without it, unless `IDEMPOTENT_REQUIRE_DB=1`), NATS with
 //! JetStream at `NATS_URL` (default `127.0.0.1:4222`) and RabbitMQ at `AMQP_URL` (default
@@ -36,30 +40,70 @@ use tokio::task::JoinHandle;
 
 use crate::support::{self, required};
 
-/// A TCP proxy in front of the broker whose connections the test can cut.
+/// A TCP proxy in front of the broker whose connections the test can cut, and whose open
+/// connections it can freeze in the client-to-broker direction (what the client sends then is
+/// held, and dropped with the connection when it is cut).
 struct Proxy {
     addr: String,
-    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    connections: Arc<Mutex<Vec<Link>>>,
     accept: JoinHandle<()>,
+}
+
+/// One proxied connection.
+struct Link {
+    task: JoinHandle<()>,
+    frozen: tokio::sync::watch::Sender<bool>,
+}
+
+/// Copies `from` to `to`; with `frozen`, holds what it read while the flag is up.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut frozen: Option<tokio::sync::watch::Receiver<bool>>,
+) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if let Some(frozen) = frozen.as_mut()
+            && frozen.wait_for(|f| !f).await.is_err()
+        {
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
 }
 
 impl Proxy {
     async fn start(upstream: String) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let connections: Arc<Mutex<Vec<Link>>> = Arc::default();
         let conns = connections.clone();
         let accept = tokio::spawn(async move {
             loop {
-                let Ok((mut client, _)) = listener.accept().await else {
+                let Ok((client, _)) = listener.accept().await else {
                     return;
                 };
                 let upstream = upstream.clone();
-                conns.lock().unwrap().push(tokio::spawn(async move {
-                    if let Ok(mut server) = TcpStream::connect(&upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                let (frozen, thawed) = tokio::sync::watch::channel(false);
+                let task = tokio::spawn(async move {
+                    if let Ok(server) = TcpStream::connect(&upstream).await {
+                        let (client_read, client_write) = client.into_split();
+                        let (server_read, server_write) = server.into_split();
+                        // Either direction ending closes both.
+                        tokio::select! {
+                            () = pipe(client_read, server_write, Some(thawed)) => {}
+                            () = pipe(server_read, client_write, None) => {}
+                        }
                     }
-                }));
+                });
+                conns.lock().unwrap().push(Link { task, frozen });
             }
         });
         Self {
@@ -69,13 +113,38 @@ impl Proxy {
         }
     }
 
-    /// Drops every open connection (the clients reconnect through the proxy).
+    /// Drops every connection (the clients reconnect through the proxy), with what a freeze
+    /// held; returns how many were still open.
     fn cut(&self) -> usize {
         let cut: Vec<_> = self.connections.lock().unwrap().drain(..).collect();
-        for c in &cut {
-            c.abort();
+        let open = cut.iter().filter(|l| !l.task.is_finished()).count();
+        for link in &cut {
+            link.task.abort();
         }
-        cut.len()
+        open
+    }
+
+    /// How many connections are open.
+    fn open(&self) -> usize {
+        let links = self.connections.lock().unwrap();
+        links.iter().filter(|l| !l.task.is_finished()).count()
+    }
+
+    /// Freezes the open connections (not those opened later).
+    fn freeze(&self) {
+        for link in self.connections.lock().unwrap().iter() {
+            if !link.task.is_finished() {
+                link.frozen.send_replace(true);
+            }
+        }
+    }
+
+    /// Whether some connection was frozen and every frozen one is still open: then nothing
+    /// the client sent since reached the broker.
+    fn frozen_and_open(&self) -> bool {
+        let links = self.connections.lock().unwrap();
+        let mut frozen = links.iter().filter(|l| *l.frozen.borrow()).peekable();
+        frozen.peek().is_some() && frozen.all(|l| !l.task.is_finished())
     }
 }
 
@@ -195,6 +264,9 @@ impl Receipts {
     }
 }
 
+/// Each customer's order ids, in some order.
+type PerCustomer = BTreeMap<String, Vec<i64>>;
+
 /// The broker a run goes through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Broker {
@@ -310,31 +382,22 @@ impl Client {
         }
     }
 
-    /// What the broker holds at the end, said in a few words, and each customer's events in
-    /// the order that is checked (the stream's on NATS; the one the consumer applied them in
-    /// on RabbitMQ, read from `pool`). Asserts what the broker must hold: N messages in the
-    /// stream, or an empty queue.
-    async fn held(
-        &self,
-        names: &Names,
-        pool: &PgPool,
-        n: i64,
-    ) -> (String, BTreeMap<String, Vec<i64>>) {
+    /// What the broker holds at the end: how many messages, how many it must hold (N in the
+    /// stream on NATS, none left in the queue on RabbitMQ), what they are in a few words, and
+    /// on NATS each customer's events in the stream's order.
+    async fn held(&self, names: &Names, n: i64) -> (u64, u64, &'static str, Option<PerCustomer>) {
         match self {
             Self::Nats(js) => {
                 let mut stream = js.get_stream(&names.stream).await.unwrap();
                 let info = stream.info().await.unwrap().clone();
-                let mut seen: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+                let mut seen = PerCustomer::new();
                 for seq in info.state.first_sequence..=info.state.last_sequence {
                     let m = stream.get_raw_message(seq).await.unwrap();
                     let e: OrderPlaced = serde_json::from_slice(&m.payload).unwrap();
                     seen.entry(e.customer).or_default().push(e.order_id);
                 }
-                assert_eq!(info.state.messages, n as u64, "N messages in the stream");
-                (
-                    format!("{} messages in the stream", info.state.messages),
-                    seen,
-                )
+                let messages = info.state.messages;
+                (messages, n as u64, "messages in the stream", Some(seen))
             }
             #[cfg(feature = "rabbitmq")]
             Self::Amqp { channel, .. } => {
@@ -349,22 +412,8 @@ impl Client {
                     )
                     .await
                     .unwrap();
-                let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
-                    "SELECT customer, order_id FROM {}.reservations ORDER BY seq",
-                    names.schema
-                )))
-                .fetch_all(pool)
-                .await
-                .unwrap();
-                let mut applied: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-                for (customer, order) in rows {
-                    applied.entry(customer).or_default().push(order);
-                }
-                assert_eq!(queue.message_count(), 0, "nothing left in the queue");
-                (
-                    format!("{} messages left in the queue", queue.message_count()),
-                    applied,
-                )
+                let left = u64::from(queue.message_count());
+                (left, 0, "messages left in the queue", None)
             }
         }
     }
@@ -472,14 +521,22 @@ async fn end_to_end(broker: Broker) {
     let app = format!("outbox_{name}");
     let sep = if database_url.contains('?') { '&' } else { '?' };
     let example_url = format!("{database_url}{sep}application_name={app}");
+    // The relay (and the server) and the consumer each reach the broker through a proxy of
+    // their own, so that the consumer's acks can be held back while the relay publishes.
     let proxy = Proxy::start(client.upstream()).await;
-    let (url_db, env, url_name) = (
-        example_url.clone(),
+    let consumer_proxy = Proxy::start(client.upstream()).await;
+    let (url_db, url_name) = (example_url.clone(), name.clone());
+    let (env, consumer_env) = (
         client.through(&proxy.addr),
-        name.clone(),
+        client.through(&consumer_proxy.addr),
     );
     let start = move |role: &'static str, ready: &'static str| {
-        let (db, env, name) = (url_db.clone(), env.clone(), url_name.clone());
+        let (db, name) = (url_db.clone(), url_name.clone());
+        let env = if role == "consume" {
+            consumer_env.clone()
+        } else {
+            env.clone()
+        };
         tokio::task::spawn_blocking(move || Role::start(role, &db, &env, &name, ready))
     };
     let (serve, line) = start("serve", "listening on ").await.unwrap();
@@ -494,7 +551,24 @@ async fn end_to_end(broker: Broker) {
     let tally = Mutex::new(Tally::default());
     let mut faults = BTreeMap::<&str, usize>::new();
     let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    let mut unacked_at_kills = 0;
     for round in 0..ROUNDS {
+        // Before the consumer is SIGKILLed, it processes this round's orders with its acks
+        // held back, so that the broker redelivers what it already applied.
+        let kill_consumer = [2, 5, 7].contains(&round);
+        if kill_consumer {
+            // The consumer's connection, once it is open again after a cut (a liveness bound).
+            let reconnecting = consumer_proxy.open() == 0;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while consumer_proxy.open() == 0 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            if reconnecting {
+                // Past its handshake, which a freeze would stall.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            consumer_proxy.freeze();
+        }
         // Each customer's order of this round, posted three times, two of them at once.
         let posts = (0..CUSTOMERS).map(|c| {
             let (http, url, tally) = (&http, &url, &tally);
@@ -510,16 +584,41 @@ async fn end_to_end(broker: Broker) {
                 (format!("c{c}"), a)
             }
         });
-        for (customer, order) in futures_util::future::join_all(posts).await {
-            expected.entry(customer).or_default().push(order);
+        let posted = futures_util::future::join_all(posts).await;
+        for (customer, order) in &posted {
+            expected.entry(customer.clone()).or_default().push(*order);
         }
         if [1, 4, 6].contains(&round) {
             relay.kill();
             *faults.entry("relay SIGKILLs").or_default() += 1;
             relay = start("relay", "relaying").await.unwrap().0;
         }
-        if [2, 5, 7].contains(&round) {
+        if kill_consumer {
+            // Until the consumer applied this round's orders (a liveness bound: a killed
+            // relay's claims lapse after their 30 s lease), or gave up waiting.
+            let ids: Vec<i64> = posted.iter().map(|(_, order)| *order).collect();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let applied = loop {
+                let applied: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+                    "SELECT count(*) FROM {}.reservations WHERE order_id = ANY($1)",
+                    names.schema
+                )))
+                .bind(&ids)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                if applied as usize >= ids.len() || Instant::now() >= deadline {
+                    break applied as usize;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            // Counted only when every ack the consumer sent since the freeze was held back.
+            if consumer_proxy.frozen_and_open() {
+                unacked_at_kills += applied;
+            }
             receipts.add(consume.kill());
+            // What the freeze held (the acks among it) goes with the dead connection.
+            consumer_proxy.cut();
             *faults.entry("consumer SIGKILLs").or_default() += 1;
             consume = start("consume", "consuming").await.unwrap().0;
         }
@@ -535,7 +634,8 @@ async fn end_to_end(broker: Broker) {
             *faults.entry("backends terminated").or_default() += n as usize;
         }
         if [4, 7].contains(&round) {
-            *faults.entry("broker connections cut").or_default() += proxy.cut();
+            *faults.entry("broker connections cut").or_default() +=
+                proxy.cut() + consumer_proxy.cut();
         }
     }
     let n = (CUSTOMERS * ROUNDS) as i64;
@@ -576,8 +676,19 @@ async fn end_to_end(broker: Broker) {
     )
     .await;
 
-    // What the broker holds, and each customer's events in the order checked.
-    let (held, seen) = client.held(&names, &pool, n).await;
+    // What the broker holds, and each customer's events in the order the consumer applied
+    // them in.
+    let (held, must_hold, held_words, stream_order) = client.held(&names, n).await;
+    let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT customer, order_id FROM {s}.reservations ORDER BY seq"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut applied = PerCustomer::new();
+    for (customer, order) in rows {
+        applied.entry(customer).or_default().push(order);
+    }
 
     drop((serve, relay));
     receipts.add(consume.kill());
@@ -586,13 +697,16 @@ async fn end_to_end(broker: Broker) {
         .execute(&pool)
         .await;
     eprintln!(
-        "outbox_orders e2e ({broker:?}): {n} orders, {held}, {} messages delivered to the \
-         consumer ({} distinct, {} marked redelivered, {} inbox duplicates), {reservations} \
-         reservations, {attempts} publish attempts; faults {faults:?}; clients {:?}",
+        "outbox_orders e2e ({broker:?}): {n} orders, {held} {held_words}, {} messages delivered to the \
+         consumer ({} distinct, {} marked redelivered, {} inbox duplicates; {unacked_at_kills} \
+         applied and unacked when the consumer was SIGKILLed), {reservations} reservations \
+         (applied in each customer's commit order: {}), {attempts} publish attempts; faults \
+         {faults:?}; clients {:?}",
         receipts.received,
         receipts.ids.len(),
         receipts.redelivered,
         receipts.duplicates,
+        applied == expected,
         tally.lock().unwrap()
     );
 
@@ -603,8 +717,26 @@ async fn end_to_end(broker: Broker) {
         "each of the N messages delivered at least once (and no other)"
     );
     assert_eq!((reservations, distinct), (n, n), "exactly N effects");
+    assert!(
+        unacked_at_kills > 0 && receipts.duplicates >= unacked_at_kills,
+        "what the consumer applied but had not acked when it was killed came back, a duplicate"
+    );
     assert_eq!((stats.pending, stats.dead), (0, 0), "nothing left behind");
-    assert_eq!(seen, expected, "each customer's events in commit order");
+    assert_eq!(held, must_hold, "{held_words}");
+    match stream_order {
+        // NATS: the stream holds each customer's events in commit order. The consumer naks
+        // what fails and JetStream redelivers after the ack wait, so the applied order is only
+        // reported.
+        Some(stream_order) => assert_eq!(
+            stream_order, expected,
+            "each customer's events in commit order in the stream"
+        ),
+        // RabbitMQ: one queue, one active consumer, retries in place: applied in commit order.
+        None => assert_eq!(
+            applied, expected,
+            "each customer's events applied in commit order"
+        ),
+    }
     assert!(
         faults.values().all(|&v| v > 0),
         "every fault happened: {faults:?}"
