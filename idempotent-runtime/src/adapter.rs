@@ -673,6 +673,7 @@ impl<T> Default for RoutePatterns<T> {
 
 impl<T> RoutePatterns<T> {
     /// `read` over `pattern` compiled; `compile` runs the first time a pattern is met only.
+    /// Both run while the cache is borrowed: neither may call back into this `RoutePatterns`.
     pub fn with<A>(
         &self,
         pattern: &str,
