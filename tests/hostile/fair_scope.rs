@@ -15,45 +15,7 @@ use std::net::IpAddr;
 use crate::support;
 use crate::support::raw::{Answer, Server, key, post};
 
-macro_rules! both_servers {
-    (
-        every_store: [$($case:ident),* $(,)?],
-        memory_only: [$($memory_case:ident),* $(,)?] $(,)?
-    ) => {
-        $(both_servers!(@memory $case);)*
-        $(both_servers!(@memory $memory_case);)*
-
-        /// The cases that do not depend on the memory store, again with every server on
-        /// `--store mysql` (`MYSQL_URL`, each server in a database of its own; skipped when it
-        /// is unset, unless `IDEMPOTENT_REQUIRE_MYSQL=1`): who the caller is decides the scope
-        /// on every store.
-        #[cfg(feature = "mysql")]
-        mod on_mysql {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    let Some(url) = support::mysql_url() else { return };
-                    for server in support::SERVERS {
-                        eprintln!("{} against {server} on MySQL", stringify!($case));
-                        support::harness::on_mysql(url.clone(), cases::$case(server)).await;
-                    }
-                }
-            )*
-        }
-    };
-    (@memory $case:ident) => {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $case() {
-            for server in support::SERVERS {
-                eprintln!("{} against {server}", stringify!($case));
-                cases::$case(server).await;
-            }
-        }
-    };
-}
-
-both_servers! {
+against_every_server! {
     every_store: [
         clients_behind_a_trusted_proxy_are_scoped_by_the_forwarded_address,
         a_client_behind_a_trusted_proxy_cannot_pick_its_own_scope,

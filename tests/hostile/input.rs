@@ -14,44 +14,7 @@ use std::time::Duration;
 use crate::support;
 use crate::support::raw::{self, Answer, Server, key, post};
 
-macro_rules! hostile {
-    (
-        every_store: [$($case:ident),* $(,)?],
-        memory_only: [$($memory_case:ident),* $(,)?] $(,)?
-    ) => {
-        $(hostile!(@memory $case);)*
-        $(hostile!(@memory $memory_case);)*
-
-        /// The cases that do not depend on the memory store, again with every server on
-        /// `--store mysql` (`MYSQL_URL`, each server in a database of its own; skipped when it
-        /// is unset, unless `IDEMPOTENT_REQUIRE_MYSQL=1`).
-        #[cfg(feature = "mysql")]
-        mod on_mysql {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    let Some(url) = support::mysql_url() else { return };
-                    for server in support::SERVERS {
-                        eprintln!("{} against {server} on MySQL", stringify!($case));
-                        support::harness::on_mysql(url.clone(), cases::$case(server)).await;
-                    }
-                }
-            )*
-        }
-    };
-    (@memory $case:ident) => {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $case() {
-            for server in support::SERVERS {
-                eprintln!("{} against {server}", stringify!($case));
-                cases::$case(server).await;
-            }
-        }
-    };
-}
-
-hostile! {
+against_every_server! {
     every_store: [
         keys_with_bytes_outside_visible_ascii_never_run,
         keys_of_255_256_and_10000_characters,
