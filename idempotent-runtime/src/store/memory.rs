@@ -61,7 +61,7 @@ use crate::scope::ScopeHash;
 
 mod segment;
 
-use segment::{Front, Loc, MAX_HEADER_BYTES, MAX_SEGMENTS, Parts, Segments};
+use segment::{Front, Loc, MAX_HEADER_BYTES, MAX_SEGMENTS, Parts, Record, Segments};
 
 /// Bytes charged per completed record beside its bytes in a segment: its index slot (8 bytes
 /// and a control byte) with the table's slack (a table grows when 7/8 full, so its slots run
@@ -466,6 +466,13 @@ struct Records<'a> {
     owners: &'a Owners,
 }
 
+/// What [`Records::matching`] found: a reservation, or a completed record read in its segment.
+#[derive(Clone, Copy)]
+enum Found<'a> {
+    Reserved,
+    Completed(Record<'a>),
+}
+
 impl<'a> Records<'a> {
     fn of(shard: &'a Shard) -> Self {
         Self {
@@ -477,19 +484,28 @@ impl<'a> Records<'a> {
 
     /// Whether `slot` is the record of `(scope, key)`.
     fn is(self, slot: &Slot, check: u32, scope: &ScopeHash, key: &str) -> bool {
-        slot.check == check
-            && match slot.place() {
-                Place::Reserved(r) => {
-                    self.reserved[r].scope == *scope && self.reserved[r].key() == key
-                }
-                Place::Completed(loc) => {
-                    let rec = self.segments.get(loc);
-                    rec.key() == key.as_bytes()
-                        && rec
-                            .owner()
-                            .is_some_and(|id| self.owners[id].scope == *scope)
-                }
+        self.matching(slot, check, scope, key).is_some()
+    }
+
+    /// [`is`](Self::is), keeping what it read: a completed record's segment entry, so that a
+    /// claim that finds it reads it once.
+    fn matching(self, slot: &Slot, check: u32, scope: &ScopeHash, key: &str) -> Option<Found<'a>> {
+        if slot.check != check {
+            return None;
+        }
+        match slot.place() {
+            Place::Reserved(r) => (self.reserved[r].scope == *scope
+                && self.reserved[r].key() == key)
+                .then_some(Found::Reserved),
+            Place::Completed(loc) => {
+                let rec = self.segments.get(loc);
+                (rec.key() == key.as_bytes()
+                    && rec
+                        .owner()
+                        .is_some_and(|id| self.owners[id].scope == *scope))
+                .then_some(Found::Completed(rec))
             }
+        }
     }
 
     fn token(self, slot: &Slot) -> FencingToken {
@@ -508,8 +524,17 @@ impl<'a> Records<'a> {
 
     /// What stands in `slot` by `now`. A completed record is read from its segment once.
     fn standing(self, slot: &Slot, now: Millis) -> Standing {
-        let (token, fingerprint, expires_at, state) = match slot.place() {
-            Place::Reserved(r) => {
+        let found = match slot.place() {
+            Place::Reserved(_) => Found::Reserved,
+            Place::Completed(loc) => Found::Completed(self.segments.get(loc)),
+        };
+        self.standing_of(slot, found, now)
+    }
+
+    /// [`standing`](Self::standing) of what [`matching`](Self::matching) found in `slot`.
+    fn standing_of(self, slot: &Slot, found: Found<'a>, now: Millis) -> Standing {
+        let (token, fingerprint, expires_at, state) = match (slot.place(), found) {
+            (Place::Reserved(r), _) => {
                 let r = &self.reserved[r];
                 let state = if now >= r.expires_at {
                     StandingState::Expired
@@ -522,8 +547,11 @@ impl<'a> Records<'a> {
                 };
                 (r.token, r.fingerprint, r.expires_at, state)
             }
-            Place::Completed(loc) => {
-                let rec = self.segments.get(loc);
+            (Place::Completed(loc), found) => {
+                let rec = match found {
+                    Found::Completed(rec) => rec,
+                    Found::Reserved => self.segments.get(loc),
+                };
                 let expires_at = rec.expires_at();
                 let state = if now >= expires_at {
                     StandingState::Expired
@@ -977,17 +1005,20 @@ impl Store for MemoryStore {
         let (check, shard) = self.locate(req.scope, req.key);
         let mut shard = lock(shard);
         let records = Records::of(&shard);
+        let mut read = None;
         let found = shard
             .table
             .find(table_hash(check), |s| {
-                records.is(s, check, req.scope, req.key)
+                read = records.matching(s, check, req.scope, req.key);
+                read.is_some()
             })
             .copied();
-        let Some(slot) = found else {
+        let (Some(slot), Some(read)) = (found, read) else {
             return self.insert_new(&mut shard, check, req, now);
         };
-        // One read of a completed record's segment: what stands, expired or not.
-        let standing = records.standing(&slot, now);
+        // One read of a completed record's segment: the match's, for what stands, expired or
+        // not.
+        let standing = records.standing_of(&slot, read, now);
         if matches!(standing.state, StandingState::Expired) {
             self.take_over(&mut shard, check, req, now)
         } else {
