@@ -66,10 +66,14 @@ use crate::context::IdempotencyContext;
 
 #[cfg(feature = "rabbitmq")]
 mod amqp;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "nats")]
 mod nats;
+#[cfg(feature = "postgres")]
 mod postgres;
 mod relay;
+mod storage;
 #[cfg(feature = "outbox-webhooks")]
 mod webhook;
 
@@ -79,8 +83,14 @@ pub use amqp::AmqpPublisher;
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub use nats::NatsPublisher;
-pub use postgres::{OutboxStats, PostgresOutbox, PostgresOutboxBuilder};
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use mysql::{MySqlOutbox, MySqlOutboxBuilder};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use postgres::{PostgresOutbox, PostgresOutboxBuilder};
 pub use relay::{Relay, RelayBuilder, Relayed};
+pub use storage::Outbox;
 #[cfg(feature = "outbox-webhooks")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox-webhooks")))]
 pub use webhook::{WebhookPublisher, WebhookPublisherBuilder};
@@ -529,8 +539,24 @@ pub struct OutboxRecord {
     pub payload_len: usize,
 }
 
+/// What is waiting in an outbox, for gauges and health checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxStats {
+    /// Messages committed and not yet delivered.
+    pub pending: u64,
+    /// Dead-lettered messages waiting for an operator.
+    pub dead: u64,
+    /// How long the oldest pending message has waited (zero when none): the relay's lag.
+    pub oldest_pending: Duration,
+}
+
 fn from_millis(ms: i64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
+
+fn millis(d: Duration) -> i64 {
+    d.as_millis().min(i64::MAX as u128) as i64
 }
 
 #[cfg(test)]
