@@ -438,7 +438,8 @@ async fn headers_ordering_key_and_payload_arrive_as_enqueued() {
     assert!(outbox.inspect("m-2").await.unwrap().is_some());
     // Ids are compared as bytes: another case is another message.
     assert_eq!(
-        db.commit_order(&outbox, 2, Message::new("M-2", "d", "")).await,
+        db.commit_order(&outbox, 2, Message::new("M-2", "d", ""))
+            .await,
         Enqueued::New
     );
 }
@@ -450,7 +451,10 @@ async fn names_are_checked_and_a_second_outbox_lives_beside_the_first() {
     };
     for bad in ["Outbox", "1outbox", "out-box", &"x".repeat(49)] {
         assert!(
-            MySqlOutbox::builder(db.pool.clone()).table(bad).build().is_err(),
+            MySqlOutbox::builder(db.pool.clone())
+                .table(bad)
+                .build()
+                .is_err(),
             "{bad} accepted"
         );
     }
@@ -461,7 +465,10 @@ async fn names_are_checked_and_a_second_outbox_lives_beside_the_first() {
         .table("events_out")
         .build()
         .unwrap();
-    assert_eq!(other.qualified_table(), format!("`{elsewhere}`.`events_out`"));
+    assert_eq!(
+        other.qualified_table(),
+        format!("`{elsewhere}`.`events_out`")
+    );
     other.migrate().await.unwrap();
     other.migrate().await.unwrap();
     let outbox = db.outbox().await;
@@ -624,12 +631,14 @@ async fn per_key_order_is_commit_order_under_concurrent_enqueuers_and_two_relays
                         .execute(&mut *tx)
                         .await
                         .unwrap();
-                    sqlx::query("INSERT INTO commits (id, n) SELECT ?, n FROM counters WHERE k = ?")
-                        .bind(&id)
-                        .bind(&key)
-                        .execute(&mut *tx)
-                        .await
-                        .unwrap();
+                    sqlx::query(
+                        "INSERT INTO commits (id, n) SELECT ?, n FROM counters WHERE k = ?",
+                    )
+                    .bind(&id)
+                    .bind(&key)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
                     tx.commit().await.unwrap();
                 }
             })
@@ -715,8 +724,12 @@ async fn overlapping_transactions_on_one_key_are_delivered_in_commit_order_one_a
     tokio::time::sleep(Duration::from_millis(500)).await;
     let t2_waited = !t2.is_finished();
     // Another key is not held up by K's lock.
-    db.commit_order(&outbox, 7, Message::new("other", "orders", "o").ordered_by("J"))
-        .await;
+    db.commit_order(
+        &outbox,
+        7,
+        Message::new("other", "orders", "o").ordered_by("J"),
+    )
+    .await;
 
     // A relay while T1 is open: whatever it claims stays in flight until the gate opens.
     let recorder = Recorder::gated();
@@ -736,7 +749,10 @@ async fn overlapping_transactions_on_one_key_are_delivered_in_commit_order_one_a
         .into_iter()
         .filter(|id| id != "other")
         .collect();
-    assert!(of_k.len() <= 1, "one message of the key in flight: {of_k:?}");
+    assert!(
+        of_k.len() <= 1,
+        "one message of the key in flight: {of_k:?}"
+    );
     recorder.open();
     for batch in [r1, r2, r3] {
         batch.await.unwrap();
@@ -1140,10 +1156,18 @@ async fn the_sweep_deletes_only_delivered_messages_past_the_retention_and_idle_k
         .build()
         .unwrap();
     outbox.migrate().await.unwrap();
-    db.commit_order(&outbox, 1, Message::new("sent", "orders", "x").ordered_by("a"))
-        .await;
-    db.commit_order(&outbox, 2, Message::new("dead", "orders", "x").ordered_by("b"))
-        .await;
+    db.commit_order(
+        &outbox,
+        1,
+        Message::new("sent", "orders", "x").ordered_by("a"),
+    )
+    .await;
+    db.commit_order(
+        &outbox,
+        2,
+        Message::new("dead", "orders", "x").ordered_by("b"),
+    )
+    .await;
     let recorder = Recorder::new(
         0,
         Box::new(|d| (d.id() == "dead").then(|| PublishError::permanent("no"))),
@@ -1159,7 +1183,10 @@ async fn the_sweep_deletes_only_delivered_messages_past_the_retention_and_idle_k
     // A transaction holding key "d"'s lock, its message not committed yet.
     let mut open = db.pool.begin().await.unwrap();
     outbox
-        .enqueue(&mut open, Message::new("open", "orders", "x").ordered_by("d"))
+        .enqueue(
+            &mut open,
+            Message::new("open", "orders", "x").ordered_by("d"),
+        )
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -1184,8 +1211,12 @@ async fn the_sweep_deletes_only_delivered_messages_past_the_retention_and_idle_k
     assert_eq!(keys, [b"b".to_vec(), b"c".to_vec(), b"d".to_vec()]);
     // Swept: the id may be enqueued again, a new message, and its key works as before.
     assert_eq!(
-        db.commit_order(&outbox, 1, Message::new("sent", "orders", "x").ordered_by("a"))
-            .await,
+        db.commit_order(
+            &outbox,
+            1,
+            Message::new("sent", "orders", "x").ordered_by("a")
+        )
+        .await,
         Enqueued::New
     );
     let sweeper = outbox.spawn_sweeper();

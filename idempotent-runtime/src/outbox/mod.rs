@@ -89,12 +89,12 @@ mod webhook;
 #[cfg(feature = "rabbitmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub use amqp::AmqpPublisher;
-#[cfg(feature = "nats")]
-#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
-pub use nats::NatsPublisher;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use mysql::{MySqlOutbox, MySqlOutboxBuilder};
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub use nats::NatsPublisher;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use postgres::{PostgresOutbox, PostgresOutboxBuilder};

@@ -657,7 +657,14 @@ impl MySqlOutbox {
         let id = id.to_owned();
         self.in_tx(move |conn| {
             Box::pin(async move {
-                type Dead = (String, Option<Vec<u8>>, Vec<u8>, Vec<u8>, i64, Option<String>);
+                type Dead = (
+                    String,
+                    Option<Vec<u8>>,
+                    Vec<u8>,
+                    Vec<u8>,
+                    i64,
+                    Option<String>,
+                );
                 let dead: Option<Dead> = sqlx::query_as(AssertSqlSafe(s.retrying_sql.clone()))
                     .bind(id.as_bytes())
                     .fetch_optional(&mut *conn)
@@ -746,7 +753,9 @@ impl MySqlOutbox {
                     if keys.is_empty() {
                         return Ok(0);
                     }
-                    let sql = s.delete_keys_sql.replace("{keys}", &placeholders(keys.len()));
+                    let sql = s
+                        .delete_keys_sql
+                        .replace("{keys}", &placeholders(keys.len()));
                     let mut delete = sqlx::query(AssertSqlSafe(sql)).persistent(false);
                     for key in &keys {
                         delete = delete.bind(key.as_slice());

@@ -8,8 +8,8 @@ use std::time::{Duration, SystemTime};
 use futures_util::future::BoxFuture;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
-use tokio::sync::Notify;
 use sqlx::{AssertSqlSafe, Row};
+use tokio::sync::Notify;
 
 use crate::sql::{self, InvalidName, Migrations, OUTBOX_NAMES, Pg, Step, TableName};
 
@@ -715,7 +715,13 @@ impl Storage for PostgresOutbox {
         token: i64,
         max_attempts: u32,
     ) -> BoxFuture<'_, Result<Vec<Claimed>, sqlx::Error>> {
-        Box::pin(PostgresOutbox::claim(self, batch, lease, token, max_attempts))
+        Box::pin(PostgresOutbox::claim(
+            self,
+            batch,
+            lease,
+            token,
+            max_attempts,
+        ))
     }
 
     fn delivered(
