@@ -130,6 +130,20 @@ impl fmt::Debug for MySqlOutbox {
 }
 
 /// Configures a [`MySqlOutbox`]; from [`MySqlOutbox::builder`].
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idempotent_runtime::outbox::MySqlOutbox;
+///
+/// # async fn example(pool: sqlx::MySqlPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let outbox = MySqlOutbox::builder(pool)
+///     .database("events")           // `events`.`order_events` and `events`.`order_events_keys`
+///     .table("order_events")
+///     .retention(Duration::from_secs(3 * 24 * 3600))
+///     .build()?;
+/// outbox.migrate().await?;
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 #[must_use]
 pub struct MySqlOutboxBuilder {

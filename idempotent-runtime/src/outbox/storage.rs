@@ -7,6 +7,20 @@ use std::time::Duration;
 /// An outbox a [`Relay`](super::Relay) delivers from: [`PostgresOutbox`](super::PostgresOutbox)
 /// (feature `postgres`) or [`MySqlOutbox`](super::MySqlOutbox) (feature `mysql`). Sealed: the
 /// relay's promises rest on each database's own statements, so only this crate implements it.
+///
+/// Name it to write code that relays from either database:
+///
+/// ```
+/// use idempotent_runtime::outbox::{Outbox, Publisher, Relay};
+///
+/// /// Relays from `outbox` until the process ends, polling every 50 ms when idle.
+/// fn spawn_relay<O: Outbox, P: Publisher>(outbox: O, publisher: P) -> tokio::task::JoinHandle<()> {
+///     let relay: Relay<P, O> = Relay::builder(outbox, publisher)
+///         .poll_interval(std::time::Duration::from_millis(50))
+///         .build();
+///     tokio::spawn(relay.run())
+/// }
+/// ```
 pub trait Outbox: sealed::Storage {}
 
 impl<T: sealed::Storage> Outbox for T {}
