@@ -95,7 +95,6 @@ pub struct MySqlOutbox {
 struct Settings {
     table: TableName,
     retention: Duration,
-    exists_sql: Arc<str>,
     lock_key_sql: Arc<str>,
     insert_sql: Arc<str>,
     candidates_sql: Arc<str>,
@@ -182,7 +181,6 @@ impl MySqlOutboxBuilder {
         let t = &table.qualified;
         let keys = format!("{}`{}_keys`", table.prefix, table.name);
         let now = NOW_MS;
-        let exists_sql = format!("SELECT seq FROM {t} WHERE id = ?");
         // The key's lock: its row, created on the key's first use. Taken before the message's
         // row and its `seq` exist, so a second transaction enqueuing the same key waits here
         // until the first ends, and its `seq` comes after.
@@ -289,7 +287,6 @@ impl MySqlOutboxBuilder {
             s: Arc::new(Settings {
                 table,
                 retention: self.retention,
-                exists_sql: exists_sql.into(),
                 lock_key_sql: lock_key_sql.into(),
                 insert_sql: insert_sql.into(),
                 candidates_sql: candidates_sql.into(),
@@ -413,24 +410,26 @@ impl MySqlOutbox {
     /// Writes `message` through `conn`, which must be inside the caller's transaction (a
     /// `sqlx::Transaction` as `&mut tx`, an [`EnlistedTx<MySql>`](crate::enlisted::EnlistedTx)
     /// as `tx.conn()`, an inbox handler's connection): it is sent once that transaction
-    /// commits, and never if it rolls back. One row; no other write (but the key's lock row
-    /// below).
+    /// commits, and never if it rolls back. One row; for a message with an ordering key, also
+    /// the key's lock row below, written on the key's first use.
     ///
     /// A message with an ordering key first locks that key in this outbox: it upserts the
     /// key's row in `<table>_keys`, whose exclusive row lock InnoDB holds until the transaction
     /// ends, so that, per key, messages go out in the order their transactions commit.
     /// Consequences: a second transaction enqueuing the same key waits in its `enqueue` until
-    /// the first commits or rolls back, at most the session's `innodb_lock_wait_timeout`
-    /// (50 s by default; an enlisted transaction has the MySQL store's lock timeout); past it,
-    /// error 1205, and the transaction must roll back. Keep such transactions short after their
+    /// the first commits or rolls back, at most the session's `innodb_lock_wait_timeout` (the
+    /// server's default is 50 s; the connections of a pool the MySQL store built set its
+    /// `lock_wait_timeout`, 1 s by default); past it, error 1205, and the transaction must roll
+    /// back. Keep such transactions short after their
     /// enqueue. Two transactions that enqueue several keys in different orders can deadlock:
     /// InnoDB detects it and rolls one back (error 1213); enqueue a transaction's keys in a
     /// fixed order (sorted, say). Messages without an ordering key take no lock.
     ///
     /// A message whose id is already in the outbox (pending, delivered within the retention,
-    /// or dead) is not written again: [`Enqueued::AlreadyEnqueued`] (found before the key is
-    /// locked when it is committed already). An invalid message is refused before any
-    /// statement ([`OutboxError::Invalid`]); after a database error, roll the transaction back.
+    /// or dead) is not written again: [`Enqueued::AlreadyEnqueued`], after taking the key's
+    /// lock as PostgreSQL does (a retry of the same change, with the same key, finds the key's
+    /// row there: nothing is written). An invalid message is refused before any statement
+    /// ([`OutboxError::Invalid`]); after a database error, roll the transaction back.
     pub async fn enqueue(
         &self,
         conn: &mut MySqlConnection,
@@ -439,13 +438,6 @@ impl MySqlOutbox {
         message.validate()?;
         let headers = serde_json::to_vec(&message.headers).expect("strings encode as JSON");
         if let Some(key) = &message.ordering_key {
-            let known = sqlx::query(AssertSqlSafe(self.s.exists_sql.clone()))
-                .bind(message.id.as_bytes())
-                .fetch_optional(&mut *conn)
-                .await?;
-            if known.is_some() {
-                return Ok(Enqueued::AlreadyEnqueued);
-            }
             sqlx::query(AssertSqlSafe(self.s.lock_key_sql.clone()))
                 .bind(key.as_bytes())
                 .execute(&mut *conn)
