@@ -60,6 +60,10 @@ fn record_columns() -> String {
 /// [inbox](crate::inbox::MySqlInbox) handler's, or any sqlx transaction. A
 /// [`Relay`](super::Relay) delivers what committed, polling (MySQL has no `NOTIFY`).
 ///
+/// Relays' and operators' transactions run at `READ COMMITTED` (the caller's own transaction
+/// keeps its level): with binary logging on, `binlog_format` must be `ROW` or `MIXED` (the
+/// defaults of MySQL 8 and MariaDB), as InnoDB refuses writes at that level under `STATEMENT`.
+///
 /// ```no_run
 /// use idempotent_runtime::outbox::{Delivery, Message, MySqlOutbox, PublishError, Publisher, Relay};
 ///
