@@ -427,7 +427,9 @@ impl MySqlOutbox {
     /// back. Keep such transactions short after their
     /// enqueue. Two transactions that enqueue several keys in different orders can deadlock:
     /// InnoDB detects it and rolls one back (error 1213); enqueue a transaction's keys in a
-    /// fixed order (sorted, say). Messages without an ordering key take no lock.
+    /// fixed order (sorted, say). The key is its table's primary key, so the upsert locks the
+    /// key's row alone, at any isolation level, never a gap: keys do not wait for their
+    /// neighbours. Messages without an ordering key take no lock.
     ///
     /// A message whose id is already in the outbox (pending, delivered within the retention,
     /// or dead) is not written again: [`Enqueued::AlreadyEnqueued`], after taking the key's
