@@ -150,8 +150,8 @@ pub(crate) const INBOX_NAMES: NameRules = NameRules {
 };
 
 /// The outbox's table: `<table>_migrations`, `<table>_pkey`, `<table>_pending_idx` and its
-/// other index and constraint names fit 63 bytes.
-#[cfg(feature = "postgres")]
+/// other index and constraint names fit 63 bytes (MySQL's limit, 64, too, with `<table>_keys`).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) const OUTBOX_NAMES: NameRules = NameRules {
     subject: "outbox",
     max_table: 48,

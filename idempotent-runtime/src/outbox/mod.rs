@@ -4,7 +4,8 @@
 //! A handler that must publish `OrderPlaced`, call a webhook or send an email after its write has
 //! no safe moment to do it: published before the commit, a rollback leaves a message about
 //! nothing; published after it, a crash in between loses the message. The outbox writes the
-//! message **in the caller's transaction** instead ([`PostgresOutbox::enqueue`]), so it commits or
+//! message **in the caller's transaction** instead ([`PostgresOutbox::enqueue`],
+//! [`MySqlOutbox::enqueue`]), so it commits or
 //! rolls back with the business rows, and a [`Relay`] delivers what committed, at least once,
 //! each message carrying its stable id so that the receiver deduplicates it: NATS JetStream's
 //! `Nats-Msg-Id`, RabbitMQ's `message_id`, a webhook's `Idempotency-Key` and `webhook-id`, or
@@ -29,20 +30,20 @@
 //! - **Per ordering key, one in flight, in commit order.** A message with an ordering key is
 //!   claimed only when no earlier pending message of that key remains and none of its key is in
 //!   flight. "Earlier" is the order the rows were inserted, which per key is the order their
-//!   transactions commit: [`PostgresOutbox::enqueue`] takes a transaction-scoped lock on the key
-//!   before it writes the row, so **a second transaction enqueuing the same key waits in its
-//!   `enqueue` until the first commits or rolls back** (two transactions enqueuing several keys
-//!   in different orders can deadlock; PostgreSQL aborts one: enqueue keys in a fixed order). A
-//!   message failing under backoff holds its key's later messages back; a dead-lettered one no
-//!   longer does, and [`PostgresOutbox::retry`] puts it at the back of its key. Messages without a key
-//!   go out in parallel, and take no lock.
+//!   transactions commit: `enqueue` takes a transaction-scoped lock on the key before it writes
+//!   the row, so **a second transaction enqueuing the same key waits in its `enqueue` until the
+//!   first commits or rolls back** (two transactions enqueuing several keys in different orders
+//!   can deadlock; the database aborts one: enqueue keys in a fixed order). A message failing
+//!   under backoff holds its key's later messages back; a dead-lettered one no longer does, and
+//!   an operator's `retry` puts it at the back of its key. Messages without a key go out in
+//!   parallel, and take no lock.
 //! - **Retries, then the dead letter.** A failed publish is retried with exponential backoff
 //!   (or after the receiver's `Retry-After`), and after `max_attempts` the message is
-//!   dead-lettered with its last error; [`PostgresOutbox::retry`] and
-//!   [`PostgresOutbox::discard`] let an operator decide. A publisher may call a failure
-//!   permanent ([`PublishError::permanent`]): dead at once.
+//!   dead-lettered with its last error; the outbox's `retry` and `discard` let an operator
+//!   decide. A publisher may call a failure permanent ([`PublishError::permanent`]): dead at
+//!   once.
 //! - **Swept after a retention.** Delivered rows stay for the retention (default 7 days), so
-//!   [`PostgresOutbox::inspect`] answers "was it sent?" and re-enqueuing the same id within it is a
+//!   the outbox's `inspect` answers "was it sent?" and re-enqueuing the same id within it is a
 //!   no-op ([`Enqueued::AlreadyEnqueued`]); the sweeper deletes them after.
 //!
 //! Publishers, each behind its feature: `NatsPublisher` (NATS JetStream, `Nats-Msg-Id`; feature
@@ -51,9 +52,17 @@
 //! `webhook-id`, `Retry-After` honoured; feature `outbox-webhooks`), or any type implementing
 //! [`Publisher`].
 //!
-//! PostgreSQL only (feature `postgres`): the statements use `UPDATE … FROM … RETURNING`, arrays
-//! and `unnest`, `ON CONFLICT`, an identity column, advisory locks and `pg_notify`. An outbox on
-//! MySQL would need statements of its own.
+//! Two databases, the same operations and promises: [`PostgresOutbox`] (feature `postgres`) and
+//! [`MySqlOutbox`] (feature `mysql`: MySQL 8.0 or MariaDB 10.6 and later, for `FOR UPDATE SKIP
+//! LOCKED`). A [`Relay`] runs over either ([`Outbox`]; `Relay<P>` is a PostgreSQL relay,
+//! `Relay<P, MySqlOutbox>` a MySQL one, and `Relay::new` infers which). What differs is how:
+//!
+//! | | PostgreSQL | MySQL / MariaDB |
+//! |---|---|---|
+//! | an ordering key's lock | a transaction-scoped advisory lock on a hash of (table, key) | the exclusive row lock of the key's row in `<table>_keys`, upserted in the caller's transaction (`GET_LOCK` is session-scoped: it would outlive the transaction on a pooled connection) |
+//! | a claim | one `UPDATE … FROM … RETURNING` over candidates locked `FOR UPDATE SKIP LOCKED` | a `READ COMMITTED` transaction: candidates locked `FOR UPDATE SKIP LOCKED`, the head-of-key condition read again, the lease written |
+//! | an idle relay | polls, or wakes on a commit's `NOTIFY` ([`PostgresOutboxBuilder::notify`]) | polls ([`RelayBuilder::poll_interval`]) |
+//! | an operator's retry | a new `seq` under the key's lock | the row written again (a new `AUTO_INCREMENT` `seq`) under the key's lock |
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -66,21 +75,31 @@ use crate::context::IdempotencyContext;
 
 #[cfg(feature = "rabbitmq")]
 mod amqp;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "nats")]
 mod nats;
+#[cfg(feature = "postgres")]
 mod postgres;
 mod relay;
+mod storage;
 #[cfg(feature = "outbox-webhooks")]
 mod webhook;
 
 #[cfg(feature = "rabbitmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub use amqp::AmqpPublisher;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use mysql::{MySqlOutbox, MySqlOutboxBuilder};
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub use nats::NatsPublisher;
-pub use postgres::{OutboxStats, PostgresOutbox, PostgresOutboxBuilder};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use postgres::{PostgresOutbox, PostgresOutboxBuilder};
 pub use relay::{Relay, RelayBuilder, Relayed};
+pub use storage::Outbox;
 #[cfg(feature = "outbox-webhooks")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox-webhooks")))]
 pub use webhook::{WebhookPublisher, WebhookPublisherBuilder};
@@ -162,7 +181,7 @@ impl Message {
     /// Orders this message under `key`: messages with the same ordering key are delivered one
     /// at a time, in commit order. Enqueuing it takes a lock on the key until the transaction
     /// ends, so concurrent transactions enqueuing the same key wait for each other
-    /// ([`PostgresOutbox::enqueue`]).
+    /// ([`PostgresOutbox::enqueue`], [`MySqlOutbox::enqueue`]).
     pub fn ordered_by(mut self, key: impl Into<String>) -> Self {
         self.ordering_key = Some(key.into());
         self
@@ -271,14 +290,15 @@ impl fmt::Display for InvalidMessage {
 
 impl StdError for InvalidMessage {}
 
-/// Why [`PostgresOutbox::enqueue`] wrote nothing. Non-exhaustive.
+/// Why an outbox's `enqueue` wrote nothing. Non-exhaustive.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum OutboxError {
     /// The message itself was refused.
     Invalid(InvalidMessage),
     /// The database failed; the caller's transaction is to be rolled back (PostgreSQL has
-    /// aborted it).
+    /// aborted it; MySQL may have rolled back the statement only, or the whole transaction on a
+    /// deadlock).
     Database(sqlx::Error),
 }
 
@@ -312,7 +332,7 @@ impl StdError for OutboxError {
     }
 }
 
-/// Whether [`PostgresOutbox::enqueue`] wrote the message.
+/// Whether an outbox's `enqueue` wrote the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enqueued {
     /// Written in the caller's transaction: sent once it commits.
@@ -500,8 +520,8 @@ impl State {
     }
 }
 
-/// What [`PostgresOutbox::inspect`] and [`PostgresOutbox::dead_letters`] tell about a message
-/// (its payload only when asked).
+/// What an outbox's `inspect` and `dead_letters` tell about a message (its payload only when
+/// asked).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OutboxRecord {
@@ -529,8 +549,24 @@ pub struct OutboxRecord {
     pub payload_len: usize,
 }
 
+/// What is waiting in an outbox, for gauges and health checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxStats {
+    /// Messages committed and not yet delivered.
+    pub pending: u64,
+    /// Dead-lettered messages waiting for an operator.
+    pub dead: u64,
+    /// How long the oldest pending message has waited (zero when none): the relay's lag.
+    pub oldest_pending: Duration,
+}
+
 fn from_millis(ms: i64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
+
+fn millis(d: Duration) -> i64 {
+    d.as_millis().min(i64::MAX as u128) as i64
 }
 
 #[cfg(test)]

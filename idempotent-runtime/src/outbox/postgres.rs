@@ -7,14 +7,16 @@ use std::time::{Duration, SystemTime};
 
 use futures_util::future::BoxFuture;
 use sha2::{Digest, Sha256};
-use sqlx::postgres::{PgConnection, PgPool, PgRow};
+use sqlx::postgres::{PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
+use tokio::sync::Notify;
 
 use crate::sql::{self, InvalidName, Migrations, OUTBOX_NAMES, Pg, Step, TableName};
 
+use super::storage::{Claimed, Failed, Storage};
 use super::{
     DEFAULT_RETENTION, DEFAULT_TABLE, Delivery, Enqueued, Message, OutboxError, OutboxRecord,
-    State, from_millis,
+    OutboxStats, State, from_millis, millis,
 };
 
 /// The versioned DDL of the outbox's table, in order. Never edit a shipped migration: add one.
@@ -288,37 +290,6 @@ fn hex(bytes: &[u8]) -> String {
     })
 }
 
-/// What is waiting in an outbox, for gauges and health checks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct OutboxStats {
-    /// Messages committed and not yet delivered.
-    pub pending: u64,
-    /// Dead-lettered messages waiting for an operator.
-    pub dead: u64,
-    /// How long the oldest pending message has waited (zero when none): the relay's lag.
-    pub oldest_pending: Duration,
-}
-
-/// A message a relay claimed: what it publishes.
-pub(crate) struct Claimed {
-    pub(crate) delivery: Delivery,
-    /// Claimed `max_attempts` times already without an outcome: dead-lettered by this claim,
-    /// not to be published.
-    pub(crate) spent: bool,
-}
-
-/// What became of a failed delivery.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Failed {
-    /// Tried again after its backoff.
-    Retrying,
-    /// Dead-lettered.
-    Dead,
-    /// The claim's lease had passed to another relay: nothing was recorded.
-    LeaseLost,
-}
-
 fn record(row: &PgRow) -> Result<OutboxRecord, sqlx::Error> {
     let state: String = row.try_get(3)?;
     let attempts: i32 = row.try_get(4)?;
@@ -337,10 +308,6 @@ fn record(row: &PgRow) -> Result<OutboxRecord, sqlx::Error> {
         leased: row.try_get(9)?,
         payload_len: payload_len.max(0) as usize,
     })
-}
-
-fn millis(d: Duration) -> i64 {
-    d.as_millis().min(i64::MAX as u128) as i64
 }
 
 impl PostgresOutbox {
@@ -375,7 +342,7 @@ impl PostgresOutbox {
     }
 
     /// The channel relays `LISTEN` on, if the outbox notifies.
-    pub(crate) fn channel(&self) -> Option<&str> {
+    fn channel(&self) -> Option<&str> {
         self.s.notify.then_some(self.s.channel.as_str())
     }
 
@@ -464,9 +431,8 @@ impl PostgresOutbox {
         }
     }
 
-    /// Claims up to `batch` due messages for `lease` under `token`; those already claimed
-    /// `max_attempts` times come back dead-lettered ([`Claimed::spent`]), not leased.
-    pub(crate) async fn claim(
+    /// See [`Storage::claim`].
+    async fn claim(
         &self,
         batch: usize,
         lease: Duration,
@@ -519,10 +485,8 @@ impl PostgresOutbox {
         Ok(claimed.into_iter().map(|(_, c)| c).collect())
     }
 
-    /// Marks the messages `ids` of the claim `token` delivered; returns each one's destination
-    /// and its lag (enqueued → delivered). A message whose lease passed to another relay is
-    /// left to it.
-    pub(crate) async fn delivered(
+    /// See [`Storage::delivered`].
+    async fn delivered(
         &self,
         ids: Vec<String>,
         token: i64,
@@ -546,9 +510,8 @@ impl PostgresOutbox {
             .collect())
     }
 
-    /// Records a failed delivery of `id` under `token`: tried again after `delay`, or dead if
-    /// `permanent` or past `max_attempts`.
-    pub(crate) async fn failed(
+    /// See [`Storage::failed`].
+    async fn failed(
         &self,
         id: &str,
         token: i64,
@@ -741,5 +704,96 @@ impl PostgresOutbox {
         {
             tracing::debug!(error = %e, "outbox: could not wake the relays; they find it at their next poll");
         }
+    }
+}
+
+impl Storage for PostgresOutbox {
+    fn claim(
+        &self,
+        batch: usize,
+        lease: Duration,
+        token: i64,
+        max_attempts: u32,
+    ) -> BoxFuture<'_, Result<Vec<Claimed>, sqlx::Error>> {
+        Box::pin(PostgresOutbox::claim(
+            self,
+            batch,
+            lease,
+            token,
+            max_attempts,
+        ))
+    }
+
+    fn delivered(
+        &self,
+        ids: Vec<String>,
+        token: i64,
+    ) -> BoxFuture<'_, Result<Vec<(String, Duration)>, sqlx::Error>> {
+        Box::pin(PostgresOutbox::delivered(self, ids, token))
+    }
+
+    fn failed<'a>(
+        &'a self,
+        id: &'a str,
+        token: i64,
+        error: &'a str,
+        delay: Duration,
+        permanent: bool,
+        max_attempts: u32,
+    ) -> BoxFuture<'a, Result<Failed, sqlx::Error>> {
+        Box::pin(PostgresOutbox::failed(
+            self,
+            id,
+            token,
+            error,
+            delay,
+            permanent,
+            max_attempts,
+        ))
+    }
+
+    fn stats(&self) -> BoxFuture<'_, Result<OutboxStats, sqlx::Error>> {
+        Box::pin(PostgresOutbox::stats(self))
+    }
+
+    fn notifies(&self) -> bool {
+        self.channel().is_some()
+    }
+
+    /// Listens on a connection of its own (not one of the pool's), reconnecting when it is
+    /// lost (and waking the relay then, as notifications may have been missed).
+    fn spawn_listener(
+        &self,
+        wake: Arc<Notify>,
+        retry: Duration,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let channel = self.channel()?.to_owned();
+        let options = self.pool.connect_options();
+        Some(tokio::spawn(async move {
+            loop {
+                let pool = PgPoolOptions::new()
+                    .max_connections(1)
+                    .min_connections(0)
+                    .connect_lazy_with((*options).clone());
+                let listening = async {
+                    let mut listener = PgListener::connect_with(&pool).await?;
+                    listener.listen(&channel).await?;
+                    // Anything committed before LISTEN took effect is found by this wake's batch.
+                    wake.notify_one();
+                    loop {
+                        // `None`: the connection was lost (and is re-established by the next
+                        // call); notifications in between are lost, so look now.
+                        let _ = listener.try_recv().await?;
+                        wake.notify_one();
+                    }
+                };
+                let result: Result<(), sqlx::Error> = listening.await;
+                if let Err(e) = result {
+                    tracing::debug!(error = %e, "outbox relay: listening failed; polling until it is back");
+                }
+                pool.close().await;
+                tokio::time::sleep(retry).await;
+            }
+        }))
     }
 }

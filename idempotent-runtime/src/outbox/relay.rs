@@ -9,12 +9,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
-use super::postgres::{Claimed, Failed, PostgresOutbox};
+#[cfg(feature = "postgres")]
+use super::PostgresOutbox;
+use super::storage::{Claimed, Failed, Outbox};
 use super::{PublishError, Publisher};
 
 /// Messages a relay claims at once by default (each published concurrently).
@@ -43,7 +44,11 @@ const STATS_EVERY: Duration = Duration::from_secs(10);
 /// Each claims a batch (the head of every ordering key, and messages without one) under a
 /// lease, publishes them concurrently, gives up a publish still running when the lease nears its
 /// end, and records each outcome under its claim's token. An idle relay sleeps until its poll
-/// interval passes, or a commit notifies it (`LISTEN`) when the outbox notifies.
+/// interval passes, or a commit notifies it (`LISTEN`) when a [`PostgresOutbox`] notifies.
+///
+/// `O` is the outbox it delivers from, inferred from [`new`](Self::new)'s argument:
+/// [`PostgresOutbox`] (the default, so `Relay<P>` names a PostgreSQL relay) or
+/// [`MySqlOutbox`](super::MySqlOutbox) (`Relay<P, MySqlOutbox>`), which relays by polling.
 ///
 /// ```no_run
 /// use idempotent_runtime::outbox::{Delivery, PostgresOutbox, PublishError, Publisher, Relay};
@@ -62,8 +67,12 @@ const STATS_EVERY: Duration = Duration::from_secs(10);
 /// tokio::spawn(relay.run_until(async { tokio::signal::ctrl_c().await.unwrap_or(()) }));
 /// # }
 /// ```
-pub struct Relay<P> {
-    outbox: PostgresOutbox,
+pub struct Relay<
+    P,
+    #[cfg(feature = "postgres")] O = PostgresOutbox,
+    #[cfg(not(feature = "postgres"))] O,
+> {
+    outbox: O,
     publisher: Arc<P>,
     s: Settings,
     wake: Arc<Notify>,
@@ -80,7 +89,7 @@ struct Settings {
     listen: bool,
 }
 
-impl<P> fmt::Debug for Relay<P> {
+impl<P, O: fmt::Debug> fmt::Debug for Relay<P, O> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Relay")
             .field("outbox", &self.outbox)
@@ -91,13 +100,17 @@ impl<P> fmt::Debug for Relay<P> {
 
 /// Configures a [`Relay`]; from [`Relay::builder`].
 #[must_use]
-pub struct RelayBuilder<P> {
-    outbox: PostgresOutbox,
+pub struct RelayBuilder<
+    P,
+    #[cfg(feature = "postgres")] O = PostgresOutbox,
+    #[cfg(not(feature = "postgres"))] O,
+> {
+    outbox: O,
     publisher: P,
     s: Settings,
 }
 
-impl<P> fmt::Debug for RelayBuilder<P> {
+impl<P, O> fmt::Debug for RelayBuilder<P, O> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RelayBuilder")
             .field("settings", &self.s)
@@ -105,7 +118,7 @@ impl<P> fmt::Debug for RelayBuilder<P> {
     }
 }
 
-impl<P: Publisher> RelayBuilder<P> {
+impl<P: Publisher, O: Outbox> RelayBuilder<P, O> {
     /// Messages claimed at once, published concurrently (default 64, at least 1).
     pub fn batch(mut self, batch: usize) -> Self {
         self.s.batch = batch.max(1);
@@ -145,14 +158,15 @@ impl<P: Publisher> RelayBuilder<P> {
     }
 
     /// Whether an idle relay `LISTEN`s for the outbox's commit notifications (default: when
-    /// the outbox notifies). Without it, it polls.
+    /// the outbox notifies, which only a [`PostgresOutbox`] built with
+    /// [`notify(true)`](super::PostgresOutboxBuilder::notify) does). Without it, it polls.
     pub fn listen(mut self, listen: bool) -> Self {
         self.s.listen = listen;
         self
     }
 
     /// The relay.
-    pub fn build(self) -> Relay<P> {
+    pub fn build(self) -> Relay<P, O> {
         Relay {
             outbox: self.outbox,
             publisher: Arc::new(self.publisher),
@@ -192,15 +206,15 @@ fn jitter() -> f64 {
     (token() as u64 >> 11) as f64 / (1u64 << 53) as f64
 }
 
-impl<P: Publisher> Relay<P> {
+impl<P: Publisher, O: Outbox> Relay<P, O> {
     /// A relay with the default settings.
-    pub fn new(outbox: PostgresOutbox, publisher: P) -> Self {
+    pub fn new(outbox: O, publisher: P) -> Self {
         Self::builder(outbox, publisher).build()
     }
 
     /// Configures a relay.
-    pub fn builder(outbox: PostgresOutbox, publisher: P) -> RelayBuilder<P> {
-        let listen = outbox.channel().is_some();
+    pub fn builder(outbox: O, publisher: P) -> RelayBuilder<P, O> {
+        let listen = outbox.notifies();
         RelayBuilder {
             outbox,
             publisher,
@@ -381,43 +395,13 @@ impl<P: Publisher> Relay<P> {
         self.run_until(std::future::pending()).await;
     }
 
-    /// A task that wakes the relay on each commit notification, on a connection of its own
-    /// (not one of the pool's), reconnecting when it is lost (and waking the relay then, as
-    /// notifications may have been missed).
+    /// A task that wakes the relay on each commit notification, if it listens.
     fn spawn_listener(&self) -> Option<tokio::task::JoinHandle<()>> {
-        let channel = self.outbox.channel()?.to_owned();
         if !self.s.listen {
             return None;
         }
-        let options = self.outbox.pool().connect_options();
-        let wake = self.wake.clone();
         let retry = self.s.poll.max(Duration::from_millis(500));
-        Some(tokio::spawn(async move {
-            loop {
-                let pool = PgPoolOptions::new()
-                    .max_connections(1)
-                    .min_connections(0)
-                    .connect_lazy_with((*options).clone());
-                let listening = async {
-                    let mut listener = PgListener::connect_with(&pool).await?;
-                    listener.listen(&channel).await?;
-                    // Anything committed before LISTEN took effect is found by this wake's batch.
-                    wake.notify_one();
-                    loop {
-                        // `None`: the connection was lost (and is re-established by the next
-                        // call); notifications in between are lost, so look now.
-                        let _ = listener.try_recv().await?;
-                        wake.notify_one();
-                    }
-                };
-                let result: Result<(), sqlx::Error> = listening.await;
-                if let Err(e) = result {
-                    tracing::debug!(error = %e, "outbox relay: listening failed; polling until it is back");
-                }
-                pool.close().await;
-                tokio::time::sleep(retry).await;
-            }
-        }))
+        self.outbox.spawn_listener(self.wake.clone(), retry)
     }
 
     /// Sets the gauges of pending and dead messages and of the oldest pending one's age.
@@ -469,7 +453,7 @@ fn observe_failure(
             #[cfg(feature = "metrics")]
             metrics::counter!("idempotent_outbox_dead_total", "destination" => destination.to_owned())
                 .increment(1);
-            tracing::error!(message = id, destination, attempt, error = %error, permanent = error.is_permanent(), "outbox: message dead-lettered; retry or discard it with PostgresOutbox::retry / discard");
+            tracing::error!(message = id, destination, attempt, error = %error, permanent = error.is_permanent(), "outbox: message dead-lettered; retry or discard it with the outbox's retry / discard");
         }
         Failed::LeaseLost => {
             tracing::info!(message = id, destination, attempt, error = %error, "outbox: publish failed after the claim's lease passed to another relay");
