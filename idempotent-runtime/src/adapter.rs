@@ -248,14 +248,27 @@ pub async fn prepare<H: Head, B: Chunks + From<Bytes>, R: Reply>(
     head: &H,
     body: B,
 ) -> Prepared<B, R> {
-    match front(handle, endpoint, head, body).await {
-        Front::Pass(body) => Prepared::Pass(body),
-        Front::Answer(answer) => Prepared::Answer(answer),
-        Front::Buffered(buffered) => match buffered.claim(head).await {
-            Ok(claimed) => Prepared::Claimed(claimed),
-            Err(answer) => Prepared::Answer(answer),
-        },
-    }
+    // The two halves under one instrumentation of the request's span, not one each: a request
+    // that goes straight from its body to its claim enters and leaves the span half as often.
+    let span = crate::observe::request_span(head.route().unwrap_or(""));
+    let steps = async {
+        match pipeline::front::<Detached, _, _>(handle, endpoint, head, body).await {
+            pipeline::Front::Pass(body) => Prepared::Pass(body),
+            pipeline::Front::Refuse(problem) => {
+                Prepared::Answer(pipeline::refuse(handle, &problem))
+            }
+            pipeline::Front::Buffered(buffered) => {
+                match pipeline::claim::<Detached, _, R>(handle, head, buffered).await {
+                    Ok(admitted) => Prepared::Claimed(Claimed {
+                        handle: handle.clone(),
+                        inner: Box::new(admitted),
+                    }),
+                    Err(answer) => Prepared::Answer(answer),
+                }
+            }
+        }
+    };
+    steps.instrument(span).await
 }
 
 /// What [`prepare_extracting`] decided.

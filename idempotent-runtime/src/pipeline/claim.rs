@@ -227,13 +227,20 @@ pub(crate) async fn claim_waiting(
         let in_flight = ReleaseOnDrop::new(store.clone(), *claim.scope, key.clone(), claim.token);
         let claimed = record::claim(store, claim, &same_request).await;
         in_flight.disarm();
-        let now = tokio::time::Instant::now();
-        match (claimed, deadline) {
-            (Ok(Verdict::InProgress { .. }), Some(deadline)) if now < deadline => {
-                handle.settled_or(deadline.min(now + poll)).await;
+        // The clock is read only by a request that may wait: most claims do not.
+        let waiting = match (&claimed, deadline) {
+            (Ok(Verdict::InProgress { .. }), Some(deadline)) => {
+                let now = tokio::time::Instant::now();
+                (now < deadline).then(|| deadline.min(now + poll))
+            }
+            _ => None,
+        };
+        match waiting {
+            Some(until) => {
+                handle.settled_or(until).await;
                 poll = (poll * 2).min(LAST_POLL);
             }
-            (claimed, _) => return claimed,
+            None => return claimed,
         }
     }
 }
