@@ -81,7 +81,9 @@ mod mysql;
 mod nats;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod relay;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod storage;
 #[cfg(feature = "outbox-webhooks")]
 mod webhook;
@@ -98,18 +100,25 @@ pub use nats::NatsPublisher;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use postgres::{PostgresOutbox, PostgresOutboxBuilder};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 pub use relay::{Relay, RelayBuilder, Relayed};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 pub use storage::Outbox;
 #[cfg(feature = "outbox-webhooks")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox-webhooks")))]
 pub use webhook::{WebhookPublisher, WebhookPublisherBuilder};
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 /// The outbox table's default name.
 const DEFAULT_TABLE: &str = "outbox_messages";
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 /// How long delivered messages are kept by default before the sweeper deletes them: 7 days.
 const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 /// The longest message id, ordering key or header name accepted, in bytes.
 const MAX_ID_LEN: usize = 255;
 
@@ -219,6 +228,7 @@ impl Message {
         &self.payload
     }
 
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     /// Checks what the outbox stores and the publishers send: the id, the ordering key and
     /// the header values are visible ASCII within 255 bytes, header names HTTP tokens.
     pub(crate) fn validate(&self) -> Result<(), InvalidMessage> {
@@ -265,6 +275,8 @@ impl Message {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 /// A message the outbox refuses before writing anything.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidMessage {
@@ -272,12 +284,14 @@ pub struct InvalidMessage {
     reason: &'static str,
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl InvalidMessage {
     fn new(what: &'static str, reason: &'static str) -> Self {
         Self { what, reason }
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl fmt::Display for InvalidMessage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -288,8 +302,11 @@ impl fmt::Display for InvalidMessage {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl StdError for InvalidMessage {}
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 /// Why an outbox's `enqueue` wrote nothing. Non-exhaustive.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -302,18 +319,21 @@ pub enum OutboxError {
     Database(sqlx::Error),
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl From<sqlx::Error> for OutboxError {
     fn from(e: sqlx::Error) -> Self {
         Self::Database(e)
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl From<InvalidMessage> for OutboxError {
     fn from(e: InvalidMessage) -> Self {
         Self::Invalid(e)
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl fmt::Display for OutboxError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -323,6 +343,7 @@ impl fmt::Display for OutboxError {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl StdError for OutboxError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         match self {
@@ -332,6 +353,8 @@ impl StdError for OutboxError {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 /// Whether an outbox's `enqueue` wrote the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enqueued {
@@ -498,6 +521,8 @@ impl StdError for PublishError {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 /// Where a message is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -510,6 +535,7 @@ pub enum State {
     Dead,
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl State {
     fn parse(s: &str) -> Self {
         match s {
@@ -520,6 +546,8 @@ impl State {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 /// What an outbox's `inspect` and `dead_letters` tell about a message (its payload only when
 /// asked).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -549,6 +577,8 @@ pub struct OutboxRecord {
     pub payload_len: usize,
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 /// What is waiting in an outbox, for gauges and health checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -561,15 +591,17 @@ pub struct OutboxStats {
     pub oldest_pending: Duration,
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn from_millis(ms: i64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn millis(d: Duration) -> i64 {
     d.as_millis().min(i64::MAX as u128) as i64
 }
 
-#[cfg(test)]
+#[cfg(all(test, any(feature = "postgres", feature = "mysql")))]
 mod tests {
     use super::*;
 
