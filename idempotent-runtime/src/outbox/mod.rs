@@ -110,16 +110,16 @@ pub use storage::Outbox;
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox-webhooks")))]
 pub use webhook::{WebhookPublisher, WebhookPublisherBuilder};
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 /// The outbox table's default name.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 const DEFAULT_TABLE: &str = "outbox_messages";
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 /// How long delivered messages are kept by default before the sweeper deletes them: 7 days.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 /// The longest message id, ordering key or header name accepted, in bytes.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 const MAX_ID_LEN: usize = 255;
 
 /// A message to send once its transaction commits: a stable id, a destination, an optional
@@ -228,9 +228,9 @@ impl Message {
         &self.payload
     }
 
-    #[cfg(any(feature = "postgres", feature = "mysql"))]
     /// Checks what the outbox stores and the publishers send: the id, the ordering key and
     /// the header values are visible ASCII within 255 bytes, header names HTTP tokens.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) fn validate(&self) -> Result<(), InvalidMessage> {
         let visible = |s: &str| s.bytes().all(|b| (0x21..=0x7e).contains(&b));
         if self.id.is_empty() || self.id.len() > MAX_ID_LEN || !visible(&self.id) {
@@ -275,9 +275,9 @@ impl Message {
     }
 }
 
+/// A message the outbox refuses before writing anything.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
-/// A message the outbox refuses before writing anything.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidMessage {
     what: &'static str,
@@ -305,9 +305,9 @@ impl fmt::Display for InvalidMessage {
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 impl StdError for InvalidMessage {}
 
+/// Why an outbox's `enqueue` wrote nothing. Non-exhaustive.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
-/// Why an outbox's `enqueue` wrote nothing. Non-exhaustive.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum OutboxError {
@@ -353,9 +353,9 @@ impl StdError for OutboxError {
     }
 }
 
+/// Whether an outbox's `enqueue` wrote the message.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
-/// Whether an outbox's `enqueue` wrote the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enqueued {
     /// Written in the caller's transaction: sent once it commits.
@@ -521,9 +521,9 @@ impl StdError for PublishError {
     }
 }
 
+/// Where a message is in its life.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
-/// Where a message is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum State {
@@ -546,10 +546,10 @@ impl State {
     }
 }
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 /// What an outbox's `inspect` and `dead_letters` tell about a message (its payload only when
 /// asked).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OutboxRecord {
@@ -577,9 +577,9 @@ pub struct OutboxRecord {
     pub payload_len: usize,
 }
 
+/// What is waiting in an outbox, for gauges and health checks.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
-/// What is waiting in an outbox, for gauges and health checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OutboxStats {
