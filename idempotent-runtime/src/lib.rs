@@ -110,8 +110,23 @@ pub mod once;
 #[cfg(feature = "utoipa")]
 #[cfg_attr(docsrs, doc(cfg(feature = "utoipa")))]
 pub mod openapi;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
+#[cfg(any(
+    feature = "postgres",
+    feature = "mysql",
+    feature = "nats",
+    feature = "rabbitmq",
+    feature = "outbox-webhooks"
+))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(
+        feature = "postgres",
+        feature = "mysql",
+        feature = "nats",
+        feature = "rabbitmq",
+        feature = "outbox-webhooks"
+    )))
+)]
 pub mod outbox;
 mod pipeline;
 mod probe;

@@ -54,8 +54,9 @@ pub use sqlite::{SqliteInbox, SqliteInboxBuilder};
 pub(crate) const DEFAULT_TABLE: &str = "processed_messages";
 
 /// How long the marker's insert waits for a concurrent copy's uncommitted marker by default
-/// before the message is [`Busy`](Processed::Busy): 5 s.
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+/// before the message is [`Busy`](Processed::Busy): 5 s. (SQLite waits on its connection's
+/// `busy_timeout` instead.)
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A boxed, `Send` future borrowing for `'a`: what a [`PostgresInbox`](crate::inbox) handler

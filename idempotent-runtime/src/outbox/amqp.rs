@@ -47,7 +47,10 @@ const PERSISTENT: u8 = 2;
 /// (a round trip each). Give the publisher several channels
 /// ([`with_channels`](Self::with_channels)) for a relay that publishes batches concurrently.
 ///
-/// ```no_run
+/// A relay from PostgreSQL; over a `MySqlOutbox` the publisher is the same.
+///
+#[cfg_attr(feature = "postgres", doc = "```no_run")]
+#[cfg_attr(not(feature = "postgres"), doc = "```ignore")]
 /// use idempotent_runtime::outbox::{AmqpPublisher, PostgresOutbox, Relay};
 /// use lapin::{Connection, ConnectionProperties};
 ///

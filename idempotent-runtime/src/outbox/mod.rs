@@ -81,7 +81,9 @@ mod mysql;
 mod nats;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod relay;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod storage;
 #[cfg(feature = "outbox-webhooks")]
 mod webhook;
@@ -98,19 +100,26 @@ pub use nats::NatsPublisher;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use postgres::{PostgresOutbox, PostgresOutboxBuilder};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 pub use relay::{Relay, RelayBuilder, Relayed};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 pub use storage::Outbox;
 #[cfg(feature = "outbox-webhooks")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox-webhooks")))]
 pub use webhook::{WebhookPublisher, WebhookPublisherBuilder};
 
 /// The outbox table's default name.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 const DEFAULT_TABLE: &str = "outbox_messages";
 
 /// How long delivered messages are kept by default before the sweeper deletes them: 7 days.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// The longest message id, ordering key or header name accepted, in bytes.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 const MAX_ID_LEN: usize = 255;
 
 /// A message to send once its transaction commits: a stable id, a destination, an optional
@@ -221,6 +230,7 @@ impl Message {
 
     /// Checks what the outbox stores and the publishers send: the id, the ordering key and
     /// the header values are visible ASCII within 255 bytes, header names HTTP tokens.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) fn validate(&self) -> Result<(), InvalidMessage> {
         let visible = |s: &str| s.bytes().all(|b| (0x21..=0x7e).contains(&b));
         if self.id.is_empty() || self.id.len() > MAX_ID_LEN || !visible(&self.id) {
@@ -266,18 +276,22 @@ impl Message {
 }
 
 /// A message the outbox refuses before writing anything.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidMessage {
     what: &'static str,
     reason: &'static str,
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl InvalidMessage {
     fn new(what: &'static str, reason: &'static str) -> Self {
         Self { what, reason }
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl fmt::Display for InvalidMessage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -288,9 +302,12 @@ impl fmt::Display for InvalidMessage {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl StdError for InvalidMessage {}
 
 /// Why an outbox's `enqueue` wrote nothing. Non-exhaustive.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum OutboxError {
@@ -302,18 +319,21 @@ pub enum OutboxError {
     Database(sqlx::Error),
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl From<sqlx::Error> for OutboxError {
     fn from(e: sqlx::Error) -> Self {
         Self::Database(e)
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl From<InvalidMessage> for OutboxError {
     fn from(e: InvalidMessage) -> Self {
         Self::Invalid(e)
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl fmt::Display for OutboxError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -323,6 +343,7 @@ impl fmt::Display for OutboxError {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl StdError for OutboxError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         match self {
@@ -333,6 +354,8 @@ impl StdError for OutboxError {
 }
 
 /// Whether an outbox's `enqueue` wrote the message.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enqueued {
     /// Written in the caller's transaction: sent once it commits.
@@ -499,6 +522,8 @@ impl StdError for PublishError {
 }
 
 /// Where a message is in its life.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum State {
@@ -510,6 +535,7 @@ pub enum State {
     Dead,
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl State {
     fn parse(s: &str) -> Self {
         match s {
@@ -522,6 +548,8 @@ impl State {
 
 /// What an outbox's `inspect` and `dead_letters` tell about a message (its payload only when
 /// asked).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OutboxRecord {
@@ -550,6 +578,8 @@ pub struct OutboxRecord {
 }
 
 /// What is waiting in an outbox, for gauges and health checks.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "mysql"))))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OutboxStats {
@@ -561,15 +591,17 @@ pub struct OutboxStats {
     pub oldest_pending: Duration,
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn from_millis(ms: i64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn millis(d: Duration) -> i64 {
     d.as_millis().min(i64::MAX as u128) as i64
 }
 
-#[cfg(test)]
+#[cfg(all(test, any(feature = "postgres", feature = "mysql")))]
 mod tests {
     use super::*;
 

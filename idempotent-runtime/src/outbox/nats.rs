@@ -47,7 +47,10 @@ const MSG_ID: &str = "Nats-Msg-Id";
 /// The publish waits for the acknowledgement up to the JetStream context's timeout
 /// (`jetstream::ContextBuilder::timeout`, 5 s by default); keep it well under the relay's lease.
 ///
-/// ```no_run
+/// A relay from PostgreSQL; over a `MySqlOutbox` the publisher is the same.
+///
+#[cfg_attr(feature = "postgres", doc = "```no_run")]
+#[cfg_attr(not(feature = "postgres"), doc = "```ignore")]
 /// use idempotent_runtime::outbox::{NatsPublisher, PostgresOutbox, Relay};
 ///
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {

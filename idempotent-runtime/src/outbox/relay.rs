@@ -50,7 +50,8 @@ const STATS_EVERY: Duration = Duration::from_secs(10);
 /// [`PostgresOutbox`] (the default, so `Relay<P>` names a PostgreSQL relay) or
 /// [`MySqlOutbox`](super::MySqlOutbox) (`Relay<P, MySqlOutbox>`), which relays by polling.
 ///
-/// ```no_run
+#[cfg_attr(feature = "postgres", doc = "```no_run")]
+#[cfg_attr(not(feature = "postgres"), doc = "```ignore")]
 /// use idempotent_runtime::outbox::{Delivery, PostgresOutbox, PublishError, Publisher, Relay};
 ///
 /// struct Print;

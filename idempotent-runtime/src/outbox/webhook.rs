@@ -61,7 +61,10 @@ const OWN_HEADERS: [&str; 4] = [
 /// An id containing `.` is refused: it would make the signed `{id}.{timestamp}.{body}`
 /// ambiguous, and this crate's verifier rejects it.
 ///
-/// ```no_run
+/// A relay from PostgreSQL; over a `MySqlOutbox` the publisher is the same.
+///
+#[cfg_attr(feature = "postgres", doc = "```no_run")]
+#[cfg_attr(not(feature = "postgres"), doc = "```ignore")]
 /// use std::time::Duration;
 /// use idempotent_runtime::outbox::{Message, PostgresOutbox, Relay, WebhookPublisher};
 /// use idempotent_runtime::webhook::StandardWebhooks;
