@@ -359,7 +359,9 @@ impl<P: Publisher, O: Outbox> Relay<P, O> {
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) {
         let listener = self.spawn_listener();
         let mut shutdown = std::pin::pin!(shutdown);
-        let mut stats_at = Instant::now();
+        // The gauges are set after the first batch, then every `STATS_EVERY`: a relay that
+        // just started reports the backlog it found, not nothing for ten seconds.
+        let mut stats_at: Option<Instant> = None;
         loop {
             let full = match self.deliver_batch().await {
                 Ok(r) => r.claimed >= self.s.batch,
@@ -368,8 +370,8 @@ impl<P: Publisher, O: Outbox> Relay<P, O> {
                     false
                 }
             };
-            if stats_at.elapsed() >= STATS_EVERY {
-                stats_at = Instant::now();
+            if stats_at.is_none_or(|at| at.elapsed() >= STATS_EVERY) {
+                stats_at = Some(Instant::now());
                 self.refresh_gauges().await;
             }
             if full {
