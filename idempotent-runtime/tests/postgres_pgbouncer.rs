@@ -217,10 +217,15 @@ async fn replicas_claiming_the_same_keys_through_pgbouncer_acquire_each_once() {
     };
     // One request a statement (no group commit), so up to 16 client connections are busy at
     // once and PgBouncer hands each transaction whichever server connection is free.
+    // A claim waits for a pool connection as long as the flood needs: the other tests of this
+    // binary share PgBouncer's server connections (one holds a transaction open on purpose),
+    // and the store's 2 s fail-fast default would turn that queue into 503s, which is not what
+    // this test is about.
     let replica = || {
         db.builder()
             .max_connections(8)
             .batch_rows(1)
+            .acquire_timeout(Duration::from_secs(60))
             .connect(&db.pooled)
     };
     let first = Arc::new(replica().await.unwrap());
