@@ -1013,9 +1013,10 @@ impl Store for MemoryStore {
                 read.is_some()
             })
             .copied();
-        let (Some(slot), Some(read)) = (found, read) else {
+        let Some(slot) = found else {
             return self.insert_new(&mut shard, check, req, now);
         };
+        let read = read.expect("the match that found the slot kept what it read");
         // One read of a completed record's segment: the match's, for what stands, expired or
         // not.
         let standing = records.standing_of(&slot, read, now);
