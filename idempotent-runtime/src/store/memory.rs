@@ -61,7 +61,7 @@ use crate::scope::ScopeHash;
 
 mod segment;
 
-use segment::{Front, Loc, MAX_HEADER_BYTES, MAX_SEGMENTS, Parts, Record, Segments};
+use segment::{Loc, MAX_HEADER_BYTES, MAX_SEGMENTS, Parts, Record, Segments};
 
 /// Bytes charged per completed record beside its bytes in a segment: its index slot (8 bytes
 /// and a control byte) with the table's slack (a table grows when 7/8 full, so its slots run
@@ -778,6 +778,28 @@ impl MemoryStore {
         }
     }
 
+    /// Frees the charges of what a sweep passed: `records` records and `bytes` bytes (holes'
+    /// included) from the store, and each record's `(quota bucket, weight)` from its scope's
+    /// share, taking each quota shard's lock once for all its buckets.
+    fn discharge_swept(&self, records: usize, bytes: usize, charges: &mut [(u64, usize)]) {
+        self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+        self.records.fetch_sub(records, Ordering::AcqRel);
+        let quota_shard = |bucket: u64| bucket as usize & (self.quotas.len() - 1);
+        charges.sort_unstable_by_key(|&(bucket, _)| (quota_shard(bucket), bucket));
+        for run in charges.chunk_by(|a, b| quota_shard(a.0) == quota_shard(b.0)) {
+            let mut quotas = lock(self.quota_shard(run[0].0));
+            for &(bucket, weight) in run {
+                if let Some(share) = quotas.get_mut(&bucket) {
+                    share.records -= 1;
+                    share.bytes -= weight;
+                    if share.records == 0 {
+                        quotas.remove(&bucket);
+                    }
+                }
+            }
+        }
+    }
+
     /// Adjusts the byte charge of a record that stays (its response recorded, a takeover): its
     /// scope's share from `from` to `to`, the store's from `from - kept` to `to` (`kept`: the
     /// bytes of a hole the old record leaves in a segment, still held). Shrinking always
@@ -933,6 +955,8 @@ impl MemoryStore {
                 freed += 1;
             }
         }
+        let mut ahead = [Ahead::default(); READ_AHEAD];
+        let mut charges = [(0, 0); READ_AHEAD];
         let mut q = 0;
         while q < shard.segments.queues() && freed < limit && pops > 0 {
             let Shard {
@@ -942,39 +966,75 @@ impl MemoryStore {
                 hole_bytes,
                 ..
             } = &mut *shard;
-            let Front::Record(loc, rec) = segments.front(q) else {
+            let Some(first) = segments.front(q) else {
                 q += 1;
                 continue;
             };
-            #[cfg(test)]
-            self.slot_visits.fetch_add(1, Ordering::Relaxed);
-            let len = rec.len();
-            match rec.owner() {
-                None => {
-                    *hole_bytes -= len;
-                    self.bytes.fetch_sub(len, Ordering::AcqRel);
-                    pops -= 1;
+            // The records are read first, as far as this segment, the limits and the first
+            // record not due allow; their slots are looked up afterwards, back to back, so the
+            // lookups' cache misses (the index is far larger than the caches) overlap instead of
+            // each waiting behind the previous record's charge updates.
+            let (mut n, mut next, mut not_due) = (0, Some(first), false);
+            while let Some(loc) = next {
+                #[cfg(test)]
+                self.slot_visits.fetch_add(1, Ordering::Relaxed);
+                let rec = segments.get(loc);
+                let (len, owner) = (rec.len(), rec.owner());
+                match owner {
+                    None => pops -= 1,
+                    // Not due: neither is anything behind it in this group.
+                    Some(_) if now < rec.expires_at() => {
+                        not_due = true;
+                        break;
+                    }
+                    Some(_) => freed += 1,
                 }
-                // Not due: neither is anything behind it in this group.
-                Some(_) if now < rec.expires_at() => {
-                    q += 1;
-                    continue;
+                ahead[n] = Ahead {
+                    loc,
+                    len,
+                    check: rec.check(),
+                    owner,
+                };
+                n += 1;
+                if n == READ_AHEAD || freed >= limit || pops == 0 {
+                    break;
                 }
-                Some(id) => {
-                    let check = rec.check();
-                    table
-                        .find_entry(
-                            table_hash(check),
-                            |s| matches!(s.place(), Place::Completed(l) if l == loc),
-                        )
-                        .expect("a completed record's slot")
-                        .remove();
-                    let (bucket, owner_freed) = owners.release(&self.hasher, id);
-                    self.discharge(SLOT_OVERHEAD + len + owner_freed, bucket, 0);
-                    freed += 1;
+                next = segments.after(loc, len);
+            }
+            let ahead = &ahead[..n];
+            for a in ahead.iter().filter(|a| a.owner.is_some()) {
+                table
+                    .find_entry(
+                        table_hash(a.check),
+                        |s| matches!(s.place(), Place::Completed(l) if l == a.loc),
+                    )
+                    .expect("a completed record's slot")
+                    .remove();
+            }
+            let (mut bytes, mut records, mut passed) = (0, 0, 0);
+            for a in ahead {
+                passed += a.len;
+                match a.owner {
+                    None => {
+                        *hole_bytes -= a.len;
+                        bytes += a.len;
+                    }
+                    Some(id) => {
+                        let (bucket, owner_freed) = owners.release(&self.hasher, id);
+                        let weight = SLOT_OVERHEAD + a.len + owner_freed;
+                        charges[records] = (bucket, weight);
+                        records += 1;
+                        bytes += weight;
+                    }
                 }
             }
-            segments.pass(loc, len);
+            if passed > 0 {
+                segments.pass(first, passed);
+            }
+            self.discharge_swept(records, bytes, &mut charges[..records]);
+            if not_due {
+                q += 1;
+            }
         }
         // A group the walk emptied gives its segment back now, not at its next record.
         for q in 0..shard.segments.queues() {
@@ -984,6 +1044,31 @@ impl MemoryStore {
         Evicted {
             freed,
             cut_short: freed < limit && pops == 0,
+        }
+    }
+}
+
+/// Records a walk reads ahead of dropping their slots: a segment of small answers holds a few
+/// hundred, and a sweep's slice is 64.
+const READ_AHEAD: usize = 64;
+
+/// A record the walk has read and will pass.
+#[derive(Clone, Copy)]
+struct Ahead {
+    loc: Loc,
+    len: usize,
+    check: u32,
+    /// `None` for a hole.
+    owner: Option<u32>,
+}
+
+impl Default for Ahead {
+    fn default() -> Self {
+        Self {
+            loc: Loc { seg: 0, off: 0 },
+            len: 0,
+            check: 0,
+            owner: None,
         }
     }
 }

@@ -307,14 +307,6 @@ pub(super) struct Segments {
     pub(super) own_allocations: usize,
 }
 
-/// What the sweep found at the front of a queue.
-pub(super) enum Front<'a> {
-    /// The oldest record not yet passed, at `loc`.
-    Record(Loc, Record<'a>),
-    /// Nothing left to walk.
-    Empty,
-}
-
 impl Segments {
     /// Writes a record naming `owner` into the open segment of its retention's queue (a new one
     /// when it does not fit, or when its completion time is too far from the segment's first)
@@ -426,32 +418,37 @@ impl Segments {
         self.queues.len()
     }
 
-    /// The oldest record of queue `q` the sweep has not passed. Segments passed entirely are
-    /// put aside for reuse on the way.
-    pub(super) fn front(&mut self, q: usize) -> Front<'_> {
+    /// Where the oldest record of queue `q` the sweep has not passed starts, `None` when nothing
+    /// is left to walk. Segments passed entirely are put aside for reuse on the way.
+    pub(super) fn front(&mut self, q: usize) -> Option<Loc> {
         loop {
-            let Some(&id) = self.queues[q].segments.front() else {
-                return Front::Empty;
-            };
+            let &id = self.queues[q].segments.front()?;
             let seg = self.by_id[id as usize].as_ref().expect("a queued segment");
             if seg.swept < seg.buf.len() {
-                break;
+                return Some(Loc {
+                    seg: id,
+                    off: seg.swept as u32,
+                });
             }
             self.queues[q].segments.pop_front();
             self.retire(id);
         }
-        let id = *self.queues[q].segments.front().expect("checked above");
-        let seg = self.by_id[id as usize].as_ref().expect("a queued segment");
-        Front::Record(
-            Loc {
-                seg: id,
-                off: seg.swept as u32,
-            },
-            Record::at(seg, seg.swept),
-        )
     }
 
-    /// The sweep passes the record at `loc`, the front of its queue.
+    /// Where the record after the one at `loc` (of `len` bytes) starts, `None` when that one
+    /// ends its segment: the sweep reads a segment's records ahead of passing them.
+    pub(super) fn after(&self, loc: Loc, len: usize) -> Option<Loc> {
+        let seg = self.by_id[loc.seg as usize]
+            .as_ref()
+            .expect("a live segment");
+        let off = loc.off as usize + len;
+        (off < seg.buf.len()).then_some(Loc {
+            seg: loc.seg,
+            off: off as u32,
+        })
+    }
+
+    /// The sweep passes the records in the `len` bytes from `loc`, the front of its queue.
     pub(super) fn pass(&mut self, loc: Loc, len: usize) {
         let seg = self.by_id[loc.seg as usize]
             .as_mut()
