@@ -429,6 +429,9 @@ struct Shard {
     /// Bytes of segments that hold no record any more (forgotten, taken over), until the sweep
     /// passes them.
     hole_bytes: usize,
+    /// The records a walk has read and will pass (see [`MemoryStore::evict_expired`]): kept
+    /// between walks, so that a walk neither allocates nor fills a buffer it may not use.
+    ahead: Vec<Ahead>,
 }
 
 impl Shard {
@@ -611,6 +614,9 @@ pub struct MemoryStore {
     bytes: AtomicUsize,
     limits: MemoryLimits,
     clock: Arc<dyn Clock>,
+    /// The shard a sweep's next slice starts at: where the last one stopped, so that slices do
+    /// not walk again the shards that earlier slices have already emptied.
+    sweep_from: AtomicUsize,
     /// Slots and records the expiry code has looked at, so a test can tell a sweep that visits
     /// only what expires from one that scans the shard.
     #[cfg(test)]
@@ -665,7 +671,14 @@ impl MemoryStoreBuilder {
 
     /// The store.
     pub fn build(self) -> MemoryStore {
-        let shards = (0..self.shards).map(|_| Mutex::default()).collect();
+        let shards = (0..self.shards)
+            .map(|_| {
+                Mutex::new(Shard {
+                    ahead: Vec::with_capacity(READ_AHEAD),
+                    ..Shard::default()
+                })
+            })
+            .collect();
         let quotas = (0..self.shards).map(|_| Mutex::default()).collect();
         MemoryStore {
             shards,
@@ -675,6 +688,7 @@ impl MemoryStoreBuilder {
             bytes: AtomicUsize::new(0),
             limits: self.limits,
             clock: self.clock,
+            sweep_from: AtomicUsize::new(0),
             #[cfg(test)]
             slot_visits: AtomicUsize::new(0),
         }
@@ -778,24 +792,26 @@ impl MemoryStore {
         }
     }
 
-    /// Frees the charges of what a sweep passed: `records` records and `bytes` bytes (holes'
-    /// included) from the store, and each record's `(quota bucket, weight)` from its scope's
-    /// share, taking each quota shard's lock once for all its buckets.
-    fn discharge_swept(&self, records: usize, bytes: usize, charges: &mut [(u64, usize)]) {
+    /// Frees the charges of what a walk passed: `records` records and `bytes` bytes (holes'
+    /// included) from the store, and each record's weight from its scope's share, taking a
+    /// quota shard's lock once for a run of records whose buckets it holds.
+    fn discharge_swept(&self, records: usize, bytes: usize, passed: &[Ahead]) {
         self.bytes.fetch_sub(bytes, Ordering::AcqRel);
         self.records.fetch_sub(records, Ordering::AcqRel);
-        let quota_shard = |bucket: u64| bucket as usize & (self.quotas.len() - 1);
-        charges.sort_unstable_by_key(|&(bucket, _)| (quota_shard(bucket), bucket));
-        for run in charges.chunk_by(|a, b| quota_shard(a.0) == quota_shard(b.0)) {
-            let mut quotas = lock(self.quota_shard(run[0].0));
-            for &(bucket, weight) in run {
-                if let Some(share) = quotas.get_mut(&bucket) {
+        let quota_shard = |a: &Ahead| a.bucket as usize & (self.quotas.len() - 1);
+        let mut removed = passed.iter().filter(|a| a.owner.is_some()).peekable();
+        while let Some(first) = removed.next() {
+            let mut quotas = lock(self.quota_shard(first.bucket));
+            let mut next = Some(first);
+            while let Some(a) = next {
+                if let Some(share) = quotas.get_mut(&a.bucket) {
                     share.records -= 1;
-                    share.bytes -= weight;
+                    share.bytes -= a.weight;
                     if share.records == 0 {
-                        quotas.remove(&bucket);
+                        quotas.remove(&a.bucket);
                     }
                 }
+                next = removed.next_if(|b| quota_shard(b) == quota_shard(first));
             }
         }
     }
@@ -955,8 +971,6 @@ impl MemoryStore {
                 freed += 1;
             }
         }
-        let mut ahead = [Ahead::default(); READ_AHEAD];
-        let mut charges = [(0, 0); READ_AHEAD];
         let mut q = 0;
         while q < shard.segments.queues() && freed < limit && pops > 0 {
             let Shard {
@@ -964,6 +978,7 @@ impl MemoryStore {
                 segments,
                 owners,
                 hole_bytes,
+                ahead,
                 ..
             } = &mut *shard;
             let Some(first) = segments.front(q) else {
@@ -974,7 +989,8 @@ impl MemoryStore {
             // record not due allow; their slots are looked up afterwards, back to back, so the
             // lookups' cache misses (the index is far larger than the caches) overlap instead of
             // each waiting behind the previous record's charge updates.
-            let (mut n, mut next, mut not_due) = (0, Some(first), false);
+            ahead.clear();
+            let (mut next, mut not_due) = (Some(first), false);
             while let Some(loc) = next {
                 #[cfg(test)]
                 self.slot_visits.fetch_add(1, Ordering::Relaxed);
@@ -989,19 +1005,19 @@ impl MemoryStore {
                     }
                     Some(_) => freed += 1,
                 }
-                ahead[n] = Ahead {
+                ahead.push(Ahead {
                     loc,
                     len,
                     check: rec.check(),
                     owner,
-                };
-                n += 1;
-                if n == READ_AHEAD || freed >= limit || pops == 0 {
+                    bucket: 0,
+                    weight: 0,
+                });
+                if ahead.len() == READ_AHEAD || freed >= limit || pops == 0 {
                     break;
                 }
                 next = segments.after(loc, len);
             }
-            let ahead = &ahead[..n];
             for a in ahead.iter().filter(|a| a.owner.is_some()) {
                 table
                     .find_entry(
@@ -1011,8 +1027,8 @@ impl MemoryStore {
                     .expect("a completed record's slot")
                     .remove();
             }
-            let (mut bytes, mut records, mut passed) = (0, 0, 0);
-            for a in ahead {
+            let (mut passed, mut bytes, mut records) = (0, 0, 0);
+            for a in ahead.iter_mut() {
                 passed += a.len;
                 match a.owner {
                     None => {
@@ -1021,17 +1037,17 @@ impl MemoryStore {
                     }
                     Some(id) => {
                         let (bucket, owner_freed) = owners.release(&self.hasher, id);
-                        let weight = SLOT_OVERHEAD + a.len + owner_freed;
-                        charges[records] = (bucket, weight);
+                        a.bucket = bucket;
+                        a.weight = SLOT_OVERHEAD + a.len + owner_freed;
+                        bytes += a.weight;
                         records += 1;
-                        bytes += weight;
                     }
                 }
             }
             if passed > 0 {
                 segments.pass(first, passed);
             }
-            self.discharge_swept(records, bytes, &mut charges[..records]);
+            self.discharge_swept(records, bytes, ahead);
             if not_due {
                 q += 1;
             }
@@ -1052,25 +1068,16 @@ impl MemoryStore {
 /// hundred, and a sweep's slice is 64.
 const READ_AHEAD: usize = 64;
 
-/// A record the walk has read and will pass.
-#[derive(Clone, Copy)]
+/// A record a walk has read and will pass.
 struct Ahead {
     loc: Loc,
     len: usize,
     check: u32,
     /// `None` for a hole.
     owner: Option<u32>,
-}
-
-impl Default for Ahead {
-    fn default() -> Self {
-        Self {
-            loc: Loc { seg: 0, off: 0 },
-            len: 0,
-            check: 0,
-            owner: None,
-        }
-    }
+    /// Its quota bucket and the charge its removal frees, once its owner is released.
+    bucket: u64,
+    weight: usize,
 }
 
 /// What one [`MemoryStore::evict_expired`] walk did.
@@ -1274,13 +1281,17 @@ impl Store for MemoryStore {
             let slice = (batch - deleted).min(SWEEP_SLICE);
             let mut freed = 0;
             let mut cut_short = false;
-            for shard in self.shards.iter() {
-                if freed >= slice {
-                    break;
-                }
-                let evicted = self.evict_expired(&mut lock(shard), now, slice - freed);
+            let from = self.sweep_from.load(Ordering::Relaxed);
+            for i in 0..self.shards.len() {
+                let at = (from + i) & (self.shards.len() - 1);
+                let evicted = self.evict_expired(&mut lock(&self.shards[at]), now, slice - freed);
                 freed += evicted.freed;
                 cut_short |= evicted.cut_short;
+                if freed >= slice {
+                    // This shard may hold more that is due: the next slice starts here.
+                    self.sweep_from.store(at, Ordering::Relaxed);
+                    break;
+                }
             }
             deleted += freed;
             // Each walk cut short has dropped the stale pairs and holes it visited, so going
