@@ -1044,6 +1044,8 @@ impl MemoryStore {
                     }
                 }
             }
+            // Only now that their slots are gone: a segment passed entirely is reused, and no
+            // slot may name a record in it.
             if passed > 0 {
                 segments.pass(first, passed);
             }
