@@ -169,6 +169,13 @@ impl Started {
 /// itself is never a field.
 #[cfg_attr(not(any(feature = "axum", feature = "actix")), allow(dead_code))]
 pub(crate) fn request_span(route: &str) -> tracing::Span {
+    // A disabled span still costs: with tracing's `log` feature (which axum's defaults turn on)
+    // its fields go to `log` whenever no subscriber was ever set. Skipped only where neither a
+    // subscriber nor a logger would read it.
+    let logged = !tracing::dispatcher::has_been_set() && log::max_level() >= log::Level::Info;
+    if !spans_recorded() && !logged {
+        return tracing::Span::none();
+    }
     tracing::info_span!(
         "idempotency",
         route,
@@ -177,13 +184,25 @@ pub(crate) fn request_span(route: &str) -> tracing::Span {
     )
 }
 
+/// Whether a [`request_span`] can be enabled at all: no subscriber listens at its level, so
+/// there is no current span to look up (a thread-local read and a dispatch each) or to record
+/// on. `LevelFilter::current()` is the most verbose level of every dispatcher, global or scoped.
+fn spans_recorded() -> bool {
+    tracing::level_enabled!(tracing::Level::INFO)
+}
+
 /// Records the request's decision on the current [`request_span`] (a no-op outside one).
 pub(crate) fn decided(decision: &'static str) {
-    tracing::Span::current().record("decision", decision);
+    if spans_recorded() {
+        tracing::Span::current().record("decision", decision);
+    }
 }
 
 /// Records the scope hash's prefix on the current [`request_span`].
 pub(crate) fn scoped(scope: &ScopeHash) {
+    if !spans_recorded() {
+        return;
+    }
     let span = tracing::Span::current();
     if !span.is_disabled() {
         span.record("scope", tracing::field::display(ShortHash(scope)));

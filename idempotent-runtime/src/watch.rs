@@ -49,16 +49,23 @@ fn memory_routes() -> &'static Mutex<HashMap<ServedRoute, usize>> {
 /// workers share (or, for actix-server workers started without one, all of them). Two memory
 /// stores serving one route of one server are certainly the per-worker mistake; two apps in one
 /// process elsewhere (a test suite builds one per test) may be meant, so they are only said.
+///
+/// Asked on every keyed request, so each answer is read cheaply where it can be: whether a
+/// `System` is registered before cloning it for its id (a clone and a drop of its channels),
+/// and the thread's name once per thread (a thread's name never changes).
 fn server() -> Option<usize> {
     #[cfg(feature = "actix")]
-    if let Some(system) = actix_web::rt::System::try_current() {
+    if actix_web::rt::System::is_registered()
+        && let Some(system) = actix_web::rt::System::try_current()
+    {
         return Some(system.id());
     }
-    let thread = std::thread::current();
-    let worker = thread
-        .name()
-        .is_some_and(|name| name.starts_with("actix-server worker "));
-    worker.then_some(usize::MAX)
+    thread_local! {
+        static ACTIX_WORKER: bool = std::thread::current()
+            .name()
+            .is_some_and(|name| name.starts_with("actix-server worker "));
+    }
+    ACTIX_WORKER.with(|worker| worker.then_some(usize::MAX))
 }
 
 /// What one handle has seen: the routes it registered for its memory store, and the forwarded
