@@ -22,7 +22,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use crate::observe::{self, Event};
@@ -38,6 +38,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// A route of a server ([`server`]): `None` where the runtime cannot tell the server.
 type ServedRoute = (Option<usize>, Box<str>);
+
+/// Live watches of handles that hold a memory store, in this process. While there is one, no
+/// other memory store can serve any route: its keyed requests skip the lookups below, and a
+/// second store's arrival is seen from the first request of either after it (whichever
+/// registers a route second is the one said, and refused in strict mode).
+static MEMORY_WATCHES: AtomicUsize = AtomicUsize::new(0);
 
 /// Which memory store serves which route of which server in this process: store ids.
 fn memory_routes() -> &'static Mutex<HashMap<ServedRoute, usize>> {
@@ -106,6 +112,9 @@ const FORWARDED_SEEN: usize = 8;
 
 impl Watch {
     pub(crate) fn new(memory: Option<usize>) -> Self {
+        if memory.is_some() {
+            MEMORY_WATCHES.fetch_add(1, Ordering::AcqRel);
+        }
         Self {
             memory,
             routes: Mutex::default(),
@@ -124,7 +133,7 @@ impl Watch {
         let Some(store) = self.memory else {
             return false;
         };
-        if route.is_empty() {
+        if route.is_empty() || MEMORY_WATCHES.load(Ordering::Acquire) == 1 {
             return false;
         }
         let server = server();
@@ -207,6 +216,7 @@ impl Watch {
 impl Drop for Watch {
     fn drop(&mut self) {
         let Some(store) = self.memory else { return };
+        MEMORY_WATCHES.fetch_sub(1, Ordering::AcqRel);
         let mine = std::mem::take(&mut *lock(&self.routes));
         lock(memory_routes()).retain(|at, id| !(*id == store && mine.contains_key(at)));
     }
@@ -311,6 +321,19 @@ mod tests {
             !c.split_said.load(Ordering::Relaxed),
             "another route is free"
         );
+    }
+
+    #[test]
+    fn a_store_that_served_alone_is_seen_once_a_second_one_serves_its_route() {
+        // The count is process-wide and other tests' watches come and go meanwhile: what is
+        // asserted holds whether `a` served alone (unregistered) or not.
+        let a = Watch::new(Some(20));
+        a.served("/alone-then-not");
+        let b = Watch::new(Some(21));
+        b.served("/alone-then-not");
+        a.served("/alone-then-not");
+        let said = |w: &Watch| w.split_said.load(Ordering::Relaxed);
+        assert!(said(&a) ^ said(&b), "exactly one of the two says it");
     }
 
     #[test]
