@@ -2,8 +2,8 @@
 //! `const fn` setters:
 //!
 //! ```text
-//! enum __idempotent_endpoint_create {}
-//! impl rt::__private::Endpoint for __idempotent_endpoint_create {
+//! enum IdempotentCreate {}
+//! impl rt::__private::Endpoint for IdempotentCreate {
 //!     const CONFIG: &'static rt::__private::EndpointConfig = &rt::__private::EndpointConfig::new()
 //!         .require_key(true)
 //!         .lease(rt::__private::lease("30s"))
@@ -129,6 +129,27 @@ fn config(args: &Args, private: &TokenStream, name: &proc_macro2::Ident) -> Toke
 
 /// An uninhabited type named `name` that implements the runtime's `Endpoint` with these
 /// settings, under `attrs` (the handler's `#[cfg]`s, so it exists where the handler does).
+/// The name of the type that holds handler `handler`'s settings: `IdempotentCreateOrder` for
+/// `create_order`. It is what the compiler names when a value in the attribute is refused
+/// ("evaluation of `<IdempotentCreateOrder as …::Endpoint>::CONFIG` failed here"), so it reads
+/// as the handler's, where a `__`-prefixed name would read as machinery; it is not the
+/// handler's own name, which a module or type of the user's beside it may already have.
+pub(crate) fn type_name(handler: &syn::Ident) -> syn::Ident {
+    let name = handler.to_string();
+    let name = name.strip_prefix("r#").unwrap_or(&name);
+    let camel: String = name
+        .split('_')
+        .filter(|part| !part.is_empty())
+        .map(|part| {
+            let mut chars = part.chars();
+            chars.next().map_or_else(String::new, |first| {
+                first.to_uppercase().chain(chars).collect()
+            })
+        })
+        .collect();
+    quote::format_ident!("Idempotent{}", camel, span = handler.span())
+}
+
 pub(crate) fn item(
     args: &Args,
     name: &proc_macro2::Ident,

@@ -10,12 +10,12 @@
 //! #[post("/orders")]
 //! async fn create(__idempotent_req: HttpRequest, __idempotent_payload: web::Payload) -> HttpResponse {
 //!     async fn create(db: web::Data<Db>, web::Json(req): web::Json<New>) -> R { body }
-//!     enum __IdempotentEndpoint {}
-//!     impl rt::__private::Endpoint for __IdempotentEndpoint {
+//!     enum IdempotentCreate {}
+//!     impl rt::__private::Endpoint for IdempotentCreate {
 //!         const CONFIG: &'static EndpointConfig = &EndpointConfig::new().require_key(true);
 //!     }
 //!     rt::__private::actix::handle(__idempotent_req, __idempotent_payload,
-//!         <__IdempotentEndpoint as rt::__private::Endpoint>::CONFIG,
+//!         <IdempotentCreate as rt::__private::Endpoint>::CONFIG,
 //!         |req, mut payload| async move {
 //!             let __idempotent_arg0 = match <web::Data<Db> as FromRequest>::from_request(&req, &mut payload).await { … };
 //!             let __idempotent_arg1 = …;
@@ -96,7 +96,7 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
     let inner_fn = handler.inner_fn();
     let vis = &item.vis;
     let name = &item.sig.ident;
-    let endpoint = format_ident!("__IdempotentEndpoint");
+    let endpoint = crate::endpoint::type_name(&item.sig.ident);
     let endpoint_item = crate::endpoint::item(args, &endpoint, &syn::Visibility::Inherited, &[]);
     quote! {
         #(#attrs)*

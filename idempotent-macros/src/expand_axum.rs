@@ -6,13 +6,13 @@
 //! ```
 //! becomes
 //! ```text
-//! enum __idempotent_endpoint_create {}
-//! impl rt::__private::Endpoint for __idempotent_endpoint_create {
+//! enum IdempotentCreate {}
+//! impl rt::__private::Endpoint for IdempotentCreate {
 //!     const CONFIG: &'static EndpointConfig = &EndpointConfig::new().require_key(true);
 //! }
 //! async fn create(
 //!     __idempotent_arg0: State<Db>,
-//!     __idempotent_last: rt::__private::axum::Idempotent<Json<New>, FromState, __idempotent_endpoint_create>,
+//!     __idempotent_last: rt::__private::axum::Idempotent<Json<New>, FromState, IdempotentCreate>,
 //! ) -> rt::__private::axum::Response {
 //!     async fn create(State(db): State<Db>, Json(req): Json<New>) -> R { body }
 //!     __idempotent_last.run(move |v, ctx| async move { into_response(create(__idempotent_arg0, v).await) }).await
@@ -80,7 +80,7 @@ fn emit(args: &Args, handler: &Handler<'_>) -> TokenStream {
     };
     let generics = state_generic.then(|| quote!(<#state_param: #private::ProvidesIdempotency>));
     let item = handler.item;
-    let endpoint = format_ident!("__idempotent_endpoint_{}", item.sig.ident);
+    let endpoint = crate::endpoint::type_name(&item.sig.ident);
     let cfgs: Vec<_> = handler
         .outer_attrs
         .iter()
