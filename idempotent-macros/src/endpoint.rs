@@ -127,8 +127,6 @@ fn config(args: &Args, private: &TokenStream, name: &proc_macro2::Ident) -> Toke
     quote!(&#chain)
 }
 
-/// An uninhabited type named `name` that implements the runtime's `Endpoint` with these
-/// settings, under `attrs` (the handler's `#[cfg]`s, so it exists where the handler does).
 /// The name of the type that holds handler `handler`'s settings: `IdempotentCreateOrder` for
 /// `create_order`. It is what the compiler names when a value in the attribute is refused
 /// ("evaluation of `<IdempotentCreateOrder as …::Endpoint>::CONFIG` failed here"), so it reads
@@ -150,6 +148,8 @@ pub(crate) fn type_name(handler: &syn::Ident) -> syn::Ident {
     quote::format_ident!("Idempotent{}", camel, span = handler.span())
 }
 
+/// An uninhabited type named `name` that implements the runtime's `Endpoint` with these
+/// settings, under `attrs` (the handler's `#[cfg]`s, so it exists where the handler does).
 pub(crate) fn item(
     args: &Args,
     name: &proc_macro2::Ident,
