@@ -187,3 +187,20 @@ pub(crate) fn item(
         const _: &'static #private::EndpointConfig = <#name as #private::Endpoint>::CONFIG;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::type_name;
+
+    #[test]
+    fn the_settings_type_is_named_after_the_handler_in_camel_case() {
+        let name = |handler: &str| {
+            let ident: syn::Ident = syn::parse_str(handler).expect("an identifier");
+            type_name(&ident).to_string()
+        };
+        assert_eq!(name("create"), "IdempotentCreate");
+        assert_eq!(name("create_order"), "IdempotentCreateOrder");
+        assert_eq!(name("_retry__payment_2"), "IdempotentRetryPayment2");
+        assert_eq!(name("r#type"), "IdempotentType");
+    }
+}
