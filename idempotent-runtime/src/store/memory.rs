@@ -1866,6 +1866,19 @@ mod tests {
     }
 }
 
+/// Sweeps in batches of 500 until a batch frees fewer: everything due. The records freed.
+#[cfg(test)]
+async fn sweep_all(store: &MemoryStore) -> usize {
+    let mut n = 0;
+    loop {
+        let swept = store.sweep(500).await.unwrap();
+        n += swept;
+        if swept < 500 {
+            return n;
+        }
+    }
+}
+
 #[cfg(test)]
 mod sweep_tests {
     use super::*;
@@ -1965,15 +1978,7 @@ mod sweep_tests {
         let clock = ManualClock::new();
         let store = store_with(&clock, 1_000, 50_000).await;
         clock.advance(Duration::from_secs(3));
-        let mut deleted = 0;
-        loop {
-            let n = store.sweep(500).await.unwrap();
-            deleted += n;
-            if n < 500 {
-                break;
-            }
-        }
-        assert_eq!(deleted, 1_000);
+        assert_eq!(sweep_all(&store).await, 1_000);
         assert_eq!(store.len(), 50_000, "every live record stays");
         let visits = store.slot_visits.load(Ordering::Relaxed);
         // A scan per batch would visit every slot of every shard each time: 51,000 at least.
@@ -1996,15 +2001,7 @@ mod sweep_tests {
             claimed(&store, &format!("live{i}"), 3600, true).await;
         }
         clock.advance(Duration::from_secs(3));
-        let mut deleted = 0;
-        loop {
-            let n = store.sweep(500).await.unwrap();
-            deleted += n;
-            if n < 500 {
-                break;
-            }
-        }
-        assert_eq!(deleted, 12_800);
+        assert_eq!(sweep_all(&store).await, 12_800);
         assert_eq!(store.len(), 6_400, "every live record stays");
         // Beyond the records freed, a visit reads a shard's live front to learn that nothing
         // more is due there. Slices that each started at the first shard would read again every
@@ -2218,17 +2215,6 @@ mod segment_tests {
             )
             .await;
         assert!(done.unwrap(), "{key}");
-    }
-
-    async fn sweep_all(store: &MemoryStore) -> usize {
-        let mut n = 0;
-        loop {
-            let swept = store.sweep(500).await.unwrap();
-            n += swept;
-            if swept < 500 {
-                return n;
-            }
-        }
     }
 
     fn counts(store: &MemoryStore) -> (usize, usize) {
