@@ -974,13 +974,7 @@ async fn behind_a_transaction_pooler_it_enqueues_and_relays_by_polling() {
     .await;
     stop.send(()).unwrap();
     running.await.unwrap();
-    let order: Vec<_> = recorder
-        .delivered
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(id, _)| id.clone())
-        .collect();
+    let order = recorder.delivered_in_order();
     assert_eq!(order, (0..20).map(|i| format!("p-{i}")).collect::<Vec<_>>());
     let record = outbox.inspect("p-7").await.unwrap().unwrap();
     assert_eq!(record.state, State::Delivered);

@@ -80,14 +80,9 @@ impl Recorder {
         delivered.iter().map(|(id, _)| id.clone()).collect()
     }
 
+    /// Delivered ids, sorted.
     pub fn delivered_ids(&self) -> Vec<String> {
-        let mut ids: Vec<_> = self
-            .delivered
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(id, _)| id.clone())
-            .collect();
+        let mut ids = self.delivered_in_order();
         ids.sort();
         ids
     }
