@@ -118,25 +118,30 @@ pub(crate) fn count(event: Event, route: &str) {
 /// The histogram of store operation latency, in seconds, labelled `op` and `store`.
 pub const STORE_LATENCY: &str = "idempotent_store_operation_seconds";
 
-/// Runs one store operation, timing it into [`STORE_LATENCY`] when the `metrics` feature is on.
+/// One store operation, timed into [`STORE_LATENCY`] when the `metrics` feature is on (from
+/// now, when it is made, to its end: it is awaited where it is made). Not an `async fn`: that
+/// would keep `operation` twice in its state (the argument and the awaited future), and the
+/// futures of every request's claim, completion and renewal would carry and move both copies.
 #[inline]
-pub(crate) async fn timed<T>(
+pub(crate) fn timed<F: Future>(
     op: &'static str,
     store: &'static str,
-    operation: impl Future<Output = T>,
-) -> T {
+    operation: F,
+) -> impl Future<Output = F::Output> {
     #[cfg(feature = "metrics")]
     {
+        use futures_util::FutureExt as _;
         let start = std::time::Instant::now();
-        let out = operation.await;
-        metrics::histogram!(STORE_LATENCY, "op" => op, "store" => store)
-            .record(start.elapsed().as_secs_f64());
-        out
+        operation.map(move |out| {
+            metrics::histogram!(STORE_LATENCY, "op" => op, "store" => store)
+                .record(start.elapsed().as_secs_f64());
+            out
+        })
     }
     #[cfg(not(feature = "metrics"))]
     {
         let _ = (op, store);
-        operation.await
+        operation
     }
 }
 

@@ -197,7 +197,9 @@ pub async fn claim(
         match decide(&standing, &same_request) {
             Decision::Reclaim { abandoned } => {
                 reclaimed = abandoned;
-                outcome = ops.reclaim(req, standing.token).await?;
+                // Boxed: a takeover is rare, and the claim's future (moved whole from step to
+                // step of every request) stays the size of the first claim's.
+                outcome = Box::pin(ops.reclaim(req, standing.token)).await?;
             }
             Decision::Replay(response) => return Ok(Verdict::Replay(response)),
             Decision::InProgress { lease_left } => return Ok(Verdict::InProgress { lease_left }),

@@ -6,6 +6,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::Poll;
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -214,16 +215,12 @@ impl Reservation {
             };
         };
         let handler = AssertUnwindSafe(handler).catch_unwind();
-        let renew = renew_forever(guard, self.lease, &self.route, &mut self.renewal);
-        let result = tokio::select! {
-            biased;
-            result = handler => result,
-            never = renew => match never {},
-        };
+        let result = renewed(guard, self.lease, &self.route, &mut self.renewal, handler).await;
         match result {
             Ok(v) => Ran::Returned(v),
             Err(_) => {
-                self.release_now().await;
+                // Boxed: a panic is rare, and every request's run would carry its bytes.
+                Box::pin(self.release_now()).await;
                 Ran::Panicked
             }
         }
@@ -236,12 +233,7 @@ impl Reservation {
         let Some(guard) = &self.guard else {
             return work.await;
         };
-        let renew = renew_forever(guard, self.lease, &self.route, &mut self.renewal);
-        tokio::select! {
-            biased;
-            output = work => output,
-            never = renew => match never {},
-        }
+        renewed(guard, self.lease, &self.route, &mut self.renewal, work).await
     }
 
     /// Records the response for replay. A failed or fenced write is logged and counted; the
@@ -333,6 +325,36 @@ impl Reservation {
         }
         guard.disarm();
     }
+}
+
+/// `work` to its end, the lease renewed while it runs. The renewal is made only when `work` is
+/// not done at its first poll, and then in a box of its own: a handler that answers at once
+/// (most do on the memory store) never builds it, and the futures around this one neither hold
+/// nor move its bytes. `work` is polled first on every wake-up, as before the renewal.
+async fn renewed<F: Future>(
+    guard: &ReleaseOnDrop,
+    lease: Duration,
+    route: &str,
+    state: &mut Renewal,
+    work: F,
+) -> F::Output {
+    let mut work = std::pin::pin!(work);
+    let mut state = Some(state);
+    let mut renew = None;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(output) = work.as_mut().poll(cx) {
+            return Poll::Ready(output);
+        }
+        let renew = renew.get_or_insert_with(|| {
+            let state = state.take().expect("the renewal is made once");
+            Box::pin(renew_forever(guard, lease, route, state))
+        });
+        match renew.as_mut().poll(cx) {
+            Poll::Ready(never) => match never {},
+            Poll::Pending => Poll::Pending,
+        }
+    })
+    .await
 }
 
 /// Renews the lease every third of it until the future it races ends (the handler, then the

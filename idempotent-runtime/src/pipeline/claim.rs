@@ -194,7 +194,17 @@ pub async fn begin(handle: &Idempotency, req: &BeginRequest<'_>) -> Begin {
         }),
         Err(error) => {
             let mode = req.endpoint.failure_mode;
-            claim_failed(handle, error, &plan.claim, req.key, route, mode).await
+            // Boxed, as the waits below: a failed claim is rare, and every request's claim
+            // future (moved whole from step to step) would otherwise carry its bytes.
+            Box::pin(claim_failed(
+                handle,
+                error,
+                &plan.claim,
+                req.key,
+                route,
+                mode,
+            ))
+            .await
         }
     }
 }
@@ -237,7 +247,7 @@ pub(crate) async fn claim_waiting(
         };
         match waiting {
             Some(until) => {
-                handle.settled_or(until).await;
+                Box::pin(handle.settled_or(until)).await;
                 poll = (poll * 2).min(LAST_POLL);
             }
             None => return claimed,

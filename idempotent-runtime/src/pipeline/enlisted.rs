@@ -8,6 +8,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
@@ -211,7 +212,7 @@ pub(crate) async fn enlisted_work<DB, R, F, Fut>(
     handle: Idempotency,
     held: Held<DB>,
     permit: BufferPermit,
-    route: String,
+    route: Arc<str>,
     handler: F,
 ) -> Ended<R, (), Infallible>
 where

@@ -33,6 +33,7 @@ use std::future::Future;
 use std::net::IpAddr;
 use std::panic::{self, AssertUnwindSafe};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::Poll;
 
 use bytes::Bytes;
@@ -391,7 +392,8 @@ pub(crate) struct Admitted<H> {
     pub(crate) permit: BufferPermit,
     /// `None` for a request without a key.
     pub(crate) context: Option<IdempotencyContext>,
-    pub(crate) route: String,
+    /// Shared with the claimed work and its [`Work`] (one allocation a request, not one each).
+    pub(crate) route: Arc<str>,
     /// The request's span, for the claimed work that may run in a task of its own.
     pub(crate) span: tracing::Span,
 }
@@ -415,7 +417,7 @@ pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
         body: body.clone(),
         permit,
         context,
-        route: route.to_owned(),
+        route: Arc::from(route),
         span: tracing::Span::current(),
     };
     let Some(key) = key else {
@@ -586,7 +588,7 @@ pub(crate) async fn work<R, T, E>(
     handle: Idempotency,
     mut reservation: Reservation,
     permit: BufferPermit,
-    route: String,
+    route: Arc<str>,
     served: Served,
     handler: impl Future<Output = Result<(R, T), E>>,
 ) -> Ended<R, T, E>
@@ -616,7 +618,7 @@ where
                 Served::ThroughRouter => match routing_refusal(response) {
                     Ok(refusal) => {
                         tracing::debug!(
-                            route,
+                            route = &*route,
                             "the router refused the request (no handler serves it): key released"
                         );
                         reservation.release().await;
@@ -668,7 +670,7 @@ where
 /// them each time one is moved into the next.
 pub(crate) struct Work<W> {
     pub(crate) handle: Idempotency,
-    pub(crate) route: String,
+    pub(crate) route: Arc<str>,
     pub(crate) future: Pin<Box<W>>,
 }
 

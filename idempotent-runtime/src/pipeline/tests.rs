@@ -1404,7 +1404,7 @@ async fn a_waiting_duplicate_runs_when_the_first_releases_its_key() {
 fn boxed<W>(handle: &Idempotency, work: W) -> Work<W> {
     Work {
         handle: handle.clone(),
-        route: "/orders".to_owned(),
+        route: "/orders".into(),
         future: Box::pin(work),
     }
 }
