@@ -2267,6 +2267,41 @@ mod segment_tests {
         assert_eq!(shard.reserved.len(), 0);
     }
 
+    /// The steady state of a long-running service: records arrive at a constant rate, and the
+    /// sweeper (once a retention) frees those that expired. Once the first records have expired
+    /// and been swept, the shard never allocates a segment again: each sweep keeps what it
+    /// retires for the appends until the next one (a segment handed back to `malloc` comes back
+    /// as fresh pages the kernel faults in one at a time).
+    #[tokio::test]
+    async fn a_steady_shard_reuses_its_segments_and_allocates_none_once_settled() {
+        let clock = ManualClock::new();
+        let store = store(&clock, 4 << 10);
+        let scope = [1; 32];
+        let (retention, tick) = (2, Duration::from_millis(100));
+        let mut fresh_when_settled = None;
+        for step in 0..400u32 {
+            for i in 0..50 {
+                record(&store, &scope, &format!("k{step}-{i}"), 1_024, retention).await;
+            }
+            clock.advance(tick);
+            if step % 20 == 19 {
+                sweep_all(&store).await;
+            }
+            if step == 99 {
+                fresh_when_settled = Some(lock(&store.shards[0]).segments.fresh);
+            }
+        }
+        let settled = fresh_when_settled.expect("settled");
+        let fresh = lock(&store.shards[0]).segments.fresh;
+        assert!(settled > 0);
+        assert_eq!(
+            fresh,
+            settled,
+            "{} segments allocated after the churn settled",
+            fresh - settled
+        );
+    }
+
     #[tokio::test]
     async fn expired_segments_are_reused_not_allocated_again() {
         let clock = ManualClock::new();

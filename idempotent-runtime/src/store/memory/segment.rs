@@ -305,6 +305,9 @@ pub(super) struct Segments {
     /// Answers too large for a segment that were given one of their own (reported by the
     /// store's `Debug`).
     pub(super) own_allocations: usize,
+    /// Segments of the usual size allocated because no spare was kept.
+    #[cfg(test)]
+    pub(super) fresh: usize,
 }
 
 impl Segments {
@@ -345,9 +348,13 @@ impl Segments {
                     self.own_allocations += 1;
                     Vec::with_capacity(total)
                 } else {
-                    self.spare
-                        .pop()
-                        .unwrap_or_else(|| Vec::with_capacity(SEGMENT_BYTES))
+                    self.spare.pop().unwrap_or_else(|| {
+                        #[cfg(test)]
+                        {
+                            self.fresh += 1;
+                        }
+                        Vec::with_capacity(SEGMENT_BYTES)
+                    })
                 };
                 let id = self.add(Segment {
                     buf,
@@ -466,8 +473,14 @@ impl Segments {
         let seg = self.by_id[id as usize].take().expect("a live segment");
         self.free_ids.push(id);
         self.in_use -= 1;
-        // Keep enough spares for a shard's churn between two sweeps, not a burst's worth.
-        if !seg.own && self.spare.len() < 2 + self.in_use / 4 {
+        // Keep enough spares for a shard's churn between two sweeps: the sweeper runs once a
+        // retention, so a steady shard's sweep retires about as many segments as stay in use,
+        // and the shard fills as many again before the next one. Spares never outnumber the
+        // segments in use (plus two), so a burst's peak is not kept whole once it drains, and a
+        // segment handed back to `malloc` is one the kernel may have to fault in, zeroed,
+        // a page at a time when it is allocated again (a quarter of the segments in use was
+        // too few: the steady state's appends faulted a page every three requests).
+        if !seg.own && self.spare.len() < 2 + self.in_use {
             let mut buf = seg.buf;
             buf.clear();
             self.spare.push(buf);
