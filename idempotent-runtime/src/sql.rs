@@ -582,6 +582,26 @@ fn checksum(sql: &str) -> Vec<u8> {
     Sha256::digest(sql).to_vec()
 }
 
+/// `operation` bounded by a store's `operation_timeout` (`database` names it in the error):
+/// past it, unavailable, its outcome unknown. Not an `async fn`: that would keep `operation`
+/// twice in its state (the argument and the timeout around it), and every claim and completion
+/// future, moved and boxed whole on every request, would carry both copies.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn bounded<T>(
+    database: &'static str,
+    limit: std::time::Duration,
+    operation: impl Future<Output = Result<T, crate::store::StoreError>>,
+) -> impl Future<Output = Result<T, crate::store::StoreError>> {
+    use futures_util::FutureExt as _;
+    tokio::time::timeout(limit, operation).map(move |answer| match answer {
+        Ok(answer) => answer,
+        Err(_) => Err(crate::store::StoreError::unavailable(format!(
+            "{database} did not answer within {limit:?} (the store's operation_timeout): the \
+             network or the server is down, and the operation's outcome is unknown"
+        ))),
+    })
+}
+
 /// Applies the steps not yet recorded in the table's version table, in order, in one
 /// transaction, and records each with its description and the checksum of its rendered SQL.
 /// Idempotent, and safe from several replicas at once (they queue on the dialect's lock; the

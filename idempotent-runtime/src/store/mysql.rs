@@ -872,18 +872,11 @@ impl MySqlStore {
     /// dropped mid-statement.
     ///
     /// [`operation_timeout`]: MySqlStoreBuilder::operation_timeout
-    async fn bounded<T>(
+    fn bounded<T>(
         &self,
         operation: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.operation_timeout, operation).await {
-            Ok(answer) => answer,
-            Err(_) => Err(StoreError::unavailable(format!(
-                "MySQL did not answer within {:?} (the store's operation_timeout): the \
-                 network or the server is down, and the operation's outcome is unknown",
-                self.operation_timeout
-            ))),
-        }
+    ) -> impl Future<Output = Result<T, StoreError>> {
+        crate::sql::bounded("MySQL", self.operation_timeout, operation)
     }
 
     /// The pool the store runs on.

@@ -1266,18 +1266,11 @@ impl PostgresStore {
     /// `operation` bounded by the store's [`operation_timeout`]: past it, unavailable.
     ///
     /// [`operation_timeout`]: PostgresStoreBuilder::operation_timeout
-    async fn bounded<T>(
+    fn bounded<T>(
         &self,
         operation: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.operation_timeout, operation).await {
-            Ok(answer) => answer,
-            Err(_) => Err(StoreError::unavailable(format!(
-                "PostgreSQL did not answer within {:?} (the store's operation_timeout): the \
-                 network or the server is down, and the operation's outcome is unknown",
-                self.operation_timeout
-            ))),
-        }
+    ) -> impl Future<Output = Result<T, StoreError>> {
+        crate::sql::bounded("PostgreSQL", self.operation_timeout, operation)
     }
 
     /// The pool the store runs on.
@@ -1397,7 +1390,9 @@ impl PostgresStore {
                     Done::Claimed(outcome) => outcome,
                     Done::Completed(_) => unreachable!("a claim is answered as a claim"),
                 },
-                On::Transaction(_) => self.core.claim_statement(on, &row, None).await?,
+                // Boxed: the statement's future (sqlx's, kilobytes) would otherwise sit in every
+                // pooled claim's future too, which is moved and boxed whole on every request.
+                On::Transaction(_) => Box::pin(self.core.claim_statement(on, &row, None)).await?,
             };
             match outcome {
                 Decoded::Acquired => return Ok(Claim::Acquired),
