@@ -5,7 +5,12 @@
 //! ```
 //!
 //! Variants: `bare`, `first` (`#[idempotent]` on the memory store, a new key each request),
-//! `replay` (one key), and `cached-first` / `cached-replay`, the same behind a `CachedStore`.
+//! `replay` (one key), `cached-first` / `cached-replay`, the same behind a `CachedStore`, and
+//! `peer-replay`, a replay through the peer `axum-idempotent` (its session cookie set), and
+//! `pg-first` / `pg-replay` on the PostgreSQL store at `DATABASE_URL` (the client side only:
+//! the server's work is not in this process).
+
+use std::fmt::Write as _;
 
 use http_body_util::BodyExt;
 use idempotent_benchmarks as bench;
@@ -27,16 +32,42 @@ fn main() {
             "cached-first" | "cached-replay" => {
                 bench::idempotent_router(bench::cached_unbounded_memory_store())
             }
-            _ => panic!("variant: bare | first | replay | cached-first | cached-replay"),
+            "peer-replay" => bench::axum_idempotent_router(),
+            "pg-first" | "pg-replay" => {
+                let url = std::env::var("DATABASE_URL")
+                    .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+                bench::idempotent_router(bench::postgres_store(&url, 4, false).await)
+            }
+            _ => panic!(
+                "variant: bare | first | replay | cached-first | cached-replay | peer-replay | pg-first \
+                 | pg-replay"
+            ),
         };
+        // PostgreSQL keeps the keys of earlier runs: this run's are its own.
+        let run = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_nanos();
+        // One key buffer for the whole loop: the client's formatting is not the server's
+        // work, and `bare` gets the same keys as `first`, so both build the same requests.
+        let mut key = String::with_capacity(32);
         for i in 0..n {
-            let key = match variant.as_str() {
-                "first" | "cached-first" => format!("first-{i}"),
-                _ => "replayed".to_owned(),
-            };
+            key.clear();
+            match variant.as_str() {
+                "replay" | "cached-replay" | "peer-replay" => key.push_str("replayed"),
+                "pg-replay" => write!(key, "replayed-{run}").expect("a String takes any write"),
+                "pg-first" => write!(key, "first-{run}-{i}").expect("a String takes any write"),
+                _ => write!(key, "first-{i}").expect("a String takes any write"),
+            }
+            let mut request = bench::request(body, Some(&key));
+            if variant == "peer-replay" {
+                // The peer records only for a request with a session (as `wrk/replay.lua`).
+                let session = http::HeaderValue::from_static("session=000000000000000000000A");
+                request.headers_mut().insert(http::header::COOKIE, session);
+            }
             let response = router
                 .clone()
-                .oneshot(bench::request(body, Some(&key)))
+                .oneshot(request)
                 .await
                 .expect("infallible");
             assert_eq!(response.status(), 201);
