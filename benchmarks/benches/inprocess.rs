@@ -99,26 +99,21 @@ fn handler(c: &mut Criterion) {
         )
     });
     let mut n = 0u64;
-    group.bench_function("idempotent_memory_first", |b| {
-        b.iter_batched(
-            || {
-                n += 1;
-                bench::request(body(), Some(&format!("first-{n}")))
-            },
-            |request| rt.block_on(call(&ours, request)),
-            BatchSize::SmallInput,
-        )
-    });
-    group.bench_function("idempotent_memory_first_steady", |b| {
-        b.iter_batched(
-            || {
-                n += 1;
-                bench::request(body(), Some(&format!("first-{n}")))
-            },
-            |request| rt.block_on(call(&steady, request)),
-            BatchSize::SmallInput,
-        )
-    });
+    for (name, router) in [
+        ("idempotent_memory_first", &ours),
+        ("idempotent_memory_first_steady", &steady),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter_batched(
+                || {
+                    n += 1;
+                    bench::request(body(), Some(&format!("first-{n}")))
+                },
+                |request| rt.block_on(call(router, request)),
+                BatchSize::SmallInput,
+            )
+        });
+    }
     group.bench_function("idempotent_memory_replay", |b| {
         b.iter_batched(
             || bench::request(body(), Some("r")),
