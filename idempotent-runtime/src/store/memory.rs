@@ -2270,8 +2270,7 @@ mod segment_tests {
     /// The steady state of a long-running service: records arrive at a constant rate, and the
     /// sweeper (once a retention) frees those that expired. Once the first records have expired
     /// and been swept, the shard never allocates a segment again: each sweep keeps what it
-    /// retires for the appends until the next one (a segment handed back to `malloc` comes back
-    /// as fresh pages the kernel faults in one at a time).
+    /// retires for the appends until the next one.
     #[tokio::test]
     async fn a_steady_shard_reuses_its_segments_and_allocates_none_once_settled() {
         let clock = ManualClock::new();

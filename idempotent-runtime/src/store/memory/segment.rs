@@ -475,11 +475,10 @@ impl Segments {
         self.in_use -= 1;
         // Keep enough spares for a shard's churn between two sweeps: the sweeper runs once a
         // retention, so a steady shard's sweep retires about as many segments as stay in use,
-        // and the shard fills as many again before the next one. Spares never outnumber the
-        // segments in use (plus two), so a burst's peak is not kept whole once it drains, and a
-        // segment handed back to `malloc` is one the kernel may have to fault in, zeroed,
-        // a page at a time when it is allocated again (a quarter of the segments in use was
-        // too few: the steady state's appends faulted a page every three requests).
+        // and the shard fills as many again before the next one (a quarter of the segments in
+        // use, the limit before, sent the rest back to `malloc` to be allocated again). Spares
+        // never outnumber the segments in use (plus two), so a burst's peak is not kept whole
+        // once it drains.
         if !seg.own && self.spare.len() < 2 + self.in_use {
             let mut buf = seg.buf;
             buf.clear();
