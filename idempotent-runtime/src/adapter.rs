@@ -28,6 +28,7 @@
 use std::future::Future;
 
 use bytes::Bytes;
+use futures_util::FutureExt as _;
 use tracing::Instrument as _;
 
 #[cfg(any(feature = "axum", feature = "tonic"))]
@@ -329,7 +330,15 @@ impl Claimed {
     /// records its response or releases the key. `served` says whether the handler itself
     /// answers, or a router that may refuse requests no handler serves. `T` travels beside the
     /// response; `E` is an inner service's error, which releases the key.
-    pub async fn run<R, T, E, Fut>(self, served: Served, handler: Fut) -> Ended<R, T, E>
+    ///
+    /// The handler and the steps around it are boxed when this is called, so the returned
+    /// future is a few words whatever the handler's size, and nothing the handler holds is
+    /// copied as that future moves.
+    pub fn run<R, T, E, Fut>(
+        self,
+        served: Served,
+        handler: Fut,
+    ) -> impl Future<Output = Ended<R, T, E>> + use<R, T, E, Fut>
     where
         Fut: Future<Output = Result<(R, T), E>> + Send + 'static,
         R: Reply + Send + 'static,
@@ -339,19 +348,23 @@ impl Claimed {
         T: Send + 'static,
         E: Send + 'static,
     {
-        pipeline::drive(self.work(served, handler), tokio::spawn).await
+        pipeline::drive(self.work(served, handler), tokio::spawn)
     }
 
     /// [`run`](Self::run) for a framework whose futures are not `Send` (actix-web): unfinished
     /// work goes on in a task of the current thread's `LocalSet` (`tokio::task::spawn_local`).
-    pub async fn run_local<R, T, E, Fut>(self, served: Served, handler: Fut) -> Ended<R, T, E>
+    pub fn run_local<R, T, E, Fut>(
+        self,
+        served: Served,
+        handler: Fut,
+    ) -> impl Future<Output = Ended<R, T, E>> + use<R, T, E, Fut>
     where
         Fut: Future<Output = Result<(R, T), E>> + 'static,
         R: Reply + 'static,
         T: 'static,
         E: 'static,
     {
-        pipeline::drive(self.work(served, handler), tokio::task::spawn_local).await
+        pipeline::drive(self.work(served, handler), tokio::task::spawn_local)
     }
 
     fn work<R, T, E, Fut>(
@@ -372,7 +385,7 @@ impl Claimed {
             ..
         } = *inner;
         let future = Box::pin(
-            pipeline::work(handle.clone(), held, permit, route.clone(), served, handler)
+            pipeline::work(handle.clone(), held, permit, served, Box::pin(handler))
                 .instrument(span),
         );
         pipeline::Work {
@@ -387,12 +400,18 @@ impl Claimed {
     pub async fn settle<R: Reply>(self, response: R) -> R {
         // Boxed: a rejection is the rare path, and the extractor futures that may take it stay
         // small without the settling's kilobytes.
-        Box::pin(pipeline::settle(&self.handle, self.inner.held, response)).await
+        let Self { handle, inner } = self;
+        let mut held = inner.held;
+        Box::pin(pipeline::settle(&handle, &mut held, response)).await
     }
 
     /// [`run`](Self::run) for a handler that always answers: its response, or the 500 of a
     /// handler that panicked.
-    pub async fn answer<R, Fut>(self, served: Served, handler: Fut) -> R
+    pub fn answer<R, Fut>(
+        self,
+        served: Served,
+        handler: Fut,
+    ) -> impl Future<Output = R> + use<R, Fut>
     where
         Fut: Future<Output = R> + Send + 'static,
         R: Reply + Send + 'static,
@@ -400,20 +419,28 @@ impl Claimed {
         R::Body: Send,
         <R::Body as Chunks>::Error: Send,
     {
-        let handler = async move { Ok::<_, std::convert::Infallible>((handler.await, ())) };
-        self.run(served, handler).await.answer()
+        self.run(served, handler.map(answered)).map(Ended::answer)
     }
 
     /// [`answer`](Self::answer) for a framework whose futures are not `Send`, as
     /// [`run_local`](Self::run_local).
-    pub async fn answer_local<R, Fut>(self, served: Served, handler: Fut) -> R
+    pub fn answer_local<R, Fut>(
+        self,
+        served: Served,
+        handler: Fut,
+    ) -> impl Future<Output = R> + use<R, Fut>
     where
         Fut: Future<Output = R> + 'static,
         R: Reply + 'static,
     {
-        let handler = async move { Ok::<_, std::convert::Infallible>((handler.await, ())) };
-        self.run_local(served, handler).await.answer()
+        self.run_local(served, handler.map(answered))
+            .map(Ended::answer)
     }
+}
+
+/// A handler's answer as [`Claimed::run`] takes it: nothing beside it, and no error.
+fn answered<R>(response: R) -> Result<(R, ()), std::convert::Infallible> {
+    Ok((response, ()))
 }
 
 /// What was read of a response body, then its error (if reading failed), then the rest of

@@ -288,7 +288,8 @@ impl<'a> Once<'a> {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let output = match reservation.run(f()).await {
+        let work = std::pin::pin!(f());
+        let output = match reservation.run(work).await {
             Ran::Panicked => {
                 observe::count(Event::HandlerPanicked, self.name);
                 return Err(OnceError::Panicked);

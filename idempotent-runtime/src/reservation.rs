@@ -4,6 +4,7 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Poll;
@@ -16,7 +17,7 @@ use crate::config::Recording;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Event, KeyDisplay};
 use crate::scope::ScopeHash;
-use crate::store::{Backend, FencingToken, RecordedResponse, StoreError};
+use crate::store::{Backend, Compact, FencingToken, RecordedResponse, StoreError};
 
 /// A held key: run the handler through [`Reservation::run`], then [`complete`](Self::complete)
 /// or [`release`](Self::release) it. Dropped unsettled (a panic, a cancelled task), it releases
@@ -200,28 +201,41 @@ impl Reservation {
         }
     }
 
+    /// The route the request was claimed on.
+    pub(crate) fn route(&self) -> &str {
+        &self.route
+    }
+
     /// Whether a store backs this reservation (false when failing open).
     pub fn is_guarded(&self) -> bool {
         self.guard.is_some()
     }
 
     /// Runs the claimed handler to its end while renewing the lease every third of it. A panic
-    /// is caught and the key released before this returns.
-    pub async fn run<F: Future>(&mut self, handler: F) -> Ran<F::Output> {
-        let Some(guard) = &self.guard else {
-            return match AssertUnwindSafe(handler).catch_unwind().await {
-                Ok(v) => Ran::Returned(v),
-                Err(_) => Ran::Panicked,
+    /// is caught and the key released before this returns. The handler is polled where it is
+    /// pinned: this future holds a pointer to it, not a copy.
+    pub fn run<'a, F: Future>(
+        &'a mut self,
+        handler: Pin<&'a mut F>,
+    ) -> impl Future<Output = Ran<F::Output>> + 'a {
+        // A block, not an `async fn`: its captures are kept once (an `async fn` keeps its
+        // arguments and the copies it rebinds them to), and this future is part of every
+        // claimed request's boxed work.
+        async move {
+            let handler = AssertUnwindSafe(handler).catch_unwind();
+            let result = match &self.guard {
+                Some(guard) => {
+                    renewed(guard, self.lease, &self.route, &mut self.renewal, handler).await
+                }
+                None => handler.await,
             };
-        };
-        let handler = AssertUnwindSafe(handler).catch_unwind();
-        let result = renewed(guard, self.lease, &self.route, &mut self.renewal, handler).await;
-        match result {
-            Ok(v) => Ran::Returned(v),
-            Err(_) => {
-                // Boxed: a panic is rare, and every request's run would carry its bytes.
-                Box::pin(self.release_now()).await;
-                Ran::Panicked
+            match result {
+                Ok(v) => Ran::Returned(v),
+                Err(_) => {
+                    // Boxed: a panic is rare, and every request's run would carry its bytes.
+                    Box::pin(self.release_now()).await;
+                    Ran::Panicked
+                }
             }
         }
     }
@@ -229,7 +243,7 @@ impl Reservation {
     /// Runs `work` (reading the handler's response to record it) while the lease is still
     /// renewed, as it is while the handler runs: a response that streams for longer than the
     /// lease is never taken over by a duplicate before it is recorded or released.
-    pub(crate) async fn renewing<F: Future>(&mut self, work: F) -> F::Output {
+    pub(crate) async fn renewing<F: Future + Unpin>(&mut self, work: F) -> F::Output {
         let Some(guard) = &self.guard else {
             return work.await;
         };
@@ -237,8 +251,10 @@ impl Reservation {
     }
 
     /// Records the response for replay. A failed or fenced write is logged and counted; the
-    /// response is still sent and the reservation lapses with its lease.
-    pub async fn complete(mut self, response: &RecordedResponse) {
+    /// response is still sent and the reservation lapses with its lease. Settled, the
+    /// reservation holds nothing (it is borrowed, so the future that settles it need not carry
+    /// a copy of it).
+    pub async fn complete(&mut self, response: &RecordedResponse) {
         let Some(guard) = self.guard.take() else {
             return;
         };
@@ -302,8 +318,24 @@ impl Reservation {
         guard.disarm();
     }
 
-    /// Frees the key without recording (5xx, non-replayable, too large).
-    pub async fn release(mut self) {
+    /// Whether settling this reservation never suspends: unguarded, or held in a store that
+    /// answers at once (the memory store).
+    pub(crate) fn settles_at_once(&self) -> bool {
+        self.guard
+            .as_ref()
+            .is_none_or(|guard| guard.store.answers_at_once())
+    }
+
+    /// [`release`](Self::release) as the work's future holds it: done before this returns when
+    /// it [settles at once](Self::settles_at_once), else boxed ([`Compact`]).
+    pub(crate) fn releasing(&mut self) -> Compact<impl Future<Output = ()> + Send + '_> {
+        let at_once = self.settles_at_once();
+        Compact::new(at_once, self.release())
+    }
+
+    /// Frees the key without recording (5xx, non-replayable, too large), as
+    /// [`complete`](Self::complete) settles it.
+    pub async fn release(&mut self) {
         observe::count(Event::NotRecorded, &self.route);
         self.release_now().await;
     }
@@ -331,18 +363,17 @@ impl Reservation {
 /// not done at its first poll, and then in a box of its own: a handler that answers at once
 /// (most do on the memory store) never builds it, and the futures around this one neither hold
 /// nor move its bytes. `work` is polled first on every wake-up, as before the renewal.
-async fn renewed<F: Future>(
-    guard: &ReleaseOnDrop,
+fn renewed<'a, F: Future + Unpin + 'a>(
+    guard: &'a ReleaseOnDrop,
     lease: Duration,
-    route: &str,
-    state: &mut Renewal,
-    work: F,
-) -> F::Output {
-    let mut work = std::pin::pin!(work);
+    route: &'a str,
+    state: &'a mut Renewal,
+    mut work: F,
+) -> impl Future<Output = F::Output> + 'a {
     let mut state = Some(state);
     let mut renew = None;
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(output) = work.as_mut().poll(cx) {
+    std::future::poll_fn(move |cx| {
+        if let Poll::Ready(output) = Pin::new(&mut work).poll(cx) {
             return Poll::Ready(output);
         }
         let renew = renew.get_or_insert_with(|| {
@@ -354,7 +385,6 @@ async fn renewed<F: Future>(
             Poll::Pending => Poll::Pending,
         }
     })
-    .await
 }
 
 /// Renews the lease every third of it until the future it races ends (the handler, then the
@@ -641,7 +671,7 @@ pub(crate) mod tests {
         assert_eq!(store.claim(&req).await.unwrap(), Claim::Acquired);
         let mut reservation = held(&store, &req);
         let outcome = reservation
-            .run(async {
+            .run(std::pin::pin!(async {
                 store.down.store(true, Ordering::SeqCst);
                 tokio::time::sleep(outage).await;
                 store.down.store(false, Ordering::SeqCst);
@@ -650,7 +680,7 @@ pub(crate) mod tests {
                 tokio::time::sleep(lease).await;
                 let renewed = store.renewals.load(Ordering::SeqCst) > before;
                 (renewed, duplicate(&store, &scope, "k").await)
-            })
+            }))
             .await;
         let Ran::Returned((renewed, state)) = outcome else {
             panic!("the handler panicked");

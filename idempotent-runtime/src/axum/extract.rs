@@ -5,6 +5,7 @@ use std::marker::PhantomData;
 
 use axum::extract::{FromRef, FromRequest, FromRequestParts, OptionalFromRequestParts, Request};
 use axum::response::{IntoResponse, Response};
+use futures_util::future::Either;
 use http::request::Parts;
 
 use super::adapter::{HANDLE_MISSING_FIX as FIX, head, params, route_of};
@@ -95,15 +96,19 @@ impl<T, Src, E: Endpoint> Idempotent<T, Src, E> {
 
     /// Runs the handler: in its own task when the key is held (a client that disconnects
     /// never cancels it), recording or releasing the response before it is returned.
-    pub async fn run<F, Fut>(self, handler: F) -> Response
+    ///
+    /// The handler's future is made when this is called: when the key is held it is boxed with
+    /// the steps around it at once ([`Claimed::answer`]), so the future returned holds a few
+    /// words, not the handler's state.
+    pub fn run<F, Fut>(self, handler: F) -> impl Future<Output = Response> + use<F, Fut, T, Src, E>
     where
         F: FnOnce(T, Option<IdempotencyContext>) -> Fut,
         Fut: Future<Output = Response> + Send + 'static,
     {
         let future = handler(self.value, self.context);
         match self.claimed {
-            None => future.await,
-            Some(claimed) => claimed.answer(Served::ByHandler, future).await,
+            None => Either::Left(future),
+            Some(claimed) => Either::Right(claimed.answer(Served::ByHandler, future)),
         }
     }
 }

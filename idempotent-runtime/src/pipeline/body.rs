@@ -146,56 +146,108 @@ pub(crate) enum Collected<B: Chunks> {
 /// leave its key unrecorded. A body of unknown size is charged chunk by chunk and handed back
 /// as [`Collected::Partial`] when the budget runs out. The permit holds the bytes until the
 /// record is written.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) async fn collect_response<B: Chunks>(
     budget: &Arc<BufferBudget>,
-    mut body: B,
+    body: B,
     cap: usize,
 ) -> (Collected<B>, BufferPermit) {
-    let mut permit = budget.permit();
-    let sized = body.exact_len().filter(|&n| n <= cap as u64);
-    if let Some(len) = sized {
-        permit.charge(len as usize);
-    }
-    let mut joined = Joined::default();
-    let mut trailers = Trailers::new();
-    loop {
-        let chunk = match poll_fn(|cx| body.poll_chunk_keeping(cx, &mut trailers)).await {
-            None => {
-                let bytes = joined.freeze();
-                return (
-                    Collected::Complete {
-                        bytes,
-                        drained: body,
-                        trailers,
-                    },
-                    permit,
-                );
-            }
-            Some(Err(error)) => {
-                let read = joined.freeze();
-                let partial = Collected::Partial {
-                    read,
-                    error: Some(error),
-                    rest: body,
-                };
-                return (partial, permit);
-            }
-            Some(Ok(chunk)) => chunk,
-        };
-        let len = joined.len() + chunk.len();
-        let within = match sized {
-            // A body longer than it announced is not what was charged.
-            Some(announced) => len as u64 <= announced,
-            None => len <= cap && permit.grow(chunk.len()),
-        };
-        joined.push(chunk);
-        if !within {
-            let partial = Collected::Partial {
-                read: joined.freeze(),
-                error: None,
-                rest: body,
-            };
-            return (partial, permit);
+    let mut collecting = Collecting::new(budget, body, cap);
+    poll_fn(|cx| collecting.poll_read(cx)).await;
+    collecting.finish()
+}
+
+/// [`collect_response`] as a value: polled where the caller chooses (in place first, then, if
+/// the body is still streaming, from wherever the rest of the work goes), then
+/// [finished](Self::finish). Unpin, so it moves freely between polls.
+pub(crate) struct Collecting<B: Chunks> {
+    body: B,
+    joined: Joined,
+    trailers: Trailers,
+    permit: BufferPermit,
+    /// The announced length, when the body has one within the cap (charged in full).
+    sized: Option<u64>,
+    cap: usize,
+    /// How the reading ended, once it has.
+    ended: Option<ReadEnd<B::Error>>,
+}
+
+enum ReadEnd<E> {
+    /// The body's end, within the cap.
+    Whole,
+    /// Past the cap or the budget: the rest is not read.
+    Over,
+    /// The body failed.
+    Broken(E),
+}
+
+impl<B: Chunks> Collecting<B> {
+    pub(crate) fn new(budget: &Arc<BufferBudget>, body: B, cap: usize) -> Self {
+        let mut permit = budget.permit();
+        let sized = body.exact_len().filter(|&n| n <= cap as u64);
+        if let Some(len) = sized {
+            permit.charge(len as usize);
         }
+        Self {
+            body,
+            joined: Joined::default(),
+            trailers: Trailers::new(),
+            permit,
+            sized,
+            cap,
+            ended: None,
+        }
+    }
+
+    /// Reads until the body ends, breaks or passes the cap (`Ready`), or has nothing more yet.
+    pub(crate) fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        while self.ended.is_none() {
+            let chunk = match self.body.poll_chunk_keeping(cx, &mut self.trailers) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => {
+                    self.ended = Some(ReadEnd::Whole);
+                    break;
+                }
+                Poll::Ready(Some(Err(error))) => {
+                    self.ended = Some(ReadEnd::Broken(error));
+                    break;
+                }
+                Poll::Ready(Some(Ok(chunk))) => chunk,
+            };
+            let len = self.joined.len() + chunk.len();
+            let within = match self.sized {
+                // A body longer than it announced is not what was charged.
+                Some(announced) => len as u64 <= announced,
+                None => len <= self.cap && self.permit.grow(chunk.len()),
+            };
+            self.joined.push(chunk);
+            if !within {
+                self.ended = Some(ReadEnd::Over);
+            }
+        }
+        Poll::Ready(())
+    }
+
+    /// What was read, once [`poll_read`](Self::poll_read) answered `Ready`.
+    pub(crate) fn finish(self) -> (Collected<B>, BufferPermit) {
+        let read = self.joined.freeze();
+        let collected = match self.ended.expect("finished after the reading ended") {
+            ReadEnd::Whole => Collected::Complete {
+                bytes: read,
+                drained: self.body,
+                trailers: self.trailers,
+            },
+            ReadEnd::Over => Collected::Partial {
+                read,
+                error: None,
+                rest: self.body,
+            },
+            ReadEnd::Broken(error) => Collected::Partial {
+                read,
+                error: Some(error),
+                rest: self.body,
+            },
+        };
+        (collected, self.permit)
     }
 }

@@ -14,7 +14,7 @@ use crate::observe::{self, AuditDecision, AuditEvent, Event, KeyDisplay};
 use crate::problem::{Problem, ProblemCode};
 use crate::record::{self, Verdict};
 use crate::reservation::{ReleaseOnDrop, Reservation};
-use crate::store::{ClaimRequest, FencingToken, RecordedResponse, StoreError};
+use crate::store::{ClaimRequest, Compact, FencingToken, RecordedResponse, StoreError};
 
 /// What the pipeline tells the framework integration to do after claiming. `R` is what holds
 /// the key: a reservation in detached mode, the open transaction in enlisted mode.
@@ -145,11 +145,15 @@ impl ClaimMode for Detached {
 
     const BUFFERS_UNKEYED: bool = false;
 
+    /// On the memory store the claim is decided before this returns (nothing in it suspends
+    /// unless it waits for a duplicate to settle), so the request's future never holds the
+    /// claim's; on any other store the claim is boxed ([`Compact`]).
     fn begin<'a>(
         handle: &'a Idempotency,
         req: &'a BeginRequest<'a>,
     ) -> impl Future<Output = Begin> + Send + 'a {
-        begin(handle, req)
+        let at_once = handle.store().answers_at_once() && req.endpoint.wait_in_progress.is_zero();
+        Compact::new(at_once, begin(handle, req))
     }
 
     /// Never asked (requests without a key pass untouched); nothing to hold if it were.

@@ -25,6 +25,7 @@ pub(crate) mod claim;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod enlisted;
 mod refusals;
+mod settle;
 #[cfg(test)]
 mod tests;
 
@@ -38,16 +39,17 @@ use std::task::Poll;
 
 use bytes::Bytes;
 
+pub(crate) use body::BodyError;
 pub use body::Chunks;
-pub(crate) use body::{BodyError, Collected};
 pub(crate) use claim::{Begin, BeginRequest};
 pub(crate) use claim::{ClaimMode, Detached};
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use enlisted::{Enlisted, enlisted_work, settle_enlisted};
 pub(crate) use refusals::misconfigured;
+pub(crate) use settle::settle;
 
 use crate::budget::BufferPermit;
-use crate::config::{Effective, EndpointConfig, Oversized};
+use crate::config::{Effective, EndpointConfig};
 use crate::context::IdempotencyContext;
 use crate::fingerprint::FingerprintInput;
 use crate::handle::Idempotency;
@@ -584,14 +586,17 @@ pub(crate) fn routing_refusal<R: Reply>(response: R) -> Result<R, R> {
 
 /// A claimed handler's whole run: the handler under the renewed lease, then its response
 /// recorded or the key released. `handler` yields the response and whatever travels beside it.
-pub(crate) async fn work<R, T, E>(
+///
+/// A function returning a block, not an `async fn`: the block keeps each argument once, where
+/// an `async fn` keeps its arguments and the copies it rebinds them to (the reservation alone is
+/// 232 bytes, and this future is boxed on every claimed request).
+pub(crate) fn work<R, T, E>(
     handle: Idempotency,
     mut reservation: Reservation,
     permit: BufferPermit,
-    route: Arc<str>,
     served: Served,
     handler: impl Future<Output = Result<(R, T), E>>,
-) -> Ended<R, T, E>
+) -> impl Future<Output = Ended<R, T, E>>
 where
     R: Reply,
 {
@@ -603,32 +608,42 @@ where
             self.0.wake_waiting();
         }
     }
-    let _settled = Settled(&handle);
-    match reservation.run(handler).await {
-        Ran::Panicked => Ended::Panicked(refuse(&handle, &refusals::panicked(&route))),
-        Ran::Returned(Err(error)) => {
-            reservation.release().await;
-            Ended::Failed(error)
-        }
-        Ran::Returned(Ok((response, extra))) => {
-            // The handler is done with the request's body.
-            drop(permit);
-            let response = match served {
-                Served::ByHandler => response,
-                Served::ThroughRouter => match routing_refusal(response) {
-                    Ok(refusal) => {
-                        tracing::debug!(
-                            route = &*route,
-                            "the router refused the request (no handler serves it): key released"
-                        );
-                        reservation.release().await;
-                        return Ended::Answered(refusal, extra);
-                    }
-                    Err(response) => response,
-                },
-            };
-            Ended::Answered(settle(&handle, reservation, response).await, extra)
-        }
+    async move {
+        let _settled = Settled(&handle);
+        // The handler pinned and run in a block of its own: its bytes are free for the
+        // settling's once it ends. Its outcome is taken apart within the block too: a value
+        // bound outside it would keep its bytes in this future across the settling's await.
+        let (response, extra) = {
+            let handler = std::pin::pin!(handler);
+            match reservation.run(handler).await {
+                Ran::Panicked => {
+                    let route = reservation.route();
+                    return Ended::Panicked(refuse(&handle, &refusals::panicked(route)));
+                }
+                Ran::Returned(Err(error)) => {
+                    reservation.releasing().await;
+                    return Ended::Failed(error);
+                }
+                Ran::Returned(Ok(answered)) => answered,
+            }
+        };
+        // The handler is done with the request's body.
+        drop(permit);
+        let response = match served {
+            Served::ByHandler => response,
+            Served::ThroughRouter => match routing_refusal(response) {
+                Ok(refusal) => {
+                    tracing::debug!(
+                        route = reservation.route(),
+                        "the router refused the request (no handler serves it): key released"
+                    );
+                    reservation.releasing().await;
+                    return Ended::Answered(refusal, extra);
+                }
+                Err(response) => response,
+            },
+        };
+        Ended::Answered(settle(&handle, &mut reservation, response).await, extra)
     }
 }
 
@@ -672,72 +687,4 @@ pub(crate) struct Work<W> {
     pub(crate) handle: Idempotency,
     pub(crate) route: Arc<str>,
     pub(crate) future: Pin<Box<W>>,
-}
-
-/// Records a recordable response before it is returned; releases the key otherwise (or, under
-/// [`Oversized::RecordWithoutBody`], records a body too large to keep as its status and
-/// headers alone). The first response is never marked replayed. A sized response already in memory is recorded whatever
-/// the buffer budget ([the contract](crate::design) §5, "Buffers in flight").
-pub(crate) async fn settle<R: Reply>(
-    handle: &Idempotency,
-    mut reservation: Reservation,
-    response: R,
-) -> R {
-    let config = handle.config();
-    let status = response.status();
-    let recording = reservation.recording().clone();
-    if !reservation.is_guarded() || !recording.is_recordable_status(config, status) {
-        reservation.release().await;
-        return response;
-    }
-    let headers = crate::record::recorded_headers_for(config, &recording, response.headers());
-    let Some(headers) = headers else {
-        reservation.release().await;
-        return response;
-    };
-    let cap = reservation.max_response();
-    let without_body = recording.oversized(config) == Oversized::RecordWithoutBody;
-    let (head, body) = response.into_parts();
-    if body.exact_len().is_some_and(|n| n > cap as u64) {
-        if without_body {
-            reservation
-                .complete(&crate::record::without_body(status, headers))
-                .await;
-        } else {
-            reservation.release().await;
-        }
-        return R::from_parts(head, body);
-    }
-    // Still renewed while the body streams: a slow answer must not lose its key to a duplicate.
-    let collected = reservation.renewing(body::collect_response(handle.budget(), body, cap));
-    match collected.await {
-        (
-            Collected::Complete {
-                bytes,
-                drained,
-                trailers,
-            },
-            _permit,
-        ) => {
-            let recorded = RecordedResponse::new(status, headers, bytes).with_trailers(
-                crate::record::recorded_trailers_for(config, &recording, &trailers),
-            );
-            reservation.complete(&recorded).await;
-            // The first answer carries every trailer its handler sent; the record, those kept.
-            R::recorded(head, recorded.body, drained).with_trailers(&trailers)
-        }
-        (Collected::Partial { read, error, rest }, permit) => {
-            drop(permit);
-            // Past the cap (or the budget) the answer is whole but cannot be kept; a broken
-            // body is not an answer to keep at all.
-            if without_body && error.is_none() {
-                reservation
-                    .complete(&crate::record::without_body(status, headers))
-                    .await;
-            } else {
-                reservation.release().await;
-            }
-            R::resumed(head, read, error, rest)
-        }
-    }
 }

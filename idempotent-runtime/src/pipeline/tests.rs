@@ -279,9 +279,9 @@ async fn content_type_lines_are_fingerprinted_as_one_combined_value() {
             .header("content-type", "application/json")
             .header("content-type", second)
     };
-    let first = claimed(&handle, &head("text/plain"), b"{}").await;
+    let mut first = claimed(&handle, &head("text/plain"), b"{}").await;
     let (reply, body) = TestReply::new(201, b"{}");
-    settle(&handle, first.held, Sent(reply, body)).await;
+    settle(&handle, &mut first.held, Sent(reply, body)).await;
     let other = answer_of(&handle, &head("application/xml"), b"{}").await;
     assert_eq!(other.0.code, Some(ProblemCode::KeyReused));
     let again = answer_of(&handle, &head("text/plain"), b"{}").await;
@@ -471,9 +471,9 @@ async fn a_credential_without_a_published_identity_is_scope_unresolved() {
 async fn a_completed_key_replays_and_a_different_body_is_key_reused() {
     let handle = handle_with_budget(1 << 20);
     let head = TestHead::keyed("k");
-    let claimed = claimed(&handle, &head, b"{\"n\":1}").await;
+    let mut claimed = claimed(&handle, &head, b"{\"n\":1}").await;
     let (reply, body) = TestReply::new(201, b"{\"id\":7}");
-    let sent = settle(&handle, claimed.held, Sent(reply, body)).await;
+    let sent = settle(&handle, &mut claimed.held, Sent(reply, body)).await;
     assert_eq!(
         (sent.0.status, &sent.0.body[..], sent.0.replayed),
         (201, &b"{\"id\":7}"[..], false)
@@ -508,12 +508,12 @@ async fn a_duplicate_while_the_first_runs_is_in_progress() {
 async fn a_sized_response_is_recorded_while_the_budget_is_exhausted() {
     let handle = handle_with_budget(32);
     let head = TestHead::keyed("k");
-    let claimed = claimed(&handle, &head, b"{}").await;
+    let mut claimed = claimed(&handle, &head, b"{}").await;
     drop(claimed.permit);
     let mut others = handle.budget().permit();
     assert!(others.grow(32), "other requests hold the whole budget");
     let (reply, body) = TestReply::new(201, b"a response longer than the whole budget");
-    let sent = settle(&handle, claimed.held, Sent(reply, body)).await;
+    let sent = settle(&handle, &mut claimed.held, Sent(reply, body)).await;
     assert!(!sent.0.resumed, "recorded, not streamed past the record");
     drop(others);
     let replay = answer_of(&handle, &head, b"{}").await;
@@ -528,11 +528,11 @@ async fn a_sized_response_is_recorded_while_the_budget_is_exhausted() {
 async fn an_unsized_response_past_the_budget_is_sent_whole_and_its_key_released() {
     let handle = handle_with_budget(16);
     let head = TestHead::keyed("k");
-    let claimed = claimed(&handle, &head, b"{}").await;
+    let mut claimed = claimed(&handle, &head, b"{}").await;
     drop(claimed.permit);
     let (reply, _) = TestReply::new(200, b"");
     let body = TestBody::of(&[b"0123456789", b"abcdefghij", b"tail"]);
-    let sent = settle(&handle, claimed.held, Sent(reply, body)).await;
+    let sent = settle(&handle, &mut claimed.held, Sent(reply, body)).await;
     assert!(sent.0.resumed, "not recorded");
     assert_eq!(
         &sent.0.body[..],
@@ -547,7 +547,7 @@ async fn an_unsized_response_past_the_budget_is_sent_whole_and_its_key_released(
 async fn claimed_again(handle: &Idempotency, head: &TestHead) -> bool {
     let buffered = buffered(handle, head, TestBody::of(&[b"{}"])).await;
     match claim::<Detached, _, Sent>(handle, head, buffered).await {
-        Ok(claimed) => {
+        Ok(mut claimed) => {
             claimed.held.release().await;
             true
         }
@@ -562,9 +562,14 @@ async fn unrecordable_responses_are_sent_untouched_and_release_the_key() {
         .build();
     let head = TestHead::keyed("k");
     for (status, body) in [(500, &b"{}"[..]), (403, b"{}"), (201, b"too large")] {
-        let claimed = claimed(&handle, &head, b"{}").await;
+        let mut claimed = claimed(&handle, &head, b"{}").await;
         let (reply, _) = TestReply::new(status, b"");
-        let sent = settle(&handle, claimed.held, Sent(reply, TestBody::sized(body))).await;
+        let sent = settle(
+            &handle,
+            &mut claimed.held,
+            Sent(reply, TestBody::sized(body)),
+        )
+        .await;
         assert_eq!(sent.0.status, status);
         assert_eq!(
             sent.1.chunks.len(),
@@ -588,7 +593,6 @@ async fn a_panicking_handler_answers_500_and_releases_its_key() {
         handle.clone(),
         claimed.held,
         claimed.permit,
-        claimed.route,
         Served::ByHandler,
         handler,
     );
@@ -617,7 +621,6 @@ async fn pending_work_finishes_in_its_task_and_is_recorded() {
         handle.clone(),
         claimed.held,
         claimed.permit,
-        claimed.route,
         Served::ByHandler,
         handler,
     );
@@ -638,7 +641,7 @@ fn handle_with(config: Config) -> Idempotency {
 }
 
 async fn scope_of_claim(handle: &Idempotency, head: &TestHead) -> crate::scope::ScopeHash {
-    let claimed = claimed(handle, head, b"{}").await;
+    let mut claimed = claimed(handle, head, b"{}").await;
     let scope = *claimed.context.as_ref().expect("keyed").scope_hash();
     claimed.held.release().await;
     scope
@@ -650,7 +653,7 @@ async fn the_key_header_is_a_setting() {
     let custom = TestHead::default()
         .header("x-idempotency-key", "k")
         .peer(Ipv4Addr::new(10, 0, 0, 1).into());
-    let claimed = claimed(&handle, &custom, b"{}").await;
+    let mut claimed = claimed(&handle, &custom, b"{}").await;
     assert_eq!(claimed.context.as_ref().unwrap().key().as_str(), "k");
     claimed.held.release().await;
     // The default name is just another header now, and the refusal names the configured one.
@@ -917,7 +920,7 @@ async fn a_claim_dropped_while_the_store_call_is_in_flight_leaves_the_key_free()
     store.hang_claims.store(false, Ordering::SeqCst);
     // The release runs in the background, at once.
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let retry = claimed(&handle, &head, b"{}").await;
+    let mut retry = claimed(&handle, &head, b"{}").await;
     retry.held.release().await;
 }
 
@@ -962,7 +965,6 @@ async fn the_lease_is_renewed_while_the_response_body_is_read() {
         handle.clone(),
         claimed.held,
         claimed.permit,
-        claimed.route,
         Served::ByHandler,
         handler,
     );
@@ -1046,8 +1048,8 @@ async fn an_oversized_answer_recorded_without_body_replays_its_status_and_header
         for sized in [true, false] {
             let handle = handle_with(config.clone());
             let head = TestHead::keyed("k-receipt");
-            let claimed = claimed_on(&handle, &endpoint, &head).await;
-            let sent = settle(&handle, claimed.held, oversized_answer(sized)).await;
+            let mut claimed = claimed_on(&handle, &endpoint, &head).await;
+            let sent = settle(&handle, &mut claimed.held, oversized_answer(sized)).await;
             assert_eq!(sent.0.status, 201);
             assert!(
                 !sent.0.replayed,
@@ -1088,8 +1090,8 @@ async fn an_oversized_answer_releases_its_key_by_default() {
     let handle = handle_with(Config::builder().max_response(4).build());
     let head = TestHead::keyed("k-receipt");
     for sized in [true, false] {
-        let claimed = claimed_on(&handle, REQUIRED, &head).await;
-        let sent = settle(&handle, claimed.held, oversized_answer(sized)).await;
+        let mut claimed = claimed_on(&handle, REQUIRED, &head).await;
+        let sent = settle(&handle, &mut claimed.held, oversized_answer(sized)).await;
         assert_eq!(sent.0.status, 201);
         assert!(
             claimed_again(&handle, &head).await,
@@ -1106,12 +1108,12 @@ async fn a_handlers_own_idempotency_replay_header_is_never_recorded() {
             .build(),
     );
     let head = TestHead::keyed("k-forged");
-    let claimed = claimed(&handle, &head, b"{}").await;
+    let mut claimed = claimed(&handle, &head, b"{}").await;
     let (mut reply, body) = TestReply::new(201, b"{}");
     reply
         .headers
         .push(("idempotency-replay".into(), b"body-omitted".to_vec()));
-    let sent = settle(&handle, claimed.held, Sent(reply, body)).await;
+    let sent = settle(&handle, &mut claimed.held, Sent(reply, body)).await;
     assert_eq!(
         header(&sent, "idempotency-replay"),
         Some(&b"body-omitted"[..]),
@@ -1173,12 +1175,12 @@ async fn a_key_in_the_body_is_read_after_the_body_and_checked_as_a_header_key() 
     let anonymous = TestHead::default().peer(Ipv4Addr::new(10, 0, 0, 1).into());
     // The Idempotency-Key header means nothing on such an endpoint: the body's id is the key.
     let head = TestHead::keyed("header-key");
-    let (admitted, key) = through(&handle, EVENTS, &head, br#"{"id":"evt_1","type":"a"}"#)
+    let (mut admitted, key) = through(&handle, EVENTS, &head, br#"{"id":"evt_1","type":"a"}"#)
         .await
         .unwrap_or_else(|sent| panic!("not claimed: {sent:?}"));
     assert_eq!(key, "evt_1");
     admitted.held.release().await;
-    let (admitted, key) = through(&handle, EVENTS, &anonymous, br#"{"id": 42}"#)
+    let (mut admitted, key) = through(&handle, EVENTS, &anonymous, br#"{"id": 42}"#)
         .await
         .unwrap_or_else(|sent| panic!("not claimed: {sent:?}"));
     assert_eq!(key, "42", "a number is its JSON text");
@@ -1223,7 +1225,7 @@ async fn an_endpoint_reads_its_key_from_its_own_header() {
     let head = TestHead::default()
         .header("webhook-id", "msg_1")
         .peer(Ipv4Addr::new(10, 0, 0, 1).into());
-    let (admitted, key) = through(&handle, WEBHOOK, &head, b"{}")
+    let (mut admitted, key) = through(&handle, WEBHOOK, &head, b"{}")
         .await
         .unwrap_or_else(|sent| panic!("not claimed: {sent:?}"));
     assert_eq!(key, "msg_1");
@@ -1253,11 +1255,11 @@ async fn a_subset_fingerprint_replays_other_fields_and_refuses_a_changed_field()
     let head = TestHead::default().peer(Ipv4Addr::new(10, 0, 0, 1).into());
     let first =
         br#"{"id":"evt_9","type":"paid","data":{"amount":100,"currency":"EUR"},"sent_at":1}"#;
-    let (admitted, _) = through(&handle, EVENTS, &head, first)
+    let (mut admitted, _) = through(&handle, EVENTS, &head, first)
         .await
         .unwrap_or_else(|sent| panic!("not claimed: {sent:?}"));
     let (reply, body) = TestReply::new(200, b"{\"ok\":true}");
-    settle(&handle, admitted.held, Sent(reply, body)).await;
+    settle(&handle, &mut admitted.held, Sent(reply, body)).await;
 
     // Another timestamp, member order and number form: the same request.
     let retry =
@@ -1295,7 +1297,7 @@ async fn a_subset_fingerprint_refuses_a_body_that_is_not_json_before_claiming() 
         (400, Some(ProblemCode::BodyInvalid))
     );
     // Nothing was claimed: the same key with a JSON body runs.
-    let (admitted, _) = through(&handle, SUBSET_ONLY, &head, b"{}")
+    let (mut admitted, _) = through(&handle, SUBSET_ONLY, &head, b"{}")
         .await
         .unwrap_or_else(|sent| panic!("not claimed: {sent:?}"));
     admitted.held.release().await;
@@ -1330,12 +1332,10 @@ async fn a_waiting_duplicate_is_answered_with_the_first_ones_response() {
     assert!(!waiting.is_finished(), "the duplicate waits");
     let (reply, body) = TestReply::new(201, b"{\"id\":1}");
     let handler = async move { Ok::<_, Infallible>((Sent(reply, body), ())) };
-    let route = first.route.clone();
     let ended = work(
         handle.clone(),
         first.held,
         first.permit,
-        route,
         Served::ByHandler,
         handler,
     );
@@ -1384,12 +1384,10 @@ async fn a_waiting_duplicate_runs_when_the_first_releases_its_key() {
     // A 503 is not recordable: the first releases the key.
     let (reply, body) = TestReply::new(503, b"{}");
     let handler = async move { Ok::<_, Infallible>((Sent(reply, body), ())) };
-    let route = first.route.clone();
     work(
         handle.clone(),
         first.held,
         first.permit,
-        route,
         Served::ByHandler,
         handler,
     )

@@ -15,7 +15,10 @@
 //! A wrapper ([`CachedStore`](super::cache::CachedStore), a user's) stays erased too: what it
 //! wraps could be anyone's.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use super::erased::DynStore;
@@ -52,6 +55,60 @@ impl Backend {
     /// Any store, erased.
     pub(crate) fn erased(store: Arc<dyn DynStore>) -> Self {
         Self(Held::Other(store))
+    }
+
+    /// Whether every call answers at its first poll, never suspending: the in-memory store's
+    /// do (each is a lock and a lookup, no I/O).
+    pub(crate) fn answers_at_once(&self) -> bool {
+        matches!(self.0, Held::Memory(_))
+    }
+}
+
+/// A step that calls the store, as the futures around it hold it: its output already, when
+/// the step was run to its end at once (on the memory store it never suspends), else the step
+/// in a box of its own. Either way the caller's future carries a few words where it would carry
+/// the step's state machine (a claim's, a completion's: hundreds of bytes each, nested), and
+/// does not copy them from await to await.
+pub(crate) enum Compact<F: Future> {
+    /// Run at once; taken when polled.
+    Done(Option<F::Output>),
+    /// To be awaited.
+    Boxed(Pin<Box<F>>),
+}
+
+impl<F: Future> Compact<F> {
+    /// `step`, run to its end here when `at_once` (a store that never suspends), else boxed.
+    pub(crate) fn new(at_once: bool, step: F) -> Self {
+        if at_once {
+            Self::Done(Some(self::at_once(step)))
+        } else {
+            Self::Boxed(Box::pin(step))
+        }
+    }
+}
+
+/// `step`'s output, from its first poll: for a step whose only awaits are calls to a store that
+/// [answers at once](Backend::answers_at_once).
+pub(crate) fn at_once<F: Future>(step: F) -> F::Output {
+    let mut step = std::pin::pin!(step);
+    match step.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(output) => output,
+        // Only the memory store answers at once, and none of its calls awaits anything.
+        Poll::Pending => unreachable!("a store that answers at once suspended"),
+    }
+}
+
+// The output is moved out whole, never pinned in place; the step is pinned in its box.
+impl<F: Future> Unpin for Compact<F> {}
+
+impl<F: Future> Future for Compact<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        match self.get_mut() {
+            Self::Done(output) => Poll::Ready(output.take().expect("polled after it answered")),
+            Self::Boxed(step) => step.as_mut().poll(cx),
+        }
     }
 }
 

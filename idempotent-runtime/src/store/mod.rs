@@ -45,7 +45,7 @@ pub mod contract;
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
 )]
 pub use crate::sql::{ConnectError, InvalidName, Migration, Migrations};
-pub(crate) use backend::Backend;
+pub(crate) use backend::{Backend, Compact, at_once};
 pub use enlist::Enlisting;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use enlist::{Enlist, Glanced, Joinable};
