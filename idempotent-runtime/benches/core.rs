@@ -85,7 +85,7 @@ fn memory_store(c: &mut Criterion) {
                     endpoint: &endpoint,
                 };
                 match begin(&handle, &req).await {
-                    Begin::Run(reservation) => reservation.complete(&response).await,
+                    Begin::Run(mut reservation) => reservation.complete(&response).await,
                     other => panic!("{other:?}"),
                 }
             })
@@ -99,7 +99,7 @@ fn memory_store(c: &mut Criterion) {
             endpoint: &endpoint,
         };
         match begin(&handle, &req).await {
-            Begin::Run(reservation) => reservation.complete(&response).await,
+            Begin::Run(mut reservation) => reservation.complete(&response).await,
             other => panic!("{other:?}"),
         }
     });

@@ -214,6 +214,10 @@ impl Reservation {
     /// Runs the claimed handler to its end while renewing the lease every third of it. A panic
     /// is caught and the key released before this returns. The handler is polled where it is
     /// pinned: this future holds a pointer to it, not a copy.
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn keeps its arguments twice (the argument and its rebinding)"
+    )]
     pub fn run<'a, F: Future>(
         &'a mut self,
         handler: Pin<&'a mut F>,

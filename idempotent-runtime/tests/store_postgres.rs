@@ -1710,7 +1710,7 @@ async fn waiting_duplicates_hold_no_connection_while_they_wait() {
             }
         }
     };
-    let Begin::Run(first) = begin_one().await else {
+    let Begin::Run(mut first) = begin_one().await else {
         panic!("the first request claims the key")
     };
     let waiters: Vec<_> = (0..8).map(|_| tokio::spawn(begin_one())).collect();

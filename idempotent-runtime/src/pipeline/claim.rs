@@ -14,7 +14,7 @@ use crate::observe::{self, AuditDecision, AuditEvent, Event, KeyDisplay};
 use crate::problem::{Problem, ProblemCode};
 use crate::record::{self, Verdict};
 use crate::reservation::{ReleaseOnDrop, Reservation};
-use crate::store::{ClaimRequest, Compact, FencingToken, RecordedResponse, StoreError};
+use crate::store::{ClaimRequest, FencingToken, RecordedResponse, StoreError};
 
 /// What the pipeline tells the framework integration to do after claiming. `R` is what holds
 /// the key: a reservation in detached mode, the open transaction in enlisted mode.
@@ -130,6 +130,13 @@ pub(crate) trait ClaimMode {
         req: &'a BeginRequest<'a>,
     ) -> impl Future<Output = Begin<Self::Held>> + Send + 'a;
 
+    /// The claim decided before this returns, where nothing in it can suspend; `None` to
+    /// [`begin`](Self::begin) it instead.
+    fn begin_at_once(handle: &Idempotency, req: &BeginRequest<'_>) -> Option<Begin<Self::Held>> {
+        let _ = (handle, req);
+        None
+    }
+
     /// What holds a request without a key, when [`BUFFERS_UNKEYED`](Self::BUFFERS_UNKEYED).
     fn unkeyed<'a>(
         handle: &'a Idempotency,
@@ -145,15 +152,20 @@ impl ClaimMode for Detached {
 
     const BUFFERS_UNKEYED: bool = false;
 
-    /// On the memory store the claim is decided before this returns (nothing in it suspends
-    /// unless it waits for a duplicate to settle), so the request's future never holds the
-    /// claim's; on any other store the claim is boxed ([`Compact`]).
+    /// Boxed: a claim over the network is hundreds of bytes of nested state, which the
+    /// request's future would otherwise carry and move from step to step.
     fn begin<'a>(
         handle: &'a Idempotency,
         req: &'a BeginRequest<'a>,
     ) -> impl Future<Output = Begin> + Send + 'a {
+        Box::pin(begin(handle, req))
+    }
+
+    /// On the memory store, unless the request may wait for a duplicate to settle: nothing
+    /// in its claim suspends.
+    fn begin_at_once(handle: &Idempotency, req: &BeginRequest<'_>) -> Option<Begin> {
         let at_once = handle.store().answers_at_once() && req.endpoint.wait_in_progress.is_zero();
-        Compact::new(at_once, begin(handle, req))
+        at_once.then(|| crate::store::at_once(begin(handle, req)))
     }
 
     /// Never asked (requests without a key pass untouched); nothing to hold if it were.

@@ -402,64 +402,74 @@ pub(crate) struct Admitted<H> {
 
 /// Scope → fingerprint → claim, the way `M` claims. `Err` is the answer instead of running:
 /// a replay or a refusal.
-pub(crate) async fn claim<M: ClaimMode, H: Head, R: Reply>(
-    handle: &Idempotency,
-    head: &H,
+///
+/// A function returning a block, not an `async fn`: the buffered request's fields are kept once
+/// (an `async fn` keeps its arguments and the bindings it moves them into), in a future every
+/// request's extractor holds.
+pub(crate) fn claim<'a, M: ClaimMode, H: Head, R: Reply + 'a>(
+    handle: &'a Idempotency,
+    head: &'a H,
     buffered: Buffered,
-) -> Result<Admitted<M::Held>, R> {
+) -> impl Future<Output = Result<Admitted<M::Held>, R>> + 'a {
     let Buffered {
         key,
         body,
         permit,
         effective,
     } = buffered;
-    let route = route_of(head);
-    let claimed = |held, context| Admitted {
-        held,
-        body: body.clone(),
-        permit,
-        context,
-        route: Arc::from(route),
-        span: tracing::Span::current(),
-    };
-    let Some(key) = key else {
-        return match M::unkeyed(handle, route).await {
-            Ok(held) => Ok(claimed(held, None)),
-            Err(problem) => Err(refuse(handle, &problem)),
+    async move {
+        let route = route_of(head);
+        let claimed = |held, context| Admitted {
+            held,
+            body: body.clone(),
+            permit,
+            context,
+            route: Arc::from(route),
+            span: tracing::Span::current(),
         };
-    };
-    let scope = match scope_of(handle, head).await {
-        Ok(scope) => scope,
-        Err(problem) => return Err(refuse(handle, &problem)),
-    };
-    crate::observe::scoped(scope.hash());
-    let params = head.path_params();
-    let content_type = combined_header(head, "content-type");
-    let request = BeginRequest {
-        key: &key,
-        input: FingerprintInput {
-            method: head.method(),
-            route: head.route(),
-            path_params: &params,
-            query: head.query(),
-            scope: &scope,
-            content_type: content_type.as_deref(),
-            body: &body,
-        },
-        endpoint: &effective,
-    };
-    // Before the claim, so strict mode refuses a second memory store's request with nothing
-    // written.
-    if handle.watch().served(route) && handle.config().strict() {
-        return Err(refuse(handle, &refusals::misconfigured()));
-    }
-    match M::begin(handle, &request).await {
-        Begin::Run(held) => {
-            let context = IdempotencyContext::new(key.clone(), *scope.hash());
-            Ok(claimed(held, Some(context)))
+        let Some(key) = key else {
+            return match M::unkeyed(handle, route).await {
+                Ok(held) => Ok(claimed(held, None)),
+                Err(problem) => Err(refuse(handle, &problem)),
+            };
+        };
+        let scope = match scope_of(handle, head).await {
+            Ok(scope) => scope,
+            Err(problem) => return Err(refuse(handle, &problem)),
+        };
+        crate::observe::scoped(scope.hash());
+        let params = head.path_params();
+        let content_type = combined_header(head, "content-type");
+        let request = BeginRequest {
+            key: &key,
+            input: FingerprintInput {
+                method: head.method(),
+                route: head.route(),
+                path_params: &params,
+                query: head.query(),
+                scope: &scope,
+                content_type: content_type.as_deref(),
+                body: &body,
+            },
+            endpoint: &effective,
+        };
+        // Before the claim, so strict mode refuses a second memory store's request with nothing
+        // written.
+        if handle.watch().served(route) && handle.config().strict() {
+            return Err(refuse(handle, &refusals::misconfigured()));
         }
-        Begin::Replay(recorded) => Err(R::replay(&recorded)),
-        Begin::Refuse(problem) => Err(refuse(handle, &problem)),
+        let begun = match M::begin_at_once(handle, &request) {
+            Some(begun) => begun,
+            None => M::begin(handle, &request).await,
+        };
+        match begun {
+            Begin::Run(held) => {
+                let context = IdempotencyContext::new(key.clone(), *scope.hash());
+                Ok(claimed(held, Some(context)))
+            }
+            Begin::Replay(recorded) => Err(R::replay(&recorded)),
+            Begin::Refuse(problem) => Err(refuse(handle, &problem)),
+        }
     }
 }
 
