@@ -206,6 +206,11 @@ impl Reservation {
         &self.route
     }
 
+    /// The route, shared.
+    pub(crate) fn shared_route(&self) -> Arc<str> {
+        Arc::clone(&self.route)
+    }
+
     /// Whether a store backs this reservation (false when failing open).
     pub fn is_guarded(&self) -> bool {
         self.guard.is_some()

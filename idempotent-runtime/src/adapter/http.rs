@@ -34,6 +34,7 @@ pub struct HttpHead<'a> {
     route: Option<&'a str>,
     params: Vec<&'a str>,
     peer: Option<IpAddr>,
+    known: Known<'a>,
 }
 
 impl<'a> HttpHead<'a> {
@@ -49,7 +50,72 @@ impl<'a> HttpHead<'a> {
             route,
             params,
             peer,
+            known: Known::of(&parts.headers),
         }
+    }
+}
+
+/// The headers every keyed request reads (the key, the body's type and length, the credential
+/// and the forwarded address), found in one pass over the request's headers: a lookup by name
+/// hashes the name and probes the map, and a request made five of them.
+#[derive(Debug, Default)]
+struct Known<'a> {
+    /// The first line of each of [`KNOWN`], in its order.
+    first: [Option<&'a HeaderValue>; KNOWN.len()],
+    /// Which of them have more lines than one: those are read from the map, every line.
+    repeated: u8,
+}
+
+/// The names [`Known`] keeps, lowercase as `http` keeps them.
+const KNOWN: [&str; 5] = [
+    crate::key::HEADER_NAME,
+    "content-type",
+    "content-length",
+    "authorization",
+    "x-forwarded-for",
+];
+
+impl<'a> Known<'a> {
+    fn of(headers: &'a HeaderMap) -> Self {
+        let mut known = Self::default();
+        for (name, value) in headers {
+            if let Some(i) = Self::index(name.as_str()) {
+                match known.first[i] {
+                    None => known.first[i] = Some(value),
+                    Some(_) => known.repeated |= 1 << i,
+                }
+            }
+        }
+        known
+    }
+
+    fn index(name: &str) -> Option<usize> {
+        KNOWN.iter().position(|known| *known == name)
+    }
+
+    /// The one line of `name`, when it is a known name with at most one line (`Some(None)`:
+    /// none); `None` to read the map.
+    fn single(&self, name: &str) -> Option<Option<&'a HeaderValue>> {
+        let i = Self::index(name)?;
+        (self.repeated & (1 << i) == 0).then_some(self.first[i])
+    }
+}
+
+impl<'a> HttpHead<'a> {
+    /// Every line of header `name`, from the map.
+    fn lookup(&self, name: &str) -> http::header::ValueIter<'a, HeaderValue> {
+        let headers = &self.parts.headers;
+        // The names every keyed request looks up, as `HeaderName`s: a lookup by `&str` parses
+        // and lowercases the name first, which cost more than the lookup itself.
+        let values = match name {
+            crate::key::HEADER_NAME => headers.get_all(IDEMPOTENCY_KEY),
+            "content-type" => headers.get_all(http::header::CONTENT_TYPE),
+            "content-length" => headers.get_all(http::header::CONTENT_LENGTH),
+            "authorization" => headers.get_all(http::header::AUTHORIZATION),
+            "x-forwarded-for" => headers.get_all(X_FORWARDED_FOR),
+            _ => headers.get_all(name),
+        };
+        values.iter()
     }
 }
 
@@ -71,18 +137,14 @@ impl Head for HttpHead<'_> {
     }
 
     fn header_values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        let headers = &self.parts.headers;
-        // The names every keyed request looks up, as `HeaderName`s: a lookup by `&str` parses
-        // and lowercases the name first, which cost more than the lookup itself.
-        let values = match name {
-            crate::key::HEADER_NAME => headers.get_all(IDEMPOTENCY_KEY),
-            "content-type" => headers.get_all(http::header::CONTENT_TYPE),
-            "content-length" => headers.get_all(http::header::CONTENT_LENGTH),
-            "authorization" => headers.get_all(http::header::AUTHORIZATION),
-            "x-forwarded-for" => headers.get_all(X_FORWARDED_FOR),
-            _ => headers.get_all(name),
+        // A known name with one line at most is answered from the pass `new` made; any other
+        // is looked up.
+        let (single, all) = match self.known.single(name) {
+            Some(single) => (single, None),
+            None => (None, Some(self.lookup(name))),
         };
-        values.iter().map(HeaderValue::as_bytes)
+        let values = single.into_iter().chain(all.into_iter().flatten());
+        values.map(HeaderValue::as_bytes)
     }
 
     fn peer(&self) -> Option<IpAddr> {
@@ -100,22 +162,27 @@ impl Head for HttpHead<'_> {
 /// handler, and puts the request back together, with the buffered body and the claimed
 /// request's [`IdempotencyContext`] in its extensions when the key is held. `Err` is the
 /// answer to send instead of running the handler.
-pub async fn prepare<B: HttpBody, P>(
+///
+/// The request is taken apart when this is called: the future returned keeps its parts once
+/// (an `async fn` would keep the request and the parts it was taken apart into).
+pub fn prepare<B: HttpBody, P>(
     handle: &Idempotency,
     endpoint: &EndpointConfig,
     request: http::Request<B>,
     read: impl FnOnce(&mut request::Parts) -> P,
     head: impl for<'a> FnOnce(&'a request::Parts, &'a P) -> HttpHead<'a>,
-) -> Result<(http::Request<B>, Option<Claimed>), http::Response<B>> {
+) -> impl Future<Output = Result<(http::Request<B>, Option<Claimed>), http::Response<B>>> {
     let (mut parts, body) = request.into_parts();
     let read = read(&mut parts);
-    let prepared = super::prepare(handle, endpoint, &head(&parts, &read), body).await;
-    match prepared {
-        Prepared::Pass(body) => Ok((http::Request::from_parts(parts, body), None)),
-        Prepared::Answer(answer) => Err(answer),
-        Prepared::Claimed(claimed) => {
-            let body = rebuilt(&mut parts, claimed.context(), claimed.body());
-            Ok((http::Request::from_parts(parts, body), Some(claimed)))
+    async move {
+        let prepared = super::prepare(handle, endpoint, &head(&parts, &read), body).await;
+        match prepared {
+            Prepared::Pass(body) => Ok((http::Request::from_parts(parts, body), None)),
+            Prepared::Answer(answer) => Err(answer),
+            Prepared::Claimed(claimed) => {
+                let body = rebuilt(&mut parts, claimed.context(), claimed.body());
+                Ok((http::Request::from_parts(parts, body), Some(claimed)))
+            }
         }
     }
 }
@@ -341,5 +408,44 @@ impl<B: HttpBody> Reply for http::Response<B> {
         *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
         append(response.headers_mut(), headers);
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_head_answers_every_line_of_a_header_in_order_whether_kept_or_looked_up() {
+        let request = http::Request::post("/orders")
+            .header("content-type", "application/json")
+            .header("idempotency-key", "k-1")
+            .header("x-request-id", "r-1")
+            .header("content-type", "charset=utf-8")
+            .header("X-Forwarded-For", "203.0.113.7")
+            .header("x-forwarded-for", "198.51.100.2")
+            .body(())
+            .expect("a request");
+        let (parts, ()) = request.into_parts();
+        let head = HttpHead::new(&parts, Some("/orders"), Vec::new(), None);
+        let lines = |name| head.header_values(name).collect::<Vec<_>>();
+        assert_eq!(lines("idempotency-key"), [b"k-1"]);
+        assert_eq!(
+            lines("content-type"),
+            [&b"application/json"[..], b"charset=utf-8"],
+            "a header with two lines: both, in order"
+        );
+        assert_eq!(
+            lines("x-forwarded-for"),
+            [&b"203.0.113.7"[..], b"198.51.100.2"]
+        );
+        assert_eq!(
+            lines("x-request-id"),
+            [b"r-1"],
+            "a name the pass does not keep"
+        );
+        assert!(lines("authorization").is_empty());
+        assert!(lines("content-length").is_empty());
+        assert!(lines("cookie").is_empty());
     }
 }

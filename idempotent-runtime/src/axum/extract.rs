@@ -121,39 +121,50 @@ where
 {
     type Rejection = Response;
 
-    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let extensions = request.extensions();
-        let outer = extensions.get::<OuterStep>().copied();
-        // Under an outer step (the layer), the context is the one it left.
-        let context = outer.and_then(|_| extensions.get::<IdempotencyContext>().cloned());
-        let handle = Src::handle(extensions, state);
-        let route = || route_of(extensions);
-        let method = request.method().as_str();
-        let headers = request.headers();
-        let keyed = |name: &str| context.is_some() || headers.contains_key(name);
-        let entry = adapter::entry(outer, handle, Self::ENDPOINT, method, route, keyed, FIX);
-        let (request, claimed) = match entry {
-            Entry::Answer(answer) => return Err(answer),
-            Entry::Outer | Entry::Bypass => (request, None),
-            Entry::Sequence(handle) => {
-                adapter::http::prepare(&handle, Self::ENDPOINT, request, params, head).await?
+    // A block, not an `async fn`: the request is kept once (an `async fn` keeps its arguments
+    // and the bindings it moves them into), in the future axum boxes for every request.
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn keeps its arguments twice (the argument and its rebinding)"
+    )]
+    fn from_request(
+        request: Request,
+        state: &S,
+    ) -> impl Future<Output = Result<Self, Self::Rejection>> + Send {
+        async move {
+            let extensions = request.extensions();
+            let outer = extensions.get::<OuterStep>().copied();
+            // Under an outer step (the layer), the context is the one it left.
+            let context = outer.and_then(|_| extensions.get::<IdempotencyContext>().cloned());
+            let handle = Src::handle(extensions, state);
+            let route = || route_of(extensions);
+            let method = request.method().as_str();
+            let headers = request.headers();
+            let keyed = |name: &str| context.is_some() || headers.contains_key(name);
+            let entry = adapter::entry(outer, handle, Self::ENDPOINT, method, route, keyed, FIX);
+            let (request, claimed) = match entry {
+                Entry::Answer(answer) => return Err(answer),
+                Entry::Outer | Entry::Bypass => (request, None),
+                Entry::Sequence(handle) => {
+                    adapter::http::prepare(&handle, Self::ENDPOINT, request, params, head).await?
+                }
+            };
+            let context = claimed.as_ref().map_or(context, |c| c.context().cloned());
+            let extracted = T::from_request(request, state).await;
+            match extracted.map_err(IntoResponse::into_response) {
+                Ok(value) => Ok(Self {
+                    value,
+                    context,
+                    claimed,
+                    _source: PhantomData,
+                }),
+                // The extractor's rejection of a claimed request (malformed JSON, say) is its
+                // answer: recorded like any 4xx, so the retry gets the same rejection.
+                Err(rejection) => match claimed {
+                    Some(claimed) => Err(claimed.settle(rejection).await),
+                    None => Err(rejection),
+                },
             }
-        };
-        let context = claimed.as_ref().map_or(context, |c| c.context().cloned());
-        let extracted = T::from_request(request, state).await;
-        match extracted.map_err(IntoResponse::into_response) {
-            Ok(value) => Ok(Self {
-                value,
-                context,
-                claimed,
-                _source: PhantomData,
-            }),
-            // The extractor's rejection of a claimed request (malformed JSON, say) is its
-            // answer: recorded like any 4xx, so the retry gets the same rejection.
-            Err(rejection) => match claimed {
-                Some(claimed) => Err(claimed.settle(rejection).await),
-                None => Err(rejection),
-            },
         }
     }
 }

@@ -102,25 +102,32 @@ pub(crate) async fn read_request<B: Chunks>(
         return Err(BodyError::TooLarge);
     }
     let mut permit = budget.permit();
-    let read = async {
-        let mut joined = Joined::default();
-        while let Some(chunk) = next_chunk(body).await {
-            let chunk = chunk.map_err(|_| BodyError::Broken)?;
-            if chunk.len() > max_body - joined.len() {
-                return Err(BodyError::TooLarge);
+    let read = {
+        let mut reading = std::pin::pin!(async {
+            let mut joined = Joined::default();
+            while let Some(chunk) = next_chunk(body).await {
+                let chunk = chunk.map_err(|_| BodyError::Broken)?;
+                if chunk.len() > max_body - joined.len() {
+                    return Err(BodyError::TooLarge);
+                }
+                if !permit.grow(chunk.len()) {
+                    return Err(BodyError::BuffersFull);
+                }
+                joined.push(chunk);
             }
-            if !permit.grow(chunk.len()) {
-                return Err(BodyError::BuffersFull);
-            }
-            joined.push(chunk);
+            Ok(joined.freeze())
+        });
+        // A body already in memory is read without reading the clock or arming a timer; the
+        // timeout starts when the first read has to wait.
+        match poll_fn(|cx| Poll::Ready(reading.as_mut().poll(cx))).await {
+            Poll::Ready(read) => read,
+            Poll::Pending => match tokio::time::timeout(timeout, reading).await {
+                Ok(read) => read,
+                Err(_elapsed) => Err(BodyError::Timeout),
+            },
         }
-        Ok(joined.freeze())
     };
-    match tokio::time::timeout(timeout, read).await {
-        Ok(Ok(bytes)) => Ok((bytes, permit)),
-        Ok(Err(error)) => Err(error),
-        Err(_elapsed) => Err(BodyError::Timeout),
-    }
+    read.map(|bytes| (bytes, permit))
 }
 
 /// A response body read to be recorded.

@@ -130,6 +130,13 @@ pub(crate) trait ClaimMode {
         req: &'a BeginRequest<'a>,
     ) -> impl Future<Output = Begin<Self::Held>> + Send + 'a;
 
+    /// The route as the held key already shares it, if it does (one allocation of it a
+    /// request, not two).
+    fn shared_route(held: &Self::Held) -> Option<Arc<str>> {
+        let _ = held;
+        None
+    }
+
     /// The claim decided before this returns, where nothing in it can suspend; `None` to
     /// [`begin`](Self::begin) it instead.
     fn begin_at_once(handle: &Idempotency, req: &BeginRequest<'_>) -> Option<Begin<Self::Held>> {
@@ -161,11 +168,15 @@ impl ClaimMode for Detached {
         Box::pin(begin(handle, req))
     }
 
+    fn shared_route(held: &Reservation) -> Option<Arc<str>> {
+        Some(held.shared_route())
+    }
+
     /// On the memory store, unless the request may wait for a duplicate to settle: nothing
     /// in its claim suspends.
     fn begin_at_once(handle: &Idempotency, req: &BeginRequest<'_>) -> Option<Begin> {
         let at_once = handle.store().answers_at_once() && req.endpoint.wait_in_progress.is_zero();
-        at_once.then(|| crate::store::at_once(begin(handle, req)))
+        at_once.then(|| crate::store::at_once(std::pin::pin!(begin(handle, req))))
     }
 
     /// Never asked (requests without a key pass untouched); nothing to hold if it were.

@@ -420,11 +420,11 @@ pub(crate) fn claim<'a, M: ClaimMode, H: Head, R: Reply + 'a>(
     async move {
         let route = route_of(head);
         let claimed = |held, context| Admitted {
+            route: M::shared_route(&held).unwrap_or_else(|| Arc::from(route)),
             held,
             body: body.clone(),
             permit,
             context,
-            route: Arc::from(route),
             span: tracing::Span::current(),
         };
         let Some(key) = key else {

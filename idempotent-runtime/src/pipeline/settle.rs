@@ -137,7 +137,7 @@ fn begin<R: Reply>(
 /// The store's step now, when the reservation settles at once; else later.
 fn store<R: Reply>(reservation: &mut Reservation, step: Step<R>) -> Settling<R> {
     if reservation.settles_at_once() {
-        Settling::Done(at_once(step.take(reservation)))
+        Settling::Done(at_once(std::pin::pin!(step.take(reservation))))
     } else {
         Settling::Later(Later::Storing(step))
     }

@@ -80,7 +80,7 @@ impl<F: Future> Compact<F> {
     /// `step`, run to its end here when `at_once` (a store that never suspends), else boxed.
     pub(crate) fn new(at_once: bool, step: F) -> Self {
         if at_once {
-            Self::Done(Some(self::at_once(step)))
+            Self::Done(Some(self::at_once(std::pin::pin!(step))))
         } else {
             Self::Boxed(Box::pin(step))
         }
@@ -88,10 +88,10 @@ impl<F: Future> Compact<F> {
 }
 
 /// `step`'s output, from its first poll: for a step whose only awaits are calls to a store that
-/// [answers at once](Backend::answers_at_once).
-pub(crate) fn at_once<F: Future>(step: F) -> F::Output {
-    let mut step = std::pin::pin!(step);
-    match step.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+/// [answers at once](Backend::answers_at_once). Pinned by the caller, so that it is made where
+/// it is polled (`at_once(pin!(step()))`), not made and then moved there.
+pub(crate) fn at_once<F: Future>(step: Pin<&mut F>) -> F::Output {
+    match step.poll(&mut Context::from_waker(Waker::noop())) {
         Poll::Ready(output) => output,
         // Only the memory store answers at once, and none of its calls awaits anything.
         Poll::Pending => unreachable!("a store that answers at once suspended"),
