@@ -107,16 +107,10 @@ fn begin<R: Reply>(
     let (head, body) = response.into_parts();
     if body.exact_len().is_some_and(|n| n > cap as u64) {
         let answer = R::from_parts(head, body);
-        let step = if without_body {
-            Step::Record {
-                recorded: record::without_body(status, headers),
-                answer,
-                permit: None,
-            }
-        } else {
-            Step::Release(answer)
-        };
-        return store(reservation, step);
+        return store(
+            reservation,
+            Step::bodiless(without_body, status, headers, answer),
+        );
     }
     let mut reading = Reading {
         head,
@@ -160,6 +154,20 @@ impl<R: Reply> Later<R> {
 }
 
 impl<R> Step<R> {
+    /// An answer whose body is not kept: recorded as its status and headers alone when
+    /// `keep_head` ([`Oversized::RecordWithoutBody`]), else its key released.
+    fn bodiless(keep_head: bool, status: u16, headers: Vec<(String, Bytes)>, answer: R) -> Self {
+        if keep_head {
+            Step::Record {
+                recorded: record::without_body(status, headers),
+                answer,
+                permit: None,
+            }
+        } else {
+            Step::Release(answer)
+        }
+    }
+
     /// Releases or records, then answers.
     async fn take(self, reservation: &mut Reservation) -> R {
         match self {
@@ -218,15 +226,7 @@ impl<R: Reply> Reading<R> {
                 // body is not an answer to keep at all.
                 let keep_head = without_body && error.is_none();
                 let answer = R::resumed(head, read, error, rest);
-                if keep_head {
-                    Step::Record {
-                        recorded: record::without_body(status, headers),
-                        answer,
-                        permit: None,
-                    }
-                } else {
-                    Step::Release(answer)
-                }
+                Step::bodiless(keep_head, status, headers, answer)
             }
         }
     }
