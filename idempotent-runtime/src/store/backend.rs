@@ -67,8 +67,10 @@ impl Backend {
 /// A step that calls the store, as the futures around it hold it: its output already, when
 /// the step was run to its end at once (on the memory store it never suspends), else the step
 /// in a box of its own. Either way the caller's future carries a few words where it would carry
-/// the step's state machine (a claim's, a completion's: hundreds of bytes each, nested), and
-/// does not copy them from await to await.
+/// the step's state machine (a release's: hundreds of bytes, nested), and does not copy them
+/// from await to await. It keeps the step's output until polled, so it suits a step whose output
+/// is small: the claim, whose output holds a reservation, is decided in place without one
+/// (`ClaimMode::begin_at_once`), and the settling keeps its own state (`pipeline::settle`).
 pub(crate) enum Compact<F: Future> {
     /// Run at once; taken when polled.
     Done(Option<F::Output>),
