@@ -434,16 +434,30 @@ pub mod amqp {
     /// How long the roles wait before reconnecting, or retrying a delivery in place.
     const PAUSE: Duration = Duration::from_millis(200);
 
+    /// How long an ack (or a reject) may take: one frame written to the socket. lapin 4.12 can
+    /// leave its future unresolved when the connection is cut as the frame is sent (seen in
+    /// the end-to-end test: the consumer waited on it for good, connected by lapin's account,
+    /// while the broker had closed the connection and requeued its deliveries). Past this the
+    /// connection is taken for lost: the consumer opens another, and the broker redelivers
+    /// whatever it had not acked, which the inbox answers as a duplicate.
+    const ACK_WAIT: Duration = Duration::from_secs(5);
+
+    /// How long opening a connection may take before it is tried again (lapin's handshake
+    /// has hung when the connection was cut in the middle of it).
+    const CONNECT_WAIT: Duration = Duration::from_secs(10);
+
     /// Connects to RabbitMQ, trying again until it answers.
     pub async fn connect(url: &str) -> Connection {
         loop {
-            match Connection::connect(url, ConnectionProperties::default()).await {
-                Ok(connection) => return connection,
-                Err(e) => {
-                    eprintln!("RabbitMQ at {url}: {e}; trying again");
-                    tokio::time::sleep(PAUSE).await;
-                }
+            let connecting = Connection::connect(url, ConnectionProperties::default());
+            match tokio::time::timeout(CONNECT_WAIT, connecting).await {
+                Ok(Ok(connection)) => return connection,
+                Ok(Err(e)) => eprintln!("RabbitMQ at {url}: {e}; trying again"),
+                Err(_) => eprintln!(
+                    "RabbitMQ at {url}: no connection after {CONNECT_WAIT:?}; trying again"
+                ),
             }
+            tokio::time::sleep(PAUSE).await;
         }
     }
 
@@ -627,17 +641,15 @@ pub mod amqp {
         let (Some(id), Ok(event)) = (id, serde_json::from_slice::<OrderPlaced>(&delivery.data))
         else {
             eprintln!("consumer: a message without an id or not an OrderPlaced; rejecting it");
-            let rejected = delivery
-                .acker
-                .reject(BasicRejectOptions { requeue: false })
-                .await;
-            return rejected.is_ok();
+            let rejected = delivery.acker.reject(BasicRejectOptions { requeue: false });
+            return settled("reject", rejected).await;
         };
         loop {
             match reserve(inbox, &names.schema, &id, event.clone()).await {
                 Ok(outcome @ (Processed::Done(()) | Processed::Duplicate)) => {
                     say(format_args!("{} {id}", outcome_word(&outcome)));
-                    return delivery.acker.ack(BasicAckOptions::default()).await.is_ok();
+                    let acked = delivery.acker.ack(BasicAckOptions::default());
+                    return settled("ack", acked).await;
                 }
                 // Retried in place: a nack would requeue it behind the prefetched deliveries.
                 Ok(Processed::Busy) | Err(_) => {
@@ -646,6 +658,22 @@ pub mod amqp {
                     }
                     tokio::time::sleep(PAUSE).await;
                 }
+            }
+        }
+    }
+
+    /// Whether an ack or reject `what` reached the connection within [`ACK_WAIT`]; `false`
+    /// when the connection is lost (or the wait ran out, taken for the same).
+    async fn settled<T>(what: &str, sent: impl Future<Output = lapin::Result<T>>) -> bool {
+        match tokio::time::timeout(ACK_WAIT, sent).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) => {
+                eprintln!("consumer: {what}: {e}; reconnecting");
+                false
+            }
+            Err(_) => {
+                eprintln!("consumer: {what} not sent within {ACK_WAIT:?}; reconnecting");
+                false
             }
         }
     }

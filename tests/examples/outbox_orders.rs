@@ -677,8 +677,19 @@ async fn end_to_end(broker: Broker) {
     .await;
 
     // What the broker holds, and each customer's events in the order the consumer applied
-    // them in.
-    let (held, must_hold, held_words, stream_order) = client.held(&names, n).await;
+    // them in. On RabbitMQ the last round's redeliveries (what the killed consumer applied but
+    // had not acked) may still be on their way to the consumer that reconnected after the last
+    // cut: waited for, with a liveness bound (the queue must empty, not merely shrink).
+    let waited = Instant::now();
+    let deadline = waited + Duration::from_secs(60);
+    let (held, must_hold, held_words, stream_order) = loop {
+        let held = client.held(&names, n).await;
+        if held.0 == held.1 || Instant::now() >= deadline {
+            break held;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let waited = waited.elapsed();
     let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT customer, order_id FROM {s}.reservations ORDER BY seq"
     )))
@@ -697,7 +708,7 @@ async fn end_to_end(broker: Broker) {
         .execute(&pool)
         .await;
     eprintln!(
-        "outbox_orders e2e ({broker:?}): {n} orders, {held} {held_words}, {} messages delivered to the \
+        "outbox_orders e2e ({broker:?}): {n} orders, {held} {held_words} (after {waited:.1?}), {} messages delivered to the \
          consumer ({} distinct, {} marked redelivered, {} inbox duplicates; {unacked_at_kills} \
          applied and unacked when the consumer was SIGKILLed), {reservations} reservations \
          (applied in each customer's commit order: {}), {attempts} publish attempts; faults \
