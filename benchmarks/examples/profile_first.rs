@@ -4,7 +4,9 @@
 //! valgrind --tool=callgrind target/release/examples/profile_first first 20000
 //! ```
 //!
-//! Variants: `bare`, `first` (`#[idempotent]` on the memory store, a new key each request),
+//! Variants: `bare`, `first` (`#[idempotent]` on the memory store, a new key each request, the
+//! store growing), `first-steady` (the same at a steady state: one second's retention, the
+//! sweeper on),
 //! `replay` (one key), `cached-first` / `cached-replay`, the same behind a `CachedStore`, and
 //! `peer-replay`, a replay through the peer `axum-idempotent` (its session cookie set), and
 //! `pg-first` / `pg-replay` on the PostgreSQL store at `DATABASE_URL` (the client side only:
@@ -29,6 +31,13 @@ fn main() {
         let router = match variant.as_str() {
             "bare" => bench::bare_router(),
             "first" | "replay" => bench::idempotent_router(bench::unbounded_memory_store()),
+            // The steady state of a long-running service: one second's retention and the
+            // sweeper on, so records are freed as fast as they arrive (the loop yields to the
+            // sweeper's task every 64 requests; its work is counted with theirs).
+            "first-steady" => bench::idempotent_router(bench::steady_memory_store(
+                std::time::Duration::from_secs(1),
+                true,
+            )),
             "cached-first" | "cached-replay" => {
                 bench::idempotent_router(bench::cached_unbounded_memory_store())
             }
@@ -39,7 +48,7 @@ fn main() {
                 bench::idempotent_router(bench::postgres_store(&url, 4, false).await)
             }
             _ => panic!(
-                "variant: bare | first | replay | cached-first | cached-replay | peer-replay | pg-first \
+                "variant: bare | first | first-steady | replay | cached-first | cached-replay | peer-replay | pg-first \
                  | pg-replay"
             ),
         };
@@ -58,6 +67,9 @@ fn main() {
                 "pg-replay" => write!(key, "replayed-{run}").expect("a String takes any write"),
                 "pg-first" => write!(key, "first-{run}-{i}").expect("a String takes any write"),
                 _ => write!(key, "first-{i}").expect("a String takes any write"),
+            }
+            if variant == "first-steady" && i % 64 == 0 {
+                tokio::task::yield_now().await;
             }
             let mut request = bench::request(body, Some(&key));
             if variant == "peer-replay" {

@@ -143,10 +143,46 @@ impl std::error::Error for ScopeError {}
 pub struct Scope {
     tenant: Option<String>,
     subject: Option<String>,
-    client: Option<String>,
+    client: Option<ClientSegment>,
     hash: ScopeHash,
     quota: u64,
 }
+
+/// The client segment: `peer:<IPv4>` kept in place (nearly every anonymous caller, and no
+/// allocation for it), any other in a `String`.
+#[derive(Clone)]
+enum ClientSegment {
+    Peer4 { len: u8, text: [u8; PEER4_MAX] },
+    Named(String),
+}
+
+/// The longest `peer:<IPv4>`.
+const PEER4_MAX: usize = "peer:255.255.255.255".len();
+
+impl ClientSegment {
+    fn as_str(&self) -> &str {
+        match self {
+            Self::Peer4 { .. } => std::str::from_utf8(self.as_bytes()).expect("written in ASCII"),
+            Self::Named(named) => named,
+        }
+    }
+
+    /// The segment's bytes, as the hashes read them (no UTF-8 check on the request's path).
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            Self::Peer4 { len, text } => &text[..usize::from(*len)],
+            Self::Named(named) => named.as_bytes(),
+        }
+    }
+}
+
+impl PartialEq for ClientSegment {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for ClientSegment {}
 
 impl fmt::Debug for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -159,8 +195,8 @@ impl Scope {
     /// is neither a subject nor a client id (even when a tenant is known).
     pub fn from_identity(identity: &Identity, peer: Option<IpAddr>) -> Result<Self, ScopeError> {
         let client = match (&identity.client, &identity.subject) {
-            (Some(ClientId::OAuth(id)), _) => Some(format!("client:{id}")),
-            (Some(ClientId::ApiKey(id)), _) => Some(format!("api-key:{id}")),
+            (Some(ClientId::OAuth(id)), _) => Some(ClientSegment::Named(format!("client:{id}"))),
+            (Some(ClientId::ApiKey(id)), _) => Some(ClientSegment::Named(format!("api-key:{id}"))),
             (None, Some(_)) => None,
             (None, None) => Some(peer_segment(canonical_ip(
                 peer.ok_or(ScopeError::NoPeerAddress)?,
@@ -177,7 +213,7 @@ impl Scope {
     fn from_segments(
         tenant: Option<String>,
         subject: Option<String>,
-        client: Option<String>,
+        client: Option<ClientSegment>,
         anonymous_peer: Option<IpAddr>,
     ) -> Self {
         let mut h = Sha256::new();
@@ -185,7 +221,7 @@ impl Scope {
         let mut enc = Encoder(&mut h);
         enc.opt_bytes(tenant.as_deref().map(str::as_bytes));
         enc.opt_bytes(subject.as_deref().map(str::as_bytes));
-        enc.opt_bytes(client.as_deref().map(str::as_bytes));
+        enc.opt_bytes(client.as_ref().map(ClientSegment::as_bytes));
         let hash: ScopeHash = h.finalize().into();
         let quota = match anonymous_peer.map(canonical_ip) {
             // IPv6 clients get a /64 each; counting per address would let one client mint scopes.
@@ -230,38 +266,46 @@ impl Scope {
 
     /// The client segment: `client:…`, `api-key:…` or `peer:…`.
     pub fn client(&self) -> Option<&str> {
-        self.client.as_deref()
+        self.client.as_ref().map(ClientSegment::as_str)
     }
 
     pub(crate) fn encode_segments(&self, enc: &mut Encoder<'_>) {
         enc.opt_bytes(self.tenant.as_deref().map(str::as_bytes));
         enc.opt_bytes(self.subject.as_deref().map(str::as_bytes));
-        enc.opt_bytes(self.client.as_deref().map(str::as_bytes));
+        enc.opt_bytes(self.client.as_ref().map(ClientSegment::as_bytes));
     }
 }
 
 /// `peer:<ip>`, byte for byte as `format!("peer:{ip}")` writes it. An IPv4 address (nearly
-/// every anonymous caller) is written digit by digit: through `Display` it cost more than
-/// hashing the whole scope.
-fn peer_segment(ip: IpAddr) -> String {
+/// every anonymous caller) is written digit by digit in place: through `Display` it cost more
+/// than hashing the whole scope, and in a `String` an allocation a request.
+fn peer_segment(ip: IpAddr) -> ClientSegment {
     let IpAddr::V4(v4) = ip else {
-        return format!("peer:{ip}");
+        return ClientSegment::Named(format!("peer:{ip}"));
     };
-    let mut segment = String::with_capacity("peer:255.255.255.255".len());
-    segment.push_str("peer:");
+    let mut text = [0u8; PEER4_MAX];
+    text[..5].copy_from_slice(b"peer:");
+    let mut len = 5;
+    let mut push = |byte: u8| {
+        text[len] = byte;
+        len += 1;
+    };
     for (i, octet) in v4.octets().into_iter().enumerate() {
         if i > 0 {
-            segment.push('.');
+            push(b'.');
         }
         if octet >= 100 {
-            segment.push(char::from(b'0' + octet / 100));
+            push(b'0' + octet / 100);
         }
         if octet >= 10 {
-            segment.push(char::from(b'0' + octet / 10 % 10));
+            push(b'0' + octet / 10 % 10);
         }
-        segment.push(char::from(b'0' + octet % 10));
+        push(b'0' + octet % 10);
     }
-    segment
+    ClientSegment::Peer4 {
+        len: u8::try_from(len).expect("at most 20"),
+        text,
+    }
 }
 
 /// Resolves the scope of a request under the rules of [the contract](crate::design) §4: identity must not silently
@@ -593,18 +637,19 @@ mod tests {
         for octet in [0u8, 1, 9, 10, 42, 99, 100, 101, 199, 200, 255] {
             for ip in [[octet, 0, 0, 1], [10, octet, 255, octet], [octet; 4]] {
                 let ip = IpAddr::from(ip);
-                assert_eq!(peer_segment(ip), format!("peer:{ip}"));
+                assert_eq!(peer_segment(ip).as_str(), format!("peer:{ip}"));
             }
         }
         let v6: IpAddr = "2001:db8::7".parse().unwrap();
-        assert_eq!(peer_segment(v6), "peer:2001:db8::7");
+        assert_eq!(peer_segment(v6).as_str(), "peer:2001:db8::7");
     }
 
     proptest::proptest! {
         #[test]
         fn every_ipv4_peer_segment_matches_display(bits: u32) {
             let ip = IpAddr::from(std::net::Ipv4Addr::from(bits));
-            proptest::prop_assert_eq!(peer_segment(ip), format!("peer:{ip}"));
+            let segment = peer_segment(ip);
+            proptest::prop_assert_eq!(segment.as_str(), format!("peer:{ip}"));
         }
     }
 

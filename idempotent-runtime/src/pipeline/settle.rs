@@ -67,14 +67,42 @@ enum Later<R: Reply> {
 }
 
 /// The store's step, and the answer that follows it.
-enum Step<R> {
+enum Step<R: Reply> {
     Release(R),
     Record {
         recorded: RecordedResponse,
-        answer: R,
+        answer: Answer<R>,
         /// The body's charge on the buffer budget, held until its record is written.
         permit: Option<BufferPermit>,
     },
+}
+
+/// The answer after a record is written.
+enum Answer<R: Reply> {
+    /// Already whole (a record without the body).
+    Whole(R),
+    /// Put together from the record once it is written: its body moves into the answer, where
+    /// a copy made before the store's step would have shared it (an allocation, for a body
+    /// that was one `Vec`). `trailers` are every trailer the handler sent; the record keeps
+    /// those allowlisted.
+    FromRecord {
+        head: R::Head,
+        drained: R::Body,
+        trailers: Vec<(String, Bytes)>,
+    },
+}
+
+impl<R: Reply> Answer<R> {
+    fn after(self, recorded: RecordedResponse) -> R {
+        match self {
+            Answer::Whole(answer) => answer,
+            Answer::FromRecord {
+                head,
+                drained,
+                trailers,
+            } => R::recorded(head, recorded.body, drained).with_trailers(&trailers),
+        }
+    }
 }
 
 /// A response whose body is being read to be recorded.
@@ -153,14 +181,14 @@ impl<R: Reply> Later<R> {
     }
 }
 
-impl<R> Step<R> {
+impl<R: Reply> Step<R> {
     /// An answer whose body is not kept: recorded as its status and headers alone when
     /// `keep_head` ([`Oversized::RecordWithoutBody`]), else its key released.
     fn bodiless(keep_head: bool, status: u16, headers: Vec<(String, Bytes)>, answer: R) -> Self {
         if keep_head {
             Step::Record {
                 recorded: record::without_body(status, headers),
-                answer,
+                answer: Answer::Whole(answer),
                 permit: None,
             }
         } else {
@@ -182,7 +210,7 @@ impl<R> Step<R> {
             } => {
                 reservation.complete(&recorded).await;
                 drop(permit);
-                answer
+                answer.after(recorded)
             }
         }
     }
@@ -210,13 +238,13 @@ impl<R: Reply> Reading<R> {
             ) => {
                 let kept = record::recorded_trailers_for(config, recording, &trailers);
                 let recorded = RecordedResponse::new(status, headers, bytes).with_trailers(kept);
-                // The first answer carries every trailer its handler sent; the record, those
-                // kept.
-                let answer =
-                    R::recorded(head, recorded.body.clone(), drained).with_trailers(&trailers);
                 Step::Record {
                     recorded,
-                    answer,
+                    answer: Answer::FromRecord {
+                        head,
+                        drained,
+                        trailers,
+                    },
                     permit: Some(permit),
                 }
             }
