@@ -22,9 +22,6 @@ use crate::scope::Identity;
 use crate::store::RecordedResponse;
 use crate::{Idempotency, REPLAYED_HEADER};
 
-const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(crate::key::HEADER_NAME);
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-
 /// A request head as the sequence reads it: the request's parts, and what the framework
 /// knows of it (the matched route pattern, the decoded path parameters in pattern order, the
 /// connection's peer address). The caller's [`Identity`] is read from the parts' extensions.
@@ -61,19 +58,23 @@ impl<'a> HttpHead<'a> {
 #[derive(Debug, Default)]
 struct Known<'a> {
     /// The first line of each of [`KNOWN`], in its order.
-    first: [Option<&'a HeaderValue>; KNOWN.len()],
+    first: [Option<&'a HeaderValue>; KNOWN_NAMES],
     /// Which of them have more lines than one: those are read from the map, every line.
     repeated: u8,
 }
 
-/// The names [`Known`] keeps, lowercase as `http` keeps them.
-const KNOWN: [&str; 5] = [
-    crate::key::HEADER_NAME,
-    "content-type",
-    "content-length",
-    "authorization",
-    "x-forwarded-for",
+/// The names [`Known`] keeps, as `HeaderName`s: a lookup by `&str` parses and lowercases the
+/// name first, which costs more than the lookup itself.
+static KNOWN: [HeaderName; KNOWN_NAMES] = [
+    HeaderName::from_static(crate::key::HEADER_NAME),
+    http::header::CONTENT_TYPE,
+    http::header::CONTENT_LENGTH,
+    http::header::AUTHORIZATION,
+    HeaderName::from_static("x-forwarded-for"),
 ];
+
+/// How many names [`KNOWN`] holds.
+const KNOWN_NAMES: usize = 5;
 
 impl<'a> Known<'a> {
     fn of(headers: &'a HeaderMap) -> Self {
@@ -90,7 +91,7 @@ impl<'a> Known<'a> {
     }
 
     fn index(name: &str) -> Option<usize> {
-        KNOWN.iter().position(|known| *known == name)
+        KNOWN.iter().position(|known| known.as_str() == name)
     }
 
     /// The one line of `name`, when it is a known name with at most one line (`Some(None)`:
@@ -102,18 +103,12 @@ impl<'a> Known<'a> {
 }
 
 impl<'a> HttpHead<'a> {
-    /// Every line of header `name`, from the map.
+    /// Every line of header `name`, from the map (a known name by its `HeaderName`).
     fn lookup(&self, name: &str) -> http::header::ValueIter<'a, HeaderValue> {
         let headers = &self.parts.headers;
-        // The names every keyed request looks up, as `HeaderName`s: a lookup by `&str` parses
-        // and lowercases the name first, which cost more than the lookup itself.
-        let values = match name {
-            crate::key::HEADER_NAME => headers.get_all(IDEMPOTENCY_KEY),
-            "content-type" => headers.get_all(http::header::CONTENT_TYPE),
-            "content-length" => headers.get_all(http::header::CONTENT_LENGTH),
-            "authorization" => headers.get_all(http::header::AUTHORIZATION),
-            "x-forwarded-for" => headers.get_all(X_FORWARDED_FOR),
-            _ => headers.get_all(name),
+        let values = match Known::index(name) {
+            Some(i) => headers.get_all(&KNOWN[i]),
+            None => headers.get_all(name),
         };
         values.iter()
     }
