@@ -5,14 +5,15 @@
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
-use tracing::subscriber::DefaultGuard;
+use tracing::Dispatch;
+use tracing::dispatcher::DefaultGuard;
 
 /// Everything logged at TRACE and above on this thread while the guard lives.
 #[derive(Clone, Default)]
 pub(crate) struct Logs(Arc<Mutex<Vec<u8>>>);
 
 impl Logs {
-    pub(crate) fn capture() -> (Self, DefaultGuard) {
+    pub(crate) fn capture() -> (Self, ThreadDefault) {
         let logs = Self::default();
         let writer = logs.clone();
         let subscriber = tracing_subscriber::fmt()
@@ -20,7 +21,7 @@ impl Logs {
             .with_ansi(false)
             .with_writer(move || writer.clone())
             .finish();
-        (logs, tracing::subscriber::set_default(subscriber))
+        (logs, ThreadDefault::set(subscriber))
     }
 
     pub(crate) fn text(&self) -> String {
@@ -45,5 +46,29 @@ impl Write for Logs {
 
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
+    }
+}
+
+/// A subscriber set as this thread's default while the value lives, for a test among others
+/// running on other threads of the same process.
+///
+/// Beside it lives a second dispatcher that listens to nothing. tracing-core decides whether a
+/// callsite is of interest to anyone over every live dispatcher, except when only one is live:
+/// then it asks the default of whichever thread registers the callsite first. A callsite first
+/// reached by another test's thread, which has no subscriber, would be cached as of interest to
+/// no one, and this thread's subscriber would never see it (a span test found zero spans). With
+/// two live, the decision is always made over both.
+pub(crate) struct ThreadDefault {
+    _default: DefaultGuard,
+    _second: Dispatch,
+}
+
+impl ThreadDefault {
+    pub(crate) fn set(subscriber: impl Into<Dispatch>) -> Self {
+        let second = Dispatch::new(tracing::subscriber::NoSubscriber::default());
+        Self {
+            _default: tracing::dispatcher::set_default(&subscriber.into()),
+            _second: second,
+        }
     }
 }

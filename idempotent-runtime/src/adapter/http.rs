@@ -57,30 +57,38 @@ impl<'a> HttpHead<'a> {
 /// hashes the name and probes the map, and a request made five of them.
 #[derive(Debug, Default)]
 struct Known<'a> {
-    /// The first line of each of [`KNOWN`], in its order.
-    first: [Option<&'a HeaderValue>; KNOWN_NAMES],
+    /// The first line of each of [`KNOWN_NAMES`], in its order.
+    first: [Option<&'a HeaderValue>; KNOWN_NAMES.len()],
     /// Which of them have more lines than one: those are read from the map, every line.
     repeated: u8,
 }
 
-/// The names [`Known`] keeps, as `HeaderName`s: a lookup by `&str` parses and lowercases the
-/// name first, which costs more than the lookup itself.
-static KNOWN: [HeaderName; KNOWN_NAMES] = [
-    HeaderName::from_static(crate::key::HEADER_NAME),
-    http::header::CONTENT_TYPE,
-    http::header::CONTENT_LENGTH,
-    http::header::AUTHORIZATION,
-    HeaderName::from_static("x-forwarded-for"),
+/// The names [`Known`] keeps, as the `&str`s a lookup is asked for.
+const KNOWN_NAMES: [&str; 5] = [
+    crate::key::HEADER_NAME,
+    "content-type",
+    "content-length",
+    "authorization",
+    "x-forwarded-for",
 ];
 
-/// How many names [`KNOWN`] holds.
-const KNOWN_NAMES: usize = 5;
+/// [`KNOWN_NAMES`] as `HeaderName`s, made at compile time: the pass compares the request's
+/// names with these (a standard name is an enum, compared as one), and the map is looked up
+/// by them (by `&str`, a lookup parses and lowercases the name first, which costs more than
+/// the lookup itself).
+static KNOWN: [HeaderName; KNOWN_NAMES.len()] = [
+    HeaderName::from_static(KNOWN_NAMES[0]),
+    HeaderName::from_static(KNOWN_NAMES[1]),
+    HeaderName::from_static(KNOWN_NAMES[2]),
+    HeaderName::from_static(KNOWN_NAMES[3]),
+    HeaderName::from_static(KNOWN_NAMES[4]),
+];
 
 impl<'a> Known<'a> {
     fn of(headers: &'a HeaderMap) -> Self {
         let mut known = Self::default();
         for (name, value) in headers {
-            if let Some(i) = Self::index(name.as_str()) {
+            if let Some(i) = KNOWN.iter().position(|known| known == name) {
                 match known.first[i] {
                     None => known.first[i] = Some(value),
                     Some(_) => known.repeated |= 1 << i,
@@ -91,7 +99,7 @@ impl<'a> Known<'a> {
     }
 
     fn index(name: &str) -> Option<usize> {
-        KNOWN.iter().position(|known| known.as_str() == name)
+        KNOWN_NAMES.iter().position(|known| *known == name)
     }
 
     /// The one line of `name`, when it is a known name with at most one line (`Some(None)`:
