@@ -468,7 +468,7 @@ impl tracing::Subscriber for Capture {
 #[tokio::test]
 async fn each_request_runs_in_one_span_with_route_decision_and_scope_never_the_key() {
     let capture = Arc::new(Capture::default());
-    let _guard = crate::testlog::ThreadDefault::set(tracing::Dispatch::from(Arc::clone(&capture)));
+    let _guard = crate::testlog::ThreadDefault::set(Arc::clone(&capture));
     let (router, runs) = app(Idempotency::memory());
     let router = router.layer(peer());
     let key = "secret-key-5b8e";
